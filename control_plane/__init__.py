@@ -1,0 +1,1 @@
+"""kvfence control_plane service."""

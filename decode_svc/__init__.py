@@ -1,0 +1,1 @@
+"""kvfence decode_svc service."""

@@ -1,0 +1,237 @@
+"""Cluster configuration: pydantic models loaded from YAML plus environment overrides.
+
+One file describes the whole cluster; each process reads the sections it needs (`node` says which role
+it plays). Environment variables override the file: ``KVFENCE__<SECTION>__<FIELD>=value`` (double
+underscores separate levels, values are parsed as YAML scalars), e.g. ``KVFENCE__NODE__ROLE=decode``.
+
+A bad value raises :class:`ConfigError` whose message names the field and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "KVFENCE__"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot be used; the message names field and rule."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Role(StrEnum):
+    CONTROL_PLANE = "control-plane"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ModelShape(_Strict):
+    """The KV-relevant shape of the model; read from the checkpoint, or given for static checks."""
+
+    num_layers: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    context_window: int = Field(gt=0)
+
+
+class ModelConfig(_Strict):
+    """Which model to serve and how far its context may be used."""
+
+    name: str = "tiny-llama"
+    # Checkpoint folder (config.json + *.safetensors). None = the embedded tiny model.
+    path: Path | None = None
+    dtype: str = Field(default="float32", pattern="^(float32|float16|bfloat16)$")
+    # Overrides the checkpoint's max_position_embeddings when set.
+    context_window: int | None = Field(default=None, gt=0)
+    # An operator who knowingly runs pools smaller than the context window says so here; without it,
+    # check-config fails on such a cluster (the incident's configuration).
+    clamp_context: bool = False
+    # Shape for `check-config --static` when the checkpoint is not at hand (e.g. a Helm hook).
+    shape: ModelShape | None = None
+
+
+class PoolConfig(_Strict):
+    """One node's KV page pool: a page count, or a byte budget from which the count is derived."""
+
+    num_pages: int | None = Field(default=None, gt=0)
+    memory_bytes: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> PoolConfig:
+        if (self.num_pages is None) == (self.memory_bytes is None):
+            raise ValueError("set exactly one of num_pages or memory_bytes")
+        return self
+
+    def pages_for(self, page_bytes: int) -> int:
+        """Number of pages this pool holds when one page is ``page_bytes`` bytes."""
+        if self.num_pages is not None:
+            return self.num_pages
+        assert self.memory_bytes is not None
+        return self.memory_bytes // page_bytes
+
+
+class KvConfig(_Strict):
+    """KV cache layout shared by every node, and the pools per role."""
+
+    page_size: int = Field(default=16, ge=1, le=1024)
+    prefill_pool: PoolConfig = PoolConfig(num_pages=256)
+    decode_pool: PoolConfig = PoolConfig(num_pages=256)
+    # Zero pages when they are freed, for every tenant (tenants can also ask for it one by one).
+    scrub_on_free: bool = False
+
+
+class NodeConfig(_Strict):
+    """This process: its role and where it listens."""
+
+    role: Role = Role.CONTROL_PLANE
+    node_id: str = ""  # empty = "<role>-<pid>"
+    listen: str = "127.0.0.1:0"
+    # Address others use to reach this node; empty = the bound listen address.
+    advertise: str = ""
+    ucx_host: str = "127.0.0.1"
+    ucx_port: int = Field(default=0, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    # Test-only fault hook in the transfer path; never reachable from the public API.
+    fault_hook: bool = False
+
+
+class TransferConfig(_Strict):
+    """Bounds on the prefill -> decode KV transfer."""
+
+    max_batch_bytes: int = Field(default=4 << 20, gt=0)
+    batch_timeout_s: float = Field(default=10.0, gt=0)
+    # How long decode waits for the manifest after reserving before it gives the pages up.
+    reservation_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class ControlPlaneConfig(_Strict):
+    """The control plane's listeners and admission bounds."""
+
+    listen: str = "127.0.0.1:50051"
+    admin_listen: str = "127.0.0.1:50052"
+    # Address nodes use to register; empty = `listen`.
+    address: str = ""
+    state_dir: Path = Path(".kvfence")
+    admission_queue: int = Field(default=256, ge=1)
+    default_deadline_s: float = Field(default=120.0, gt=0)
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    node_timeout_s: float = Field(default=5.0, gt=0)
+    admin_token_file: Path | None = None
+
+
+class EventsConfig(_Strict):
+    """MQTT event stream; no host = events go to the log only."""
+
+    mqtt_host: str | None = None
+    mqtt_port: int = Field(default=1883, ge=1, le=65535)
+    buffer_size: int = Field(default=10_000, ge=1)
+
+
+class TlsConfig(_Strict):
+    """TLS on the public endpoint and mutual TLS between services (paths to PEM files)."""
+
+    public_cert: Path | None = None
+    public_key: Path | None = None
+    internal_ca: Path | None = None
+    internal_cert: Path | None = None
+    internal_key: Path | None = None
+
+
+class ClusterConfig(_Strict):
+    """Everything one kvfence process needs to know."""
+
+    cluster: str = Field(default="local", pattern=r"^[A-Za-z0-9_.-]+$")
+    model: ModelConfig = ModelConfig()
+    kv: KvConfig = KvConfig()
+    node: NodeConfig = NodeConfig()
+    transfer: TransferConfig = TransferConfig()
+    control_plane: ControlPlaneConfig = ControlPlaneConfig()
+    events: EventsConfig = EventsConfig()
+    tls: TlsConfig = TlsConfig()
+
+    def page_bytes(self, shape: ModelShape) -> int:
+        """Bytes of one KV page: layers x (K, V) x page_size x kv_heads x head_dim x dtype."""
+        return (
+            shape.num_layers
+            * 2
+            * self.kv.page_size
+            * shape.num_kv_heads
+            * shape.head_dim
+            * DTYPE_BYTES[self.model.dtype]
+        )
+
+    def pool_for(self, role: Role) -> PoolConfig:
+        return self.kv.decode_pool if role == Role.DECODE else self.kv.prefill_pool
+
+
+def pages_needed(tokens: int, page_size: int) -> int:
+    """ceil(tokens / page_size): the pages a request of ``tokens`` tokens occupies."""
+    return math.ceil(tokens / page_size)
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{field}: {e['msg']} (got {json.dumps(e.get('input'), default=str)[:80]})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: dict[str, Any], environ: dict[str, str] | None = None) -> ClusterConfig:
+    """Validate a config mapping merged with ``KVFENCE__`` overrides from ``environ``."""
+    merged = _merge(data, _env_overrides(dict(os.environ) if environ is None else environ))
+    try:
+        return ClusterConfig.model_validate(merged)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def load_config(path: Path | str | None, environ: dict[str, str] | None = None) -> ClusterConfig:
+    """Load ``path`` (YAML; None = defaults) and apply environment overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        data = loaded or {}
+    return parse_config(data, environ)

@@ -1,0 +1,147 @@
+"""One error base class and the DESIGN.md status taxonomy.
+
+Every failure that reaches a client is a :class:`KvfenceError` subclass carrying its gRPC status code,
+a machine-readable ``reason`` (``google.rpc.ErrorInfo.reason``) and metadata. Messages never contain
+another request's data: build them from numbers and ids of the failing request only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "kvfence.dev"
+
+
+class KvfenceError(Exception):
+    """Base of every kvfence error; subclasses fix the gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    default_reason = "INTERNAL"
+
+    def __init__(
+        self, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None
+    ):
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+
+    def to_status(self) -> grpc.Status:
+        """A rich status with ``google.rpc.ErrorInfo`` for ``context.abort_with_status``."""
+        info = error_details_pb2.ErrorInfo(
+            reason=self.reason, domain=ERROR_DOMAIN, metadata=self.metadata
+        )
+        detail = any_pb2.Any()
+        detail.Pack(info)
+        status = status_pb2.Status(
+            code=getattr(code_pb2, self.code.name), message=self.message, details=[detail]
+        )
+        return rpc_status.to_status(status)
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class InvalidArgument(KvfenceError):
+    """Bad parameters, or prompt + max_new_tokens over the admissible limit. Never retry."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class ResourceExhausted(KvfenceError):
+    """No capacity before the deadline, or a tenant quota. May succeed later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(KvfenceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    default_reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvfenceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
+class Unavailable(KvfenceError):
+    """Model offline, node lost mid-request."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class DeadlineExceeded(KvfenceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_reason = "DEADLINE_EXCEEDED"
+
+
+class NotFound(KvfenceError):
+    code = grpc.StatusCode.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class Cancelled(KvfenceError):
+    code = grpc.StatusCode.CANCELLED
+    default_reason = "CANCELLED"
+
+
+class IntegrityError(KvfenceError):
+    """A manifest, tag, checksum, count or MAC check failed: DATA_LOSS, never OK with wrong data.
+
+    ``reason`` names the check, e.g. ``MAC_MISMATCH``, ``CHECKSUM_MISMATCH``, ``PAGE_GENERATION``.
+    """
+
+    code = grpc.StatusCode.DATA_LOSS
+    default_reason = "INTEGRITY"
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KvfenceError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        ResourceExhausted,
+        Unauthenticated,
+        PermissionDenied,
+        Unavailable,
+        DeadlineExceeded,
+        NotFound,
+        Cancelled,
+        IntegrityError,
+    )
+}
+
+
+def error_info(err: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ``ErrorInfo`` detail of a failed call, if the server attached one."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+def from_rpc_error(err: grpc.RpcError) -> KvfenceError:
+    """Rebuild the typed error from a failed call, keeping code, message and ErrorInfo."""
+    code = err.code()  # type: ignore[attr-defined]
+    cls = _BY_CODE.get(code, KvfenceError)
+    info = error_info(err)
+    out = cls(
+        err.details() or code.name,  # type: ignore[attr-defined]
+        reason=info.reason if info else None,
+        metadata=dict(info.metadata) if info else None,
+    )
+    if cls is KvfenceError:
+        out.code = code
+    return out

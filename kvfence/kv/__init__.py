@@ -1,0 +1,1 @@
+"""kvfence.kv: the paged KV pool with generation tags."""

@@ -1,0 +1,61 @@
+"""structlog set-up: JSON lines in services, console rendering in the CLI.
+
+Per-request fields (``request_id``, ``tenant_id``) are bound through structlog's contextvars, so every
+line logged while a request is handled carries them, whichever module logs it. Prompt text is never
+logged by kvfence code; log token counts instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+
+_configured_mode: str | None = None
+
+
+def configure(mode: str = "json", level: str = "INFO") -> None:
+    """Configure structlog once per process; ``mode`` is "json" (services) or "console" (CLI)."""
+    global _configured_mode
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
+    renderer: Any
+    if mode == "json":
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    structlog.configure(
+        processors=[*processors, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured_mode = mode
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger tagged with the component name."""
+    return structlog.get_logger(component=name)
+
+
+@contextmanager
+def request_context(request_id: str, tenant_id: str, **extra: Any) -> Iterator[None]:
+    """Bind request_id and tenant_id (and ``extra``) to every log line inside the block."""
+    tokens = structlog.contextvars.bind_contextvars(
+        request_id=request_id, tenant_id=tenant_id, **extra
+    )
+    try:
+        yield
+    finally:
+        structlog.contextvars.reset_contextvars(**tokens)

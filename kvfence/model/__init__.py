@@ -1,0 +1,1 @@
+"""kvfence.model: the Llama-family engine that prefill and decode run."""

@@ -1,0 +1,1 @@
+"""kvfence prefill_svc service."""
