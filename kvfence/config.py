@@ -103,8 +103,10 @@ class NodeConfig(_Strict):
     ucx_host: str = "127.0.0.1"
     ucx_port: int = Field(default=0, ge=0, le=65535)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    # Test-only fault hook in the transfer path; never reachable from the public API.
+    # Test-only fault hook in the transfer path (kvfence/faults.py); never reachable from the
+    # public API. Both must be set for it to act.
     fault_hook: bool = False
+    fault_file: Path | None = None
 
 
 class TransferConfig(_Strict):

@@ -31,7 +31,7 @@ for _name, _group in GROUPS.items():
     app.add_typer(_group, name=_name)
 
 # Modules that add commands; each is owned by one area of the code base.
-COMMAND_MODULES = ("local", "stack", "admin", "probe", "check")
+COMMAND_MODULES = ("local", "stack", "generate", "admin", "events", "probe", "check")
 
 
 def _load_commands() -> None:

@@ -49,7 +49,7 @@ class PageState(IntEnum):
 
 # Forward moves a holder may make; QUARANTINED is entered through quarantine() only.
 _ALLOWED = {
-    PageState.RESERVED: {PageState.RECEIVING, PageState.IN_USE},
+    PageState.RESERVED: {PageState.RECEIVING, PageState.READY, PageState.IN_USE},
     PageState.RECEIVING: {PageState.READY},
     PageState.READY: {PageState.IN_USE},
     PageState.IN_USE: set(),
@@ -230,7 +230,8 @@ class PagePool:
         freed when the last one settles. Returns the pages freed now. Idempotent."""
         freed = []
         with self._lock:
-            for pid in self._by_owner.get(owner, []):
+            # A copy: _free_page removes pid from this very list.
+            for pid in list(self._by_owner.get(owner, [])):
                 if self._released[pid]:
                     continue
                 self._released[pid] = True

@@ -1,0 +1,173 @@
+"""Continuous-batching decode on a dedicated thread, streaming tokens back to the event loop.
+
+Only verified reservations are ever added. Each step feeds every running sequence's last token at its
+position, writes that token's KV into the sequence's own page and attends over its pages through the
+tag-checking kernel. A sequence whose block table no longer matches the pool's generations is failed
+with an integrity error and produces no token.
+
+The page each step writes into is counted as an outstanding operation in the pool for the duration of
+the step, so a request released mid-step leaves that page QUARANTINED until the write is over — never
+free while a kernel may still write into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence import logging as kvlog
+from kvfence.errors import IntegrityError, KvfenceError
+from kvfence.kv.pool import PagePool, PageRef
+from kvfence.model.engine import DecodeItem
+from kvfence.model.sampling import SamplingParams, find_stop, sample
+
+log = kvlog.get_logger("decode.batcher")
+
+
+@dataclass
+class ActiveSeq:
+    """One request in the decode batch."""
+
+    seq_id: str
+    pages: list[PageRef]  # the whole reservation, in order (the block table)
+    prompt_len: int
+    first_token: int
+    params: SamplingParams
+    # Called on the event loop with ("tokens", [ids]), ("finish", reason) or ("error", KvfenceError).
+    emit: Callable[[tuple[str, Any]], None]
+    generated: list[int] = field(default_factory=list)
+
+
+class DecodeBatcher:
+    """Runs engine decode steps for every active sequence on one thread."""
+
+    def __init__(
+        self,
+        engine: Any,
+        pool: PagePool,
+        eos_ids: Sequence[int],
+        detokenize: Callable[[list[int]], str],
+        loop: asyncio.AbstractEventLoop,
+        max_batch: int = 64,
+    ):
+        self.engine = engine
+        self.pool = pool
+        self.eos_ids = frozenset(eos_ids)
+        self.detokenize = detokenize
+        self.loop = loop
+        self.max_batch = max_batch
+        self._active: dict[str, ActiveSeq] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def add(self, seq: ActiveSeq) -> None:
+        """Enter a verified sequence; its first token (from prefill) is emitted at once."""
+        with self._lock:
+            self._active[seq.seq_id] = seq
+        self._accept(seq, seq.first_token)
+        self._wake.set()
+
+    def remove(self, seq_id: str) -> bool:
+        """Take a sequence out (cancel/release). After this returns no step will touch its pages."""
+        with self._lock:
+            return self._active.pop(seq_id, None) is not None
+
+    def _post(self, seq: ActiveSeq, event: tuple[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(seq.emit, event)
+
+    def _finish(self, seq: ActiveSeq, event: tuple[str, Any]) -> None:
+        with self._lock:
+            self._active.pop(seq.seq_id, None)
+        self._post(seq, event)
+
+    def _accept(self, seq: ActiveSeq, token: int) -> None:
+        """Record a sampled token, emit it, and finish the sequence when a stop condition holds.
+
+        Same rules, in the same order, as the colocated scheduler: EOS (kept in the ids, finish
+        "eos"), then a stop string in the text (finish "stop"), then max_new_tokens ("length")."""
+        seq.generated.append(token)
+        p = seq.params
+        self._post(seq, ("tokens", [token]))
+        reason = None
+        if token in self.eos_ids and not p.ignore_eos:
+            reason = "eos"
+        elif p.stop and find_stop(self.detokenize(seq.generated), p.stop) is not None:
+            reason = "stop"
+        elif len(seq.generated) >= p.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, ("finish", reason))
+
+    def _run(self) -> None:
+        while not self._stop:
+            with self._lock:
+                batch = list(self._active.values())[: self.max_batch]
+                # Under the lock that remove() takes: a release that follows a remove() finds
+                # these pages busy and quarantines them until end_ops below.
+                writes = [s.pages[self._position(s) // self.pool.page_size].page_id for s in batch]
+                self.pool.begin_ops(writes)
+            if not batch:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self._step(batch)
+            except Exception as err:  # noqa: BLE001 - fail the batch, keep the node alive
+                log.exception("decode step failed")
+                for seq in batch:
+                    self._finish(seq, ("error", KvfenceError(f"decode step failed: {err}")))
+            finally:
+                self.pool.end_ops(writes)
+
+    @staticmethod
+    def _position(seq: ActiveSeq) -> int:
+        """The last accepted token sits at position prompt_len + len(generated) - 1."""
+        return seq.prompt_len + len(seq.generated) - 1
+
+    def _step(self, batch: list[ActiveSeq]) -> None:
+        items = [DecodeItem(s.generated[-1], self._position(s), s.pages) for s in batch]
+        logits, flags = self.engine.decode_step(items)
+        self.steps += 1
+        ok = []
+        for i, seq in enumerate(batch):
+            if bool(flags[i]):
+                self._finish(
+                    seq,
+                    (
+                        "error",
+                        IntegrityError(
+                            "a KV page changed owner during decode", reason="PAGE_GENERATION"
+                        ),
+                    ),
+                )
+            else:
+                ok.append(i)
+        if not ok:
+            return
+        picked = sample(
+            logits[ok], [batch[i].params for i in ok], [len(batch[i].generated) for i in ok]
+        )
+        for i, token in zip(ok, picked, strict=True):
+            seq = batch[i]
+            with self._lock:
+                still = seq.seq_id in self._active
+            if still:
+                self._accept(seq, token)

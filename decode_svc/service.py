@@ -1,0 +1,351 @@
+"""Decode node: reserves pages, receives and verifies KV, runs continuous-batching decode.
+
+Reservation life (one per request)::
+
+    Reserve -> RESERVED --UCX hello--> RECEIVING --done--> (transfer complete)
+            --Decode(manifest) verified--> DECODING --finish/cancel/Release--> released
+    any failure -> pages QUARANTINED, freed once every posted receive has settled
+
+``Reserve`` hands out pages for prompt + max_new_tokens up front, with a fresh secret. A reservation
+that never sees its ``Decode`` call within ``transfer.reservation_timeout_s`` is cancelled and released
+(its receives first), so a vanished control plane cannot pin pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import grpc
+import torch
+
+import kernels
+from kvfence import logging as kvlog
+from kvfence import manifest as mf
+from kvfence.config import ClusterConfig, pages_needed
+from kvfence.errors import (
+    IntegrityError,
+    InvalidArgument,
+    KvfenceError,
+    NotFound,
+    ResourceExhausted,
+)
+from kvfence.events import EventBus
+from kvfence.kv.pool import PageRef, PageState
+from kvfence.metrics import Metrics
+from kvfence.node import NodeRuntime, sampling_from_proto
+from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
+from kvfence.server import abort
+from kvfence.transfer import InboundState, InboundTransfer, KvReceiver
+from prefill_svc.service import node_stats
+
+from .batcher import ActiveSeq, DecodeBatcher
+
+log = kvlog.get_logger("decode")
+
+
+class ResState(Enum):
+    RESERVED = "reserved"
+    DECODING = "decoding"
+    FAILED = "failed"
+    RELEASED = "released"
+
+
+@dataclass
+class DecodeReservation:
+    reservation_id: str
+    request_id: str
+    tenant_id: str
+    secret: bytes
+    pages: list[PageRef]
+    prompt_tokens: int
+    max_new_tokens: int
+    scrub: bool
+    transfer: InboundTransfer
+    state: ResState = ResState.RESERVED
+    created: float = field(default_factory=time.monotonic)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """The Decode gRPC service (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        rt: NodeRuntime,
+        bus: EventBus,
+        metrics: Metrics,
+        receiver: KvReceiver,
+        tokenizer: Any,
+    ):
+        self.cfg = cfg
+        self.rt = rt
+        self.pool = rt.pool
+        self.bus = bus
+        self.metrics = metrics
+        self.receiver = receiver
+        self.tokenizer = tokenizer
+        self.reservations: dict[str, DecodeReservation] = {}
+        self.by_request: dict[str, str] = {}
+        self.rpc_count = 0
+        self.batcher: DecodeBatcher | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        loaded: Any = self.rt.loaded
+        self.batcher = DecodeBatcher(
+            self.rt.engine,
+            self.pool,
+            loaded.eos_token_ids,
+            self.tokenizer.decode,
+            asyncio.get_running_loop(),
+        )
+        self.batcher.start()
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for rid in list(self.reservations):
+            self._release(rid, "shutdown")
+        if self.batcher is not None:
+            self.batcher.stop()
+
+    # ---- RPCs --------------------------------------------------------------------------------
+    async def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.Reservation:
+        self.rpc_count += 1
+        self.metrics.rpcs_total.labels(method="Reserve").inc()
+        with kvlog.request_context(request.request_id, request.tenant_id):
+            try:
+                return self._reserve(request)
+            except KvfenceError as err:
+                await abort(context, err)
+        raise AssertionError("unreachable")
+
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        self.rpc_count += 1
+        self.metrics.rpcs_total.labels(method="Decode").inc()
+        with kvlog.request_context(request.request_id, request.tenant_id):
+            res = self.reservations.get(request.reservation_id)
+            try:
+                await self._verify(request, res)
+            except KvfenceError as err:
+                await abort(context, err)
+            assert res is not None
+            events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+            res.state = ResState.DECODING
+            self.pool.set_state(res.reservation_id, PageState.READY)
+            self.pool.set_state(res.reservation_id, PageState.IN_USE)
+            params: Any = sampling_from_proto(request.sampling)
+            seq = ActiveSeq(
+                res.reservation_id,
+                res.pages,
+                res.prompt_tokens,
+                request.manifest.first_token,
+                params,
+                events.put_nowait,
+            )
+            yield decode_pb2.DecodeResponse(verified=True)
+            assert self.batcher is not None
+            self.batcher.add(seq)
+            try:
+                while True:
+                    kind, value = await events.get()
+                    if kind == "tokens":
+                        yield decode_pb2.DecodeResponse(token_ids=value)
+                    elif kind == "finish":
+                        yield decode_pb2.DecodeResponse(finish_reason=value)
+                        self.metrics.requests_total.labels(status="OK").inc()
+                        break
+                    else:
+                        err = value
+                        if isinstance(err, IntegrityError):
+                            self._integrity_failure(res, err, stage="decode")
+                        self._release(res.reservation_id, "error")
+                        await abort(context, err)
+            finally:
+                # Client or control plane gone, or finished: the sequence leaves the batch; pages
+                # are released by the control plane's Release (or here, when it ended badly).
+                self.batcher.remove(res.reservation_id)
+
+    async def Release(
+        self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.ReleaseResponse:
+        rid = self.by_request.get(request.request_id)
+        held = rid is not None and self._release(rid, request.reason or "release")
+        return prefill_pb2.ReleaseResponse(held=held)
+
+    async def Stats(
+        self, request: prefill_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.NodeStats:
+        return node_stats(self.rt, self.rpc_count, len(self.reservations))
+
+    # ---- reservation -------------------------------------------------------------------------
+    def _reserve(self, req: decode_pb2.ReserveRequest) -> prefill_pb2.Reservation:
+        if req.prompt_tokens < 1 or req.max_new_tokens < 1:
+            raise InvalidArgument("prompt_tokens and max_new_tokens must be >= 1")
+        if req.request_id in self.by_request:
+            raise InvalidArgument("request already holds a reservation on this node")
+        page_size = self.pool.page_size
+        n = pages_needed(req.prompt_tokens + req.max_new_tokens, page_size)
+        rid = uuid.uuid4().hex
+        try:
+            refs = self.pool.allocate(n, rid)
+        except ValueError:
+            raise InvalidArgument(
+                f"{req.prompt_tokens} + {req.max_new_tokens} tokens need {n} pages; "
+                f"this node has {self.pool.num_pages}",
+                reason="OVER_POOL",
+            ) from None
+        if refs is None:
+            raise ResourceExhausted(
+                f"decode pool has {self.pool.num_free} free pages, {n} needed",
+                reason="DECODE_POOL_FULL",
+            )
+        secret = os.urandom(32)
+        prompt_pages = refs[: pages_needed(req.prompt_tokens, page_size)]
+        transfer = self.receiver.expect(rid, req.request_id, secret, prompt_pages)
+        self.reservations[rid] = DecodeReservation(
+            rid,
+            req.request_id,
+            req.tenant_id,
+            secret,
+            refs,
+            req.prompt_tokens,
+            req.max_new_tokens,
+            req.scrub_on_free,
+            transfer,
+        )
+        self.by_request[req.request_id] = rid
+        self._publish_pages()
+        return prefill_pb2.Reservation(
+            reservation_id=rid,
+            decode_node_id=self.rt.node_id,
+            decode_ucx_address=self.receiver.address,
+            pages=[{"page_id": r.page_id, "generation": r.generation} for r in refs],
+            secret=secret,
+            prompt_tokens=req.prompt_tokens,
+            max_new_tokens=req.max_new_tokens,
+        )
+
+    async def _verify(
+        self, request: decode_pb2.DecodeRequest, res: DecodeReservation | None
+    ) -> None:
+        """Manifest checks 1-6; on failure quarantine, report, release and raise."""
+        if res is not None and res.request_id != request.request_id:
+            res = None  # never act on another request's reservation
+        if res is not None and res.state == ResState.RESERVED:
+            # The transfer normally completed before prefill returned the manifest; allow a
+            # moment for the last acknowledgement to be processed.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(res.transfer.done.wait(), self.cfg.transfer.batch_timeout_s)
+        exp = None
+        if res is not None:
+            exp = mf.Expected(
+                request_id=res.request_id,
+                tenant_id=res.tenant_id,
+                reservation_id=res.reservation_id,
+                secret=res.secret,
+                prompt_tokens=res.prompt_tokens,
+                pages=res.pages,
+                receiving=res.state == ResState.RESERVED
+                and res.transfer.state == InboundState.COMPLETE,
+                received=list(res.transfer.received),
+                fingerprint=self.rt.fingerprint,
+                layout=self.rt.layout,
+                checksum_algo=kernels.CHECKSUM_ALGO,
+            )
+        try:
+            sampling_from_proto(request.sampling)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        try:
+            mf.verify(
+                request.manifest,
+                exp,
+                current_generation=self.pool.generation,
+                checksums=self._checksums,
+                checksum_seed=kernels.checksum_seed,
+            )
+        except IntegrityError as err:
+            if res is None:
+                self._report_integrity(request.request_id, request.tenant_id, err, "manifest")
+            else:
+                self._integrity_failure(res, err, stage="manifest")
+                self._release(res.reservation_id, "integrity")
+            raise
+
+    def _checksums(self, page_ids: list[int], seeds: list[int]) -> list[int]:
+        sums = kernels.page_checksum(self.pool.kv, torch.tensor(page_ids), torch.tensor(seeds))
+        return [int(x) & 0xFFFFFFFFFFFFFFFF for x in sums.tolist()]
+
+    def _integrity_failure(self, res: DecodeReservation, err: IntegrityError, stage: str) -> None:
+        res.state = ResState.FAILED
+        self.pool.quarantine(res.reservation_id)
+        self._report_integrity(res.request_id, res.tenant_id, err, stage)
+
+    def _report_integrity(
+        self, request_id: str, tenant_id: str, err: IntegrityError, stage: str
+    ) -> None:
+        self.metrics.integrity_failures_total.labels(check=err.reason).inc()
+        self.bus.emit(
+            "integrity_violation",
+            check=err.reason,
+            stage=stage,
+            request_id=request_id,
+            tenant_id=tenant_id,
+        )
+        log.error("integrity check failed", check=err.reason, stage=stage, detail=err.message)
+
+    def report_transfer(self, kind: str, payload: dict[str, Any]) -> None:
+        """KvReceiver's reporter: bad hellos and failed transfers become events and metrics."""
+        if kind == "integrity_violation":
+            self.metrics.integrity_failures_total.labels(check=payload.get("check", "")).inc()
+        self.bus.emit(kind, **payload)
+
+    # ---- release -----------------------------------------------------------------------------
+    def _release(self, rid: str, reason: str) -> bool:
+        """Cancel the transfer, leave the batch and give the pages back (deferred while any
+        receive or write may still land in them). Idempotent."""
+        res = self.reservations.pop(rid, None)
+        if res is None:
+            return False
+        self.by_request.pop(res.request_id, None)
+        self.receiver.cancel(rid)
+        if self.batcher is not None:
+            self.batcher.remove(rid)
+        self.pool.release(rid, scrub=res.scrub)
+        self.receiver.forget(rid)
+        res.state = ResState.RELEASED
+        log.info("reservation released", reservation_id=rid, reason=reason)
+        self._publish_pages()
+        return True
+
+    async def _reap(self) -> None:
+        timeout = self.cfg.transfer.reservation_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 4, 1.0))
+            now = time.monotonic()
+            for rid, res in list(self.reservations.items()):
+                if res.state == ResState.RESERVED and now - res.created > timeout:
+                    self._release(rid, "reservation timeout")
+            self._publish_pages()
+
+    def _publish_pages(self) -> None:
+        s = self.pool.stats()
+        self.metrics.pages.labels(state="free").set(s.free)
+        self.metrics.pages.labels(state="held").set(s.held)
+        self.metrics.pages.labels(state="quarantined").set(s.quarantined)

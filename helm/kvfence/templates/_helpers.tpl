@@ -1,0 +1,233 @@
+{{/* Names and labels. */}}
+{{- define "kvfence.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvfence.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "kvfence.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "kvfence.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfence.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvfence.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvfence.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kvfence.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvfence
+{{- end }}
+
+{{/* Labels of one component; call with (dict "root" $ "component" "decode"). */}}
+{{- define "kvfence.componentSelector" -}}
+{{ include "kvfence.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kvfence.componentLabels" -}}
+{{ include "kvfence.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kvfence.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "kvfence.controlPlaneHost" -}}
+{{- printf "%s-control-plane.%s.svc" (include "kvfence.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{- define "kvfence.adminSecretName" -}}
+{{- default (printf "%s-admin-token" (include "kvfence.fullname" .)) .Values.adminToken.existingSecret }}
+{{- end }}
+
+{{- define "kvfence.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "kvfence.fullname" .)) .Values.tls.existingSecret }}
+{{- end }}
+
+{{/* MQTT host and port: the bundled broker, the external URL, or none. */}}
+{{- define "kvfence.mqttHostPort" -}}
+{{- if .Values.mqtt.enabled }}
+{{- printf "%s-mosquitto.%s.svc:%d" (include "kvfence.fullname" .) .Release.Namespace (int .Values.mqtt.port) }}
+{{- else if .Values.mqtt.externalUrl }}
+{{- $u := urlParse .Values.mqtt.externalUrl }}
+{{- if not (has $u.scheme (list "mqtt" "tcp")) }}
+{{- fail (printf "mqtt.externalUrl %q: scheme must be mqtt:// or tcp://" .Values.mqtt.externalUrl) }}
+{{- end }}
+{{- if contains ":" $u.host }}{{ $u.host }}{{ else }}{{ printf "%s:1883" $u.host }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* A pool in the kvfence config format: {num_pages: N} or {memory_bytes: N}. */}}
+{{- define "kvfence.pool" -}}
+{{- if .numPages }}
+num_pages: {{ int64 .numPages }}
+{{- else }}
+memory_bytes: {{ int64 .memoryBytes }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pools given as page counts are compared with the context window here, at render time: JSON schema
+cannot compare two values of the instance (it has no arithmetic and no $data), so values.schema.json
+cannot say numPages * pageSize >= contextWindow. Pools given as memoryBytes need the model shape;
+the pre-install hook checks those with the same code kvfence runs (`kvfence check-config --static`).
+*/}}
+{{- define "kvfence.checkPools" -}}
+{{- $m := .Values.model }}
+{{- $ctx := 0 }}
+{{- if $m.contextWindow }}{{ $ctx = int64 $m.contextWindow }}
+{{- else if $m.shape }}{{ $ctx = int64 $m.shape.contextWindow }}
+{{- else if not $m.path }}{{ $ctx = int64 (include "kvfence.tinyContextWindow" .) }}
+{{- end }}
+{{- if and $ctx (not $m.clampContext) }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := (index $.Values $role).pool }}
+{{- if $pool.numPages }}
+{{- $tokens := mul (int64 $pool.numPages) (int64 $.Values.kv.pageSize) }}
+{{- if lt $tokens $ctx }}
+{{- fail (printf "%s.pool holds %d tokens (%d pages x kv.pageSize %d) < model context window %d: enlarge the pool or set model.clampContext=true to refuse longer requests on purpose" $role $tokens (int64 $pool.numPages) (int64 $.Values.kv.pageSize) $ctx) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* max_position_embeddings of the embedded tiny model (kvfence/model/tiny.py); a test keeps them equal. */}}
+{{- define "kvfence.tinyContextWindow" -}}
+2048
+{{- end }}
+
+{{/* The kvfence config file (kvfence/config.py); per-pod fields (node.*) come from env. */}}
+{{- define "kvfence.config" -}}
+{{- include "kvfence.checkPools" . }}
+{{- $m := .Values.model -}}
+{{- $cp := .Values.controlPlane -}}
+cluster: {{ .Values.clusterName | quote }}
+model:
+  name: {{ $m.name | quote }}
+  {{- if $m.path }}
+  path: {{ $m.path | quote }}
+  {{- end }}
+  dtype: {{ $m.dtype }}
+  {{- if $m.contextWindow }}
+  context_window: {{ int64 $m.contextWindow }}
+  {{- end }}
+  clamp_context: {{ $m.clampContext }}
+  {{- with $m.shape }}
+  shape:
+    num_layers: {{ int64 .numLayers }}
+    num_kv_heads: {{ int64 .numKvHeads }}
+    head_dim: {{ int64 .headDim }}
+    context_window: {{ int64 .contextWindow }}
+  {{- end }}
+kv:
+  page_size: {{ int64 .Values.kv.pageSize }}
+  prefill_pool:
+    {{- include "kvfence.pool" .Values.prefill.pool | trim | nindent 4 }}
+  decode_pool:
+    {{- include "kvfence.pool" .Values.decode.pool | trim | nindent 4 }}
+  scrub_on_free: {{ .Values.kv.scrubOnFree }}
+transfer:
+  max_batch_bytes: {{ int64 .Values.transfer.maxBatchBytes }}
+  batch_timeout_s: {{ .Values.transfer.batchTimeoutS }}
+  reservation_timeout_s: {{ .Values.transfer.reservationTimeoutS }}
+control_plane:
+  listen: {{ printf "0.0.0.0:%d" (int $cp.ports.grpc) | quote }}
+  admin_listen: {{ printf "0.0.0.0:%d" (int $cp.ports.admin) | quote }}
+  address: {{ printf "%s:%d" (include "kvfence.controlPlaneHost" .) (int $cp.ports.grpc) | quote }}
+  state_dir: /var/lib/kvfence
+  admission_queue: {{ int64 $cp.admissionQueue }}
+  default_deadline_s: {{ $cp.defaultDeadlineS }}
+  heartbeat_interval_s: {{ $cp.heartbeatIntervalS }}
+  node_timeout_s: {{ $cp.nodeTimeoutS }}
+  admin_token_file: /etc/kvfence/admin/{{ .Values.adminToken.key }}
+events:
+  {{- with include "kvfence.mqttHostPort" . }}
+  mqtt_host: {{ (split ":" .)._0 | quote }}
+  mqtt_port: {{ (split ":" .)._1 }}
+  {{- else }}
+  mqtt_host: null
+  {{- end }}
+  buffer_size: {{ int64 .Values.mqtt.bufferSize }}
+{{- if .Values.tls.enabled }}
+tls:
+  public_cert: /etc/kvfence/tls/public.crt
+  public_key: /etc/kvfence/tls/public.key
+  internal_ca: /etc/kvfence/tls/ca.crt
+  internal_cert: /etc/kvfence/tls/internal.crt
+  internal_key: /etc/kvfence/tls/internal.key
+{{- end }}
+{{- end }}
+
+{{/* Env shared by every kvfence container: role, pod identity. Call with (dict "root" $ "role" "decode"). */}}
+{{- define "kvfence.nodeEnv" -}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: KVFENCE__NODE__ROLE
+  value: {{ .role | quote }}
+- name: KVFENCE__NODE__NODE_ID
+  value: "$(POD_NAME)"
+- name: TRITON_CACHE_DIR
+  value: /tmp/triton
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* gRPC probes; Kubernetes gRPC probes speak plaintext only, so with TLS they check TCP. */}}
+{{- define "kvfence.probes" -}}
+{{- $check := dict "grpc" (dict "port" (int .port)) }}
+{{- if .root.Values.tls.enabled }}{{ $check = dict "tcpSocket" (dict "port" (int .port)) }}{{ end -}}
+startupProbe:
+  {{- toYaml $check | nindent 2 }}
+  periodSeconds: 5
+  failureThreshold: 120
+readinessProbe:
+  {{- toYaml $check | nindent 2 }}
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  {{- toYaml $check | nindent 2 }}
+  periodSeconds: 10
+  failureThreshold: 6
+  timeoutSeconds: 5
+{{- end }}
+
+{{/* Volumes for the config, the admin token and TLS material. */}}
+{{- define "kvfence.commonVolumes" -}}
+- name: config
+  configMap:
+    name: {{ include "kvfence.fullname" . }}-config
+- name: tmp
+  emptyDir: {}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "kvfence.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "kvfence.commonMounts" -}}
+- name: config
+  mountPath: /etc/kvfence/config.yaml
+  subPath: config.yaml
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/kvfence/tls
+  readOnly: true
+{{- end }}
+{{- end }}

@@ -1,0 +1,151 @@
+{{/*
+A prefill or decode Deployment; call with (dict "root" $ "role" "prefill"). Both read the same config
+file; the role, identity and addresses of each pod come from KVFENCE__NODE__* env.
+*/}}
+{{- define "kvfence.nodeDeployment" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $v := index $root.Values $role }}
+{{- $sel := dict "root" $root "component" $role }}
+{{- $resources := deepCopy ($v.resources | default dict) }}
+{{- $limits := $resources.limits | default dict }}
+{{- $requests := $resources.requests | default dict }}
+{{- range $dev := list $v.gpu $v.rdma }}
+{{- if $dev.enabled }}
+{{- /* Extended resources: a limit is required; a request, if given, must equal it. */}}
+{{- $_ := set $limits $dev.resourceName (int $dev.count) }}
+{{- $_ := set $requests $dev.resourceName (int $dev.count) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set $resources "requests" $requests }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "kvfence.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "kvfence.componentLabels" $sel | nindent 4 }}
+spec:
+  replicas: {{ int $v.replicas }}
+  selector:
+    matchLabels:
+      {{- include "kvfence.componentSelector" $sel | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "kvfence.componentSelector" $sel | nindent 8 }}
+      annotations:
+        checksum/config: {{ include "kvfence.config" $root | sha256sum }}
+        {{- with $v.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      automountServiceAccountToken: false
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "kvfence.image" $root | quote }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["kvfence", "serve", {{ $role | quote }}, "--config", "/etc/kvfence/config.yaml"]
+          ports:
+            - {name: grpc, containerPort: {{ int $v.ports.grpc }}, protocol: TCP}
+            - {name: ucx, containerPort: {{ int $v.ports.ucx }}, protocol: TCP}
+            - {name: metrics, containerPort: {{ int $v.ports.metrics }}, protocol: TCP}
+          env:
+            {{- include "kvfence.nodeEnv" (dict "root" $root "role" $role) | nindent 12 }}
+            - name: KVFENCE__NODE__LISTEN
+              value: {{ printf "0.0.0.0:%d" (int $v.ports.grpc) | quote }}
+            - name: KVFENCE__NODE__ADVERTISE
+              value: {{ printf "$(POD_IP):%d" (int $v.ports.grpc) | quote }}
+            - name: KVFENCE__NODE__UCX_HOST
+              value: "$(POD_IP)"
+            - name: KVFENCE__NODE__UCX_PORT
+              value: {{ $v.ports.ucx | int | quote }}
+            - name: KVFENCE__NODE__METRICS_PORT
+              value: {{ $v.ports.metrics | int | quote }}
+            - name: UCX_TLS
+              value: {{ $v.ucx.tls | quote }}
+            {{- with $v.ucx.netDevices }}
+            - name: UCX_NET_DEVICES
+              value: {{ . | quote }}
+            {{- end }}
+            {{- with $v.ucx.tcpPortRange }}
+            - name: UCX_TCP_PORT_RANGE
+              value: {{ . | quote }}
+            {{- end }}
+            - name: UCX_WARN_UNUSED_ENV_VARS
+              value: "n"
+            {{- range $name, $value := $v.ucx.extraEnv }}
+            - name: {{ $name }}
+              value: {{ $value | toString | quote }}
+            {{- end }}
+            {{- if not $v.gpu.enabled }}
+            - name: CUDA_VISIBLE_DEVICES
+              value: ""
+            {{- end }}
+            {{- with $v.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- include "kvfence.probes" (dict "root" $root "port" $v.ports.grpc) | nindent 10 }}
+          securityContext:
+            {{- $sc := deepCopy $root.Values.securityContext }}
+            {{- if $v.rdma.enabled }}
+            {{- /* Registering KV pages with the HCA pins them: RDMA needs IPC_LOCK (memlock). */}}
+            {{- $caps := deepCopy ($sc.capabilities | default dict) }}
+            {{- $_ := set $caps "add" (concat ($caps.add | default list) (list "IPC_LOCK") | uniq) }}
+            {{- $_ := set $sc "capabilities" $caps }}
+            {{- end }}
+            {{- toYaml $sc | nindent 12 }}
+          resources:
+            {{- toYaml $resources | nindent 12 }}
+          volumeMounts:
+            {{- include "kvfence.commonMounts" $root | nindent 12 }}
+            - name: shm
+              mountPath: /dev/shm
+            {{- if $root.Values.model.volume }}
+            - name: model
+              mountPath: {{ $root.Values.model.mountPath }}
+              readOnly: true
+            {{- end }}
+      volumes:
+        {{- include "kvfence.commonVolumes" $root | nindent 8 }}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $v.shmSize | quote }}
+        {{- with $root.Values.model.volume }}
+        - name: model
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- if $v.pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "kvfence.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "kvfence.componentLabels" $sel | nindent 4 }}
+spec:
+  maxUnavailable: {{ int $v.pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "kvfence.componentSelector" $sel | nindent 6 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,105 @@
+"""``kvfence check-config``: do the KV pools hold the model's context window?
+
+``--static FILE`` checks a config file without a cluster (CI, the Helm pre-install hook). The live
+mode (``--target HOST:PORT --admin-token TOKEN``) asks a running cluster for the pools its nodes
+actually hold and renders the same :class:`~kvfence.config_check.CheckReport`.
+
+Exit codes: 0 the check passed, 1 it failed, 2 the check could not run (bad config, bad usage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvfence.config import ConfigError, load_config
+from kvfence.config_check import CheckReport, static_check
+
+EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
+
+
+def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
+    app.command("check-config")(check_config)
+
+
+def check_config(
+    static: Path | None = typer.Option(
+        None, "--static", metavar="FILE", help="Check this config file; no cluster needed."
+    ),
+    target: str | None = typer.Option(
+        None, "--target", help="Control plane admin address HOST:PORT (live check)."
+    ),
+    admin_token: str | None = typer.Option(
+        None, "--admin-token", envvar="KVFENCE_ADMIN_TOKEN", help="Admin token (live check)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check that every KV pool holds the model's context window (exit 1 when not)."""
+    if static is not None and target is not None:
+        _die("use either --static FILE or --target HOST:PORT, not both")
+    report = _static_report(static) if static is not None else _live_report(target, admin_token)
+    if as_json:
+        typer.echo(report.to_json())
+    else:
+        render_report(report, Console(highlight=False, soft_wrap=True))
+    raise typer.Exit(EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def _static_report(path: Path) -> CheckReport:
+    try:
+        return static_check(load_config(path), source=str(path))
+    except ConfigError as err:
+        _die(f"check-config: {err}")
+
+
+def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
+    """Hook for the live check: pools as the running nodes report them, through the admin API.
+
+    To implement: fetch the model (name, dtype, shape, context window, clamp) and each registered
+    node's pool (role, node id, pages, page size) from the admin API at ``target``, then build the
+    report with :func:`kvfence.config_check.evaluate` and one ``PoolSample`` per node.
+    """
+    if not target or not admin_token:
+        _die(
+            "check-config without --static checks a running cluster and needs --target HOST:PORT "
+            "(the admin port) and --admin-token TOKEN (or KVFENCE_ADMIN_TOKEN); "
+            "to check a config file use --static FILE"
+        )
+    _die("live check-config is not implemented yet")
+
+
+def _die(message: str) -> NoReturn:
+    typer.echo(message, err=True)
+    raise typer.Exit(EXIT_UNUSABLE)
+
+
+def render_report(report: CheckReport, console: Console) -> None:
+    """Print ``report`` as a header, one table row per pool, and the verdict."""
+    console.print(
+        escape(
+            f"model {report.model} ({report.dtype}), context window {report.context_window} "
+            f"tokens (from {report.context_source}); shape from {report.shape_source}; "
+            f"page {report.page_size} tokens = {report.page_bytes} bytes"
+        )
+    )
+    table = Table(title=escape(f"KV pools in {report.source}"))
+    for column in ("role", "node", "pages", "tokens", "ok", "detail"):
+        table.add_column(column, overflow="fold")
+    for pool in report.pools:
+        verdict = "[green]ok[/green]" if pool.ok else "[red]FAIL[/red]"
+        table.add_row(
+            pool.role,
+            pool.node_id or "(all)",
+            str(pool.pages),
+            str(pool.tokens),
+            verdict,
+            escape(pool.message),
+        )
+    console.print(table)
+    style = "red" if not report.ok else "yellow" if report.clamped else "green"
+    console.print(f"[{style}]{report.summary}[/{style}]")

@@ -1,0 +1,264 @@
+"""``kvfence serve ROLE`` (one service per process) and ``kvfence up`` (the local stack).
+
+``up`` writes a cluster config into the state directory, starts the control plane, then N prefill and M
+decode processes on loopback, waits until every node has registered, creates a demo tenant, writes
+``<state-dir>/up.json`` ``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` and
+prints ``kvfence ready: <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C or
+SIGTERM stops every process it started (SIGTERM first, SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from kvfence.config import ConfigError, Role, load_config
+
+STOP_GRACE_S = 10.0
+
+
+def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
+    serve = groups["serve"]
+
+    def _serve(role: Role, config: Path | None) -> None:
+        from kvfence import logging as kvlog
+
+        kvlog.configure("json", os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
+        try:
+            cfg = load_config(config)
+        except ConfigError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
+        os.environ.setdefault("UCX_TLS", "tcp,self")
+        try:
+            asyncio.run(_run_service(cfg, role))
+        except KeyboardInterrupt:
+            pass
+        except Exception as err:  # noqa: BLE001 - one line, non-zero exit
+            typer.echo(f"kvfence serve {role.value}: {err}", err=True)
+            raise typer.Exit(1) from None
+
+    config_opt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
+
+    @serve.command("control-plane")
+    def serve_cp(config: Path | None = config_opt) -> None:
+        """Run the control plane (public API, node registry, admin API)."""
+        _serve(Role.CONTROL_PLANE, config)
+
+    @serve.command("prefill")
+    def serve_prefill(config: Path | None = config_opt) -> None:
+        """Run a prefill node."""
+        _serve(Role.PREFILL, config)
+
+    @serve.command("decode")
+    def serve_decode(config: Path | None = config_opt) -> None:
+        """Run a decode node."""
+        _serve(Role.DECODE, config)
+
+    @app.command("up")
+    def up(
+        model: Path | None = typer.Option(None, help="Checkpoint folder (default: embedded tiny)."),
+        prefill: int = typer.Option(1, min=1, help="Prefill processes."),
+        decode: int = typer.Option(1, min=1, help="Decode processes."),
+        context_window: int | None = typer.Option(None, min=1, help="Override the model's."),
+        prefill_pool_tokens: int = typer.Option(4096, min=1),
+        decode_pool_tokens: int = typer.Option(4096, min=1),
+        page_size: int = typer.Option(16, min=1),
+        port: int = typer.Option(50051, min=0, max=65534, help="Public port; admin is port+1."),
+        state_dir: Path = typer.Option(Path(".kvfence"), help="State (tenants, tokens, up.json)."),
+        config: Path | None = typer.Option(None, help="Base config; the options above win."),
+    ) -> None:
+        """Run the whole stack on loopback until Ctrl-C / SIGTERM."""
+        base: dict[str, Any] = {}
+        if config is not None:
+            base = yaml.safe_load(config.read_text()) or {}
+        state_dir.mkdir(parents=True, exist_ok=True)
+        cfg = build_up_config(
+            base,
+            model=model,
+            context_window=context_window,
+            prefill_pool_tokens=prefill_pool_tokens,
+            decode_pool_tokens=decode_pool_tokens,
+            page_size=page_size,
+            port=port,
+            state_dir=state_dir,
+        )
+        cfg_path = state_dir / "up-config.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        try:
+            load_config(cfg_path)
+        except ConfigError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(run_stack(cfg_path, cfg, state_dir, prefill, decode))
+
+
+async def _run_service(cfg: Any, role: Role) -> None:
+    from kvfence.server import install_shutdown_signals
+
+    stop = asyncio.Event()
+    install_shutdown_signals(stop)
+    if role == Role.CONTROL_PLANE:
+        from control_plane.service import serve as serve_cp
+
+        await serve_cp(cfg, stop)
+    else:
+        from kvfence.node_main import serve_node
+
+        await serve_node(cfg, role, stop)
+
+
+def build_up_config(
+    base: dict[str, Any],
+    *,
+    model: Path | None,
+    context_window: int | None,
+    prefill_pool_tokens: int,
+    decode_pool_tokens: int,
+    page_size: int,
+    port: int,
+    state_dir: Path,
+) -> dict[str, Any]:
+    """The cluster config ``up`` runs with: ``base`` overlaid with the command-line options."""
+    cfg = json.loads(json.dumps(base))  # deep copy of plain data
+    model_cfg = cfg.setdefault("model", {})
+    if model is not None:
+        model_cfg["path"] = str(model.resolve())
+    if context_window is not None:
+        model_cfg["context_window"] = context_window
+    kv = cfg.setdefault("kv", {})
+    kv["page_size"] = page_size
+    kv["prefill_pool"] = {"num_pages": max(1, math.floor(prefill_pool_tokens / page_size))}
+    kv["decode_pool"] = {"num_pages": max(1, math.floor(decode_pool_tokens / page_size))}
+    cp = cfg.setdefault("control_plane", {})
+    cp["listen"] = f"127.0.0.1:{port}"
+    cp["admin_listen"] = f"127.0.0.1:{port + 1 if port else 0}"
+    cp["state_dir"] = str(state_dir.resolve())
+    cfg.setdefault("node", {})["listen"] = "127.0.0.1:0"
+    return cfg
+
+
+def _spawn(role: str, cfg_path: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    log_file = log_path.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvfence", "serve", role, "--config", str(cfg_path)],
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C reaches only `up`, which stops the children in order
+    )
+
+
+def run_stack(
+    cfg_path: Path, cfg: dict[str, Any], state_dir: Path, n_prefill: int, n_decode: int
+) -> int:
+    """Start every process, wait for registration, serve until a signal; returns the exit code."""
+    from kvfence.client import AdminClient
+
+    logs = state_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self")}
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+    stopping = False
+
+    def stop_all(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    target = cfg["control_plane"]["listen"]
+    admin_target = cfg["control_plane"]["admin_listen"]
+    try:
+        procs.append(("control-plane", _spawn("control-plane", cfg_path, env, logs / "cp.log")))
+        token_file = state_dir / "admin_token"
+        if not _wait(lambda: token_file.exists(), 60, lambda: stopping, procs):
+            return _fail("control plane did not start", logs)
+        for i in range(n_prefill):
+            node_env = {**env, "KVFENCE__NODE__NODE_ID": f"prefill-{i}"}
+            procs.append(
+                (f"prefill-{i}", _spawn("prefill", cfg_path, node_env, logs / f"prefill-{i}.log"))
+            )
+        for i in range(n_decode):
+            node_env = {**env, "KVFENCE__NODE__NODE_ID": f"decode-{i}"}
+            procs.append(
+                (f"decode-{i}", _spawn("decode", cfg_path, node_env, logs / f"decode-{i}.log"))
+            )
+        admin = AdminClient(admin_target, token_file.read_text().strip())
+
+        def all_registered() -> bool:
+            try:
+                return len(admin.list_nodes().nodes) >= n_prefill + n_decode
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+
+        if not _wait(all_registered, 180, lambda: stopping, procs):
+            return _fail("nodes did not register", logs)
+        api_key = admin.create_tenant("demo").api_key
+        up = {
+            "target": target,
+            "admin_target": admin_target,
+            "admin_token": token_file.read_text().strip(),
+            "api_keys": {"demo": api_key},
+        }
+        up_path = state_dir / "up.json"
+        up_path.write_text(json.dumps(up, indent=2))
+        up_path.chmod(0o600)
+        print(f"kvfence ready: {target}", flush=True)
+        print(
+            f"  kvfence generate --target {target} --api-key {api_key} "
+            "--max-new-tokens 16 'Hello, kvfence'",
+            flush=True,
+        )
+        print(f"  (logs in {logs}, credentials in {up_path}; Ctrl-C stops)", flush=True)
+        while not stopping:
+            for name, p in procs:
+                if p.poll() is not None:
+                    print(f"kvfence up: {name} exited with {p.returncode}", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(procs)
+
+
+def _wait(cond: Any, timeout: float, stopping: Any, procs: list[Any]) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stopping() or any(p.poll() is not None for _, p in procs):
+            return False
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _fail(message: str, logs: Path) -> int:
+    print(f"kvfence up: {message}; see {logs}", file=sys.stderr)
+    return 1
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    """Nodes first, control plane last; SIGTERM, then SIGKILL after the grace period."""
+    for _, p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for _, p in reversed(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,154 @@
+"""What prefill and decode nodes share: the loaded model on a page pool, and registration.
+
+``NodeRuntime`` loads the checkpoint (the embedded tiny model when the config names none), sizes the
+pool for the node's role and builds the engine. ``NodeAgent`` registers the node with the control
+plane and heartbeats; a refusal (fingerprint or layout mismatch) is fatal for the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvfence import logging as kvlog
+from kvfence.config import ClusterConfig, Role
+from kvfence.kv.pool import PagePool
+from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
+from kvfence.server import CHANNEL_OPTIONS
+
+log = kvlog.get_logger("node")
+
+
+def model_dir(cfg: ClusterConfig) -> Path:
+    """The checkpoint folder: the configured one, or the embedded tiny model under state_dir."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    from kvfence.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(cfg.control_plane.state_dir / "models" / "tiny-llama")
+
+
+@dataclass
+class NodeRuntime:
+    """A node's model, pool and engine."""
+
+    role: Role
+    node_id: str
+    fingerprint: str
+    layout: common_pb2.KvLayout
+    pool: PagePool
+    engine: object
+    loaded: object
+
+    @classmethod
+    def build(cls, cfg: ClusterConfig, role: Role) -> NodeRuntime:
+        from kvfence.model.engine import Engine
+        from kvfence.model.loader import load_model
+
+        loaded = load_model(model_dir(cfg), dtype=cfg.model.dtype)
+        shape = loaded.shape
+        page_bytes = cfg.page_bytes(shape)
+        pages = cfg.pool_for(role).pages_for(page_bytes)
+        pool = PagePool(
+            pages,
+            num_layers=shape.num_layers,
+            page_size=cfg.kv.page_size,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            dtype=cfg.model.dtype,
+            scrub_on_free=cfg.kv.scrub_on_free,
+        )
+        layout = common_pb2.KvLayout(
+            page_size=cfg.kv.page_size,
+            dtype=cfg.model.dtype,
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+        )
+        node_id = cfg.node.node_id or f"{role.value}-{os.getpid()}"
+        engine = Engine(loaded.model, pool)
+        return cls(role, node_id, loaded.fingerprint, layout, pool, engine, loaded)
+
+
+class RegistrationRefused(RuntimeError):
+    """The control plane refused this node (e.g. a different model fingerprint)."""
+
+
+class NodeAgent:
+    """Registers a node with the control plane and keeps it alive with heartbeats."""
+
+    def __init__(
+        self,
+        control_plane: str,
+        register: control_pb2.RegisterRequest,
+        load: Callable[[], control_pb2.HeartbeatRequest],
+        interval_s: float = 1.0,
+    ):
+        self.control_plane = control_plane
+        self.register_request = register
+        self.load = load
+        self.interval_s = interval_s
+        self._channel = grpc.aio.insecure_channel(control_plane, options=CHANNEL_OPTIONS)
+        self._stub = control_pb2_grpc.NodeRegistryStub(self._channel)
+        self._task: asyncio.Task[None] | None = None
+
+    async def register(self, timeout_s: float = 30.0) -> None:
+        """Register, retrying while the control plane is not up yet; raise when refused."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                resp = await self._stub.Register(self.register_request, timeout=5)
+                break
+            except grpc.aio.AioRpcError as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RegistrationRefused(
+                        f"control plane {self.control_plane} unreachable: {err.code().name}"
+                    ) from None
+                await asyncio.sleep(0.2)
+        if not resp.accepted:
+            raise RegistrationRefused(resp.reason)
+        if resp.heartbeat_interval_ms:
+            self.interval_s = resp.heartbeat_interval_ms / 1000
+        log.info("registered", node_id=self.register_request.node_id, cp=self.control_plane)
+
+    def start_heartbeats(self) -> None:
+        self._task = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                resp = await self._stub.Heartbeat(self.load(), timeout=max(self.interval_s, 1.0))
+                if not resp.known:
+                    await self.register()
+            except RegistrationRefused as err:
+                log.error("re-registration refused", reason=str(err))
+            except grpc.aio.AioRpcError as err:
+                log.warning("heartbeat failed", code=err.code().name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._channel.close()
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> object:
+    """The engine's SamplingParams from the wire message (ValueError on bad values)."""
+    from kvfence.model.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=p.max_new_tokens or 1,
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos,
+    )

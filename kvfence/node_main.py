@@ -1,0 +1,147 @@
+"""Process entry points for prefill and decode nodes: ``kvfence serve prefill|decode``.
+
+Start-up order: load the model and pool, start the gRPC server (health, reflection), the UCX listener
+(decode), the metrics endpoint and the event bus, then register with the control plane. Shutdown
+(SIGTERM/SIGINT or ``stop``): health NOT_SERVING, stop accepting, finish in-flight RPCs within the
+grace period, release every page, stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvfence import logging as kvlog
+from kvfence.config import ClusterConfig, Role
+from kvfence.events import EventBus
+from kvfence.metrics import Metrics
+from kvfence.node import NodeAgent, NodeRuntime, model_dir
+from kvfence.proto.kvfence.v1 import control_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from kvfence.server import GrpcServer, host_of
+
+log = kvlog.get_logger("node")
+
+
+@dataclass
+class RunningNode:
+    """A started node; ``stop()`` shuts it down gracefully."""
+
+    rt: NodeRuntime
+    server: GrpcServer
+    servicer: Any
+    agent: NodeAgent | None
+    bus: EventBus
+    metrics: Metrics
+    receiver: Any = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.agent is not None:
+            await self.agent.stop()
+        await self.server.stop(grace)
+        await self.servicer.close()
+        if self.receiver is not None:
+            await self.receiver.stop()
+        self.metrics.stop()
+        await self.bus.stop()
+
+
+def _control_plane_address(cfg: ClusterConfig) -> str:
+    return cfg.control_plane.address or cfg.control_plane.listen
+
+
+async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -> RunningNode:
+    """Build and start a prefill or decode node in this event loop."""
+    if role not in (Role.PREFILL, Role.DECODE):
+        raise ValueError(f"not a node role: {role}")
+    loop = asyncio.get_running_loop()
+    rt = await loop.run_in_executor(None, NodeRuntime.build, cfg, role)
+    bus = EventBus(cfg.cluster, rt.node_id, cfg.events.mqtt_host, cfg.events.mqtt_port)
+    await bus.start()
+    metrics = Metrics(role.value)
+    if cfg.node.metrics_port is not None:
+        metrics.serve(cfg.node.metrics_port)
+    receiver = None
+    if role == Role.DECODE:
+        from decode_svc.service import DecodeServicer
+        from kvfence.tokenizer import load_tokenizer
+        from kvfence.transfer import KvReceiver
+
+        receiver = KvReceiver(
+            rt.pool,
+            host=cfg.node.ucx_host,
+            port=cfg.node.ucx_port,
+            max_batch_bytes=cfg.transfer.max_batch_bytes,
+            batch_timeout_s=cfg.transfer.batch_timeout_s,
+            report=lambda kind, payload: servicer.report_transfer(kind, payload),
+        )
+        servicer: Any = DecodeServicer(
+            cfg, rt, bus, metrics, receiver, load_tokenizer(model_dir(cfg))
+        )
+        await receiver.start()
+        server = await GrpcServer.start(
+            cfg.node.listen,
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
+            ["kvfence.v1.Decode"],
+        )
+    else:
+        from prefill_svc.service import PrefillServicer
+
+        servicer = PrefillServicer(cfg, rt, bus, metrics)
+        server = await GrpcServer.start(
+            cfg.node.listen,
+            [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+            ["kvfence.v1.Prefill"],
+        )
+    servicer.start()
+    node = RunningNode(rt, server, servicer, None, bus, metrics, receiver)
+    grpc_address = cfg.node.advertise or f"{host_of(cfg.node.listen)}:{server.port}"
+    if register:
+        request = control_pb2.RegisterRequest(
+            node_id=rt.node_id,
+            role=role.value,
+            grpc_address=grpc_address,
+            ucx_address=receiver.address if receiver is not None else "",
+            model_fingerprint=rt.fingerprint,
+            layout=rt.layout,
+            pool_tokens=rt.pool.pool_tokens,
+            total_pages=rt.pool.num_pages,
+        )
+
+        def load() -> control_pb2.HeartbeatRequest:
+            s = rt.pool.stats()
+            return control_pb2.HeartbeatRequest(
+                node_id=rt.node_id,
+                free_pages=s.free,
+                quarantined_pages=s.quarantined,
+                queue_length=getattr(servicer, "queue_length", 0),
+            )
+
+        agent = NodeAgent(
+            _control_plane_address(cfg), request, load, cfg.control_plane.heartbeat_interval_s
+        )
+        try:
+            await agent.register()
+        except BaseException:
+            await node.stop(grace=0)
+            await agent.stop()
+            raise
+        agent.start_heartbeats()
+        node.agent = agent
+    log.info("node ready", role=role.value, node_id=rt.node_id, address=grpc_address)
+    return node
+
+
+async def serve_node(cfg: ClusterConfig, role: Role, stop: asyncio.Event) -> None:
+    """Run a node until ``stop`` is set."""
+    node = await start_node(cfg, role)
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await node.stop()

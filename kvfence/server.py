@@ -1,0 +1,123 @@
+"""What every kvfence gRPC service shares: health, reflection, rich errors, bearer tokens, shutdown.
+
+Usage in a service::
+
+    server = await GrpcServer.start(cfg.node.listen, [(add_DecodeServicer_to_server, servicer)],
+                                    ["kvfence.v1.Decode"])
+    ...
+    await server.stop(grace=5)
+
+``stop`` first flips health to NOT_SERVING (so load balancers drain), then lets in-flight RPCs finish
+for ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvfence.errors import KvfenceError, Unauthenticated
+
+Registrar = Callable[[Any, grpc.aio.Server], None]
+
+# Large enough for a manifest of a long prompt's pages; KV bytes themselves never travel over gRPC.
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass
+class GrpcServer:
+    """A started grpc.aio server with health and reflection."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: list[str]
+
+    @classmethod
+    async def start(
+        cls,
+        listen: str,
+        servicers: Iterable[tuple[Registrar, Any]],
+        service_names: list[str],
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    ) -> GrpcServer:
+        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+        for add, servicer in servicers:
+            add(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        await server.start()
+        for name in ["", *service_names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return cls(server, port, health_servicer, list(service_names))
+
+    async def stop(self, grace: float = 5.0) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+
+
+def host_of(listen: str) -> str:
+    host = listen.rsplit(":", 1)[0]
+    return "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
+
+
+def bearer_token(context: grpc.aio.ServicerContext) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` metadata entry, if present."""
+    for key, value in context.invocation_metadata() or ():
+        if key.lower() == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def require_bearer(context: grpc.aio.ServicerContext) -> str:
+    token = bearer_token(context)
+    if token is None:
+        raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
+    return token
+
+
+async def abort(context: grpc.aio.ServicerContext, err: KvfenceError) -> NoReturn:
+    """End the RPC with ``err``'s status code, message and ErrorInfo."""
+    await context.abort_with_status(err.to_status())
+    raise AssertionError("unreachable")  # abort_with_status always raises
+
+
+def install_shutdown_signals(stop: asyncio.Event) -> None:
+    """SIGTERM / SIGINT set ``stop`` so the service can shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def run_until_stopped(stop: asyncio.Event, *cleanups: Callable[[], Awaitable[None]]) -> None:
+    """Wait for ``stop``, then run each cleanup in order (each guarded so all of them run)."""
+    await stop.wait()
+    for cleanup in cleanups:
+        try:
+            await cleanup()
+        except Exception:  # noqa: BLE001 - shutdown must go on
+            pass

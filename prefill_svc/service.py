@@ -1,0 +1,344 @@
+"""Prefill node: runs the prompt, writes KV into its own pages and sends them to decode.
+
+For each ``Prefill`` call: allocate local pages for the prompt (RESOURCE_EXHAUSTED when the pool has no
+room now), run the model off the event loop, sample the first token, zero the unused tail of the last
+page, checksum every page (seeded by reservation and page index), send the pages over UCX in bounded
+batches, and return the signed manifest. The source pages stay held until the control plane calls
+``Release`` (decode verified, or the request ended), or until ``reservation_timeout_s`` passes without
+one, so a control plane that vanished cannot pin the pool forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+import kernels
+from kvfence import logging as kvlog
+from kvfence import manifest as mf
+from kvfence.config import ClusterConfig, pages_needed
+from kvfence.errors import InvalidArgument, KvfenceError, ResourceExhausted, Unavailable
+from kvfence.events import EventBus
+from kvfence.faults import Fault, FaultHook
+from kvfence.kv.pool import PageRef, PageState
+from kvfence.metrics import Metrics
+from kvfence.model.sampling import sample_one
+from kvfence.node import NodeRuntime, sampling_from_proto
+from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from kvfence.server import abort
+from kvfence.transfer import OutboundPage, TransferError, page_buffer, send_pages
+
+log = kvlog.get_logger("prefill")
+
+
+@dataclass
+class Held:
+    pages: list[PageRef]
+    since: float
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """The Prefill gRPC service (see module docstring)."""
+
+    def __init__(self, cfg: ClusterConfig, rt: NodeRuntime, bus: EventBus, metrics: Metrics):
+        self.cfg = cfg
+        self.rt = rt
+        self.pool = rt.pool
+        self.bus = bus
+        self.metrics = metrics
+        self.faults = FaultHook(cfg.node.fault_file if cfg.node.fault_hook else None)
+        # One engine thread: the model never runs on the event loop, and steps do not interleave.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
+        self.held: dict[str, Held] = {}
+        self.rpc_count = 0
+        self.queue_length = 0
+        self._reaper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for request_id in list(self.held):
+            self._release(request_id)
+        self.executor.shutdown(wait=True)
+
+    # ---- RPCs --------------------------------------------------------------------------------
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        self.rpc_count += 1
+        self.metrics.rpcs_total.labels(method="Prefill").inc()
+        self.queue_length += 1
+        with kvlog.request_context(request.request_id, request.tenant_id):
+            try:
+                return await self._prefill(request)
+            except KvfenceError as err:
+                self._release(request.request_id)
+                self.metrics.requests_total.labels(status=err.code.name).inc()
+                await abort(context, err)
+            except asyncio.CancelledError:
+                self._release(request.request_id)
+                raise
+            except Exception as err:
+                log.exception("prefill failed")
+                self._release(request.request_id)
+                self.metrics.requests_total.labels(status="INTERNAL").inc()
+                await abort(context, KvfenceError(f"prefill failed: {type(err).__name__}"))
+            finally:
+                self.queue_length -= 1
+        raise AssertionError("unreachable")
+
+    async def Release(
+        self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.ReleaseResponse:
+        held = self._release(request.request_id)
+        return prefill_pb2.ReleaseResponse(held=held)
+
+    async def Stats(
+        self, request: prefill_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.NodeStats:
+        return node_stats(self.rt, self.rpc_count, len(self.held))
+
+    # ---- the work ----------------------------------------------------------------------------
+    async def _prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        res = req.reservation
+        tokens = list(req.prompt_token_ids)
+        page_size = self.pool.page_size
+        n_pages = pages_needed(len(tokens), page_size)
+        if not tokens:
+            raise InvalidArgument("empty prompt")
+        if len(tokens) != res.prompt_tokens or len(res.pages) < n_pages:
+            raise InvalidArgument(
+                f"prompt of {len(tokens)} tokens does not match the reservation "
+                f"({res.prompt_tokens} tokens, {len(res.pages)} pages)"
+            )
+        if req.request_id in self.held:
+            raise InvalidArgument("request already prefilled on this node")
+        try:
+            sampling_from_proto(req.sampling)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        try:
+            refs = self.pool.allocate(n_pages, req.request_id)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        if refs is None:
+            raise ResourceExhausted(
+                f"prefill pool has {self.pool.num_free} free pages, {n_pages} needed",
+                reason="PREFILL_POOL_FULL",
+            )
+        self.held[req.request_id] = Held(refs, time.monotonic())
+        self.pool.set_state(req.request_id, PageState.IN_USE)
+        self._publish_pages()
+
+        loop = asyncio.get_running_loop()
+        first = await loop.run_in_executor(self.executor, self._run_model, tokens, refs, req)
+        fault = self.faults.fault_for(req.tenant_id)
+        m = self._manifest(req, refs, first, len(tokens))
+        outbound = [
+            OutboundPage(i, page_buffer(self.pool.kv[ref.page_id])) for i, ref in enumerate(refs)
+        ]
+        secret = res.secret
+        if fault is not None:
+            log.warning("fault hook active", fault=fault.kind)
+            outbound = apply_wire_fault(fault, outbound)
+            apply_manifest_fault(fault, m, res)
+            if fault.kind == "wrong_mac":
+                secret = os.urandom(32)
+        mf.sign(m, secret)
+        sent = await self._send(req, outbound, fault)
+        if fault is not None and fault.kind == "replay":
+            await self._send(req, outbound, None)
+        self.metrics.requests_total.labels(status="OK").inc()
+        return prefill_pb2.PrefillResponse(
+            manifest=m, pages_sent=len(outbound), bytes_sent=sent
+        )
+
+    def _run_model(
+        self, tokens: list[int], refs: list[PageRef], req: prefill_pb2.PrefillRequest
+    ) -> int:
+        """Engine thread: forward pass, first token, tail zeroing. Returns the first token."""
+        logits = self.rt.engine.prefill(tokens, refs)  # type: ignore[attr-defined]
+        first = sample_one(logits, sampling_from_proto(req.sampling), 0)  # type: ignore[arg-type]
+        tail = len(tokens) % self.pool.page_size
+        if tail:
+            # The last page's unused slots would otherwise carry whatever the page held before.
+            kernels.scrub_pages(self.pool.kv, torch.tensor([refs[-1].page_id]), tail)
+        return first
+
+    def _manifest(
+        self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int
+    ) -> common_pb2.KvManifest:
+        res = req.reservation
+        page_size = self.pool.page_size
+        seeds = [kernels.checksum_seed(res.reservation_id, i) for i in range(len(refs))]
+        sums = kernels.page_checksum(
+            self.pool.kv, torch.tensor([r.page_id for r in refs]), torch.tensor(seeds)
+        ).tolist()
+        pages = []
+        for i, dest in enumerate(res.pages[: len(refs)]):
+            in_page = min(page_size, n_tokens - i * page_size)
+            pages.append(
+                common_pb2.ManifestPage(
+                    page_id=dest.page_id,
+                    generation=dest.generation,
+                    tokens_in_page=in_page,
+                    checksum=int(sums[i]) & 0xFFFFFFFFFFFFFFFF,
+                )
+            )
+        return common_pb2.KvManifest(
+            request_id=req.request_id,
+            tenant_id=req.tenant_id,
+            reservation_id=res.reservation_id,
+            model_fingerprint=self.rt.fingerprint,
+            layout=self.rt.layout,
+            token_count=n_tokens,
+            first_token=first,
+            pages=pages,
+            checksum_algo=kernels.CHECKSUM_ALGO,
+        )
+
+    async def _send(
+        self, req: prefill_pb2.PrefillRequest, outbound: list[OutboundPage], fault: Fault | None
+    ) -> int:
+        res = req.reservation
+        page_bytes = self.pool.page_bytes
+        if fault is not None and fault.kind == "kill":
+            # Die while the transfer is in flight: decode sees the connection lost mid-transfer.
+            asyncio.ensure_future(self._send_raw(req, outbound, page_bytes, auth=None, stall=0))
+            await asyncio.sleep(0.01)
+            os._exit(17)
+        try:
+            seconds = await self._send_raw(
+                req,
+                outbound,
+                page_bytes,
+                auth="0" * 64 if fault is not None and fault.kind == "bad_auth" else None,
+                stall=fault.seconds if fault is not None and fault.kind == "delay" else 0,
+            )
+        except TransferError as err:
+            self.bus.emit(
+                "transfer_failed",
+                request_id=req.request_id,
+                tenant_id=req.tenant_id,
+                reason=err.reason,
+                decode_node=res.decode_node_id,
+            )
+            cls = Unavailable if not err.timeout else _deadline()
+            raise cls(f"KV transfer to decode failed: {err}", reason=err.reason) from None
+        nbytes = len(outbound) * page_bytes
+        self.metrics.transfer_bytes_total.inc(nbytes)
+        self.metrics.transfer_seconds.observe(seconds)
+        return nbytes
+
+    async def _send_raw(
+        self,
+        req: prefill_pb2.PrefillRequest,
+        outbound: list[OutboundPage],
+        page_bytes: int,
+        *,
+        auth: str | None,
+        stall: float,
+    ) -> float:
+        res = req.reservation
+        if stall:
+            await asyncio.sleep(stall)
+        return await send_pages(
+            res.decode_ucx_address,
+            reservation_id=res.reservation_id,
+            request_id=req.request_id,
+            secret=res.secret,
+            pages=outbound,
+            page_bytes=page_bytes,
+            max_batch_bytes=self.cfg.transfer.max_batch_bytes,
+            batch_timeout_s=self.cfg.transfer.batch_timeout_s,
+            auth_override=auth,
+        )
+
+    # ---- release -----------------------------------------------------------------------------
+    def _release(self, request_id: str) -> bool:
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return False
+        self.pool.release(request_id)
+        self._publish_pages()
+        return True
+
+    async def _reap(self) -> None:
+        timeout = self.cfg.transfer.reservation_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 4, 5.0))
+            now = time.monotonic()
+            for request_id, held in list(self.held.items()):
+                if now - held.since > timeout:
+                    log.warning("releasing source pages never released", request_id=request_id)
+                    self._release(request_id)
+
+    def _publish_pages(self) -> None:
+        s = self.pool.stats()
+        self.metrics.pages.labels(state="free").set(s.free)
+        self.metrics.pages.labels(state="held").set(s.held)
+        self.metrics.pages.labels(state="quarantined").set(s.quarantined)
+
+
+def _deadline() -> type[KvfenceError]:
+    from kvfence.errors import DeadlineExceeded
+
+    return DeadlineExceeded
+
+
+def node_stats(rt: NodeRuntime, rpc_count: int, active: int) -> prefill_pb2.NodeStats:
+    s = rt.pool.stats()
+    return prefill_pb2.NodeStats(
+        node_id=rt.node_id,
+        role=rt.role.value,
+        total_pages=s.total,
+        free_pages=s.free,
+        quarantined_pages=s.quarantined,
+        held_pages=s.held,
+        rpc_count=rpc_count,
+        active_requests=active,
+    )
+
+
+def apply_wire_fault(fault: Fault, pages: list[OutboundPage]) -> list[OutboundPage]:
+    """Faults that change what goes over the wire (prefill's own pages stay intact)."""
+    pages = list(pages)
+    if fault.kind == "drop_page":
+        pages = pages[:-1]
+    elif fault.kind == "duplicate_page":
+        pages = [pages[0], *pages]
+    elif fault.kind == "reorder_pages" and len(pages) >= 2:
+        pages[0], pages[1] = OutboundPage(0, pages[1].data), OutboundPage(1, pages[0].data)
+    elif fault.kind == "corrupt_byte":
+        data = pages[0].data.copy()
+        data[len(data) // 2] ^= 0x01
+        pages[0] = OutboundPage(0, data)
+    return pages
+
+
+def apply_manifest_fault(
+    fault: Fault, m: common_pb2.KvManifest, res: prefill_pb2.Reservation
+) -> None:
+    """Faults that change what the manifest claims."""
+    if fault.kind == "truncate_pages" and len(m.pages) > 0:
+        del m.pages[-1]
+    elif fault.kind == "fewer_tokens":
+        m.token_count -= 1
+    elif fault.kind == "stale_generation":
+        m.pages[0].generation -= 1
+    elif fault.kind == "foreign_page":
+        # A page id this reservation does not hold (the pages after the reservation's own).
+        taken = {p.page_id for p in res.pages}
+        m.pages[0].page_id = next(i for i in range(len(taken) + 1) if i not in taken)

@@ -1,0 +1,411 @@
+"""The Helm chart: lint, render, Kubernetes schema validation, values schema, and the config hook.
+
+helm comes from ``.tools/bin/helm`` (``make helm`` installs it); a missing binary fails these tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvfence.config import Role, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+HELM = ROOT / ".tools" / "bin" / "helm"
+CHART = ROOT / "helm" / "kvfence"
+GPU_VALUES = CHART / "ci" / "gpu-rdma-values.yaml"
+INCIDENT_VALUES = Path(__file__).with_name("incident-values.yaml")
+K8S_VERSION = "1.35.0"  # the Kubernetes client version of the pinned helm (v4.1)
+RELEASE = "kv"
+FULLNAME = "kv-kvfence"
+POD_ENV = {"POD_NAME": "pod-0", "POD_IP": "10.1.2.3"}
+
+
+def helm(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    assert HELM.is_file() and os.access(HELM, os.X_OK), f"no helm at {HELM}: run `make helm`"
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(tmp / "cache"),
+        "HELM_CONFIG_HOME": str(tmp / "config"),
+        "HELM_DATA_HOME": str(tmp / "data"),
+    }
+    return subprocess.run(
+        [str(HELM), *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+
+@pytest.fixture(scope="session")
+def helm_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("helm-home")
+
+
+@cache
+def _template(values: tuple[str, ...], sets: tuple[str, ...], home: Path) -> tuple[int, str, str]:
+    args = ["template", RELEASE, str(CHART), "--namespace", "serving"]
+    for f in values:
+        args += ["-f", f]
+    for s in sets:
+        args += ["--set", s]
+    proc = helm(*args, tmp=home)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def template(
+    home: Path, values: Sequence[Path] = (), sets: Sequence[str] = ()
+) -> tuple[int, str, str]:
+    return _template(tuple(str(v) for v in values), tuple(sets), home)
+
+
+def render(home: Path, values: Sequence[Path] = (), sets: Sequence[str] = ()) -> list[dict]:
+    rc, out, err = template(home, values, sets)
+    assert rc == 0, err
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def hook_config(docs: list[dict]) -> str:
+    return find(docs, "ConfigMap", f"{FULLNAME}-config-check")["data"]["config.yaml"]
+
+
+# --- lint and render ---------------------------------------------------------------------------
+
+
+def test_helm_binary_is_installed() -> None:
+    assert HELM.is_file(), f"no helm at {HELM}: `make helm` installs it"
+
+
+@pytest.mark.parametrize("values", [(), (GPU_VALUES,)], ids=["default", "gpu-rdma"])
+def test_helm_lint_strict(helm_home: Path, values: tuple[Path, ...]) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    for f in values:
+        args += ["-f", str(f)]
+    proc = helm(*args, tmp=helm_home)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("values", [(), (GPU_VALUES,)], ids=["default", "gpu-rdma"])
+def test_rendered_manifests_pass_kubernetes_validate(
+    helm_home: Path, values: tuple[Path, ...]
+) -> None:
+    docs = render(helm_home, values)
+    assert len(docs) >= 12
+    for doc in docs:
+        # Raises on any schema violation; strict rejects unknown fields.
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validate_catches_a_broken_manifest(helm_home: Path) -> None:
+    # Control for the test above: the validator does reject a wrong manifest.
+    deployment = find(render(helm_home), "Deployment", f"{FULLNAME}-decode")
+    container(deployment)["resoures"] = {}  # misspelt field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    deployment["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=False)
+
+
+def test_default_release_contents(helm_home: Path) -> None:
+    docs = render(helm_home)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for kind, name in [
+        ("Deployment", "control-plane"),
+        ("Deployment", "prefill"),
+        ("Deployment", "decode"),
+        ("Deployment", "mosquitto"),
+        ("Service", "control-plane"),
+        ("Service", "admin"),
+        ("Service", "mosquitto"),
+        ("PersistentVolumeClaim", "control-plane-state"),
+        ("ConfigMap", "config"),
+        ("ConfigMap", "config-check"),
+        ("Job", "config-check"),
+        ("Secret", "admin-token"),
+        ("NetworkPolicy", "control-plane"),
+        ("NetworkPolicy", "prefill"),
+        ("NetworkPolicy", "decode"),
+        ("PodDisruptionBudget", "prefill"),
+        ("PodDisruptionBudget", "decode"),
+    ]:
+        assert (kind, f"{FULLNAME}-{name}") in kinds
+
+
+@pytest.mark.parametrize("role", ["control-plane", "prefill", "decode"])
+def test_services_run_kvfence_serve_with_grpc_probes(helm_home: Path, role: str) -> None:
+    c = container(find(render(helm_home), "Deployment", f"{FULLNAME}-{role}"))
+    assert c["command"] == ["kvfence", "serve", role, "--config", "/etc/kvfence/config.yaml"]
+    grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"] == {"port": grpc_port}
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+def test_admin_service_stays_cluster_ip_when_public_is_exposed(helm_home: Path) -> None:
+    docs = render(helm_home, sets=["controlPlane.service.type=LoadBalancer"])
+    public = find(docs, "Service", f"{FULLNAME}-control-plane")["spec"]
+    admin = find(docs, "Service", f"{FULLNAME}-admin")["spec"]
+    assert public["type"] == "LoadBalancer"
+    assert [p["port"] for p in public["ports"]] == [50051]
+    assert admin["type"] == "ClusterIP"
+    assert [p["port"] for p in admin["ports"]] == [50052]
+
+
+def test_control_plane_state_on_a_pvc(helm_home: Path) -> None:
+    docs = render(helm_home)
+    spec = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]
+    assert spec["strategy"]["type"] == "Recreate"
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    assert volumes["state"]["persistentVolumeClaim"]["claimName"] == (
+        f"{FULLNAME}-control-plane-state"
+    )
+    mounts = {m["name"]: m["mountPath"] for m in container({"spec": spec})["volumeMounts"]}
+    assert mounts["state"] == "/var/lib/kvfence"
+
+
+def _peers(rule: dict) -> list[str]:
+    return [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in rule["from"]]
+
+
+def test_network_policies_fence_grpc_and_ucx(helm_home: Path) -> None:
+    docs = render(helm_home)
+    for role, grpc_port in (("prefill", 50061), ("decode", 50071)):
+        rules = find(docs, "NetworkPolicy", f"{FULLNAME}-{role}")["spec"]["ingress"]
+        grpc_rules = [r for r in rules if {"port": grpc_port, "protocol": "TCP"} in r["ports"]]
+        assert len(grpc_rules) == 1
+        assert _peers(grpc_rules[0]) == ["control-plane"]
+    decode_rules = find(docs, "NetworkPolicy", f"{FULLNAME}-decode")["spec"]["ingress"]
+    ucx_rules = [r for r in decode_rules if any(p["port"] == 13437 for p in r["ports"])]
+    assert len(ucx_rules) == 1
+    assert _peers(ucx_rules[0]) == ["prefill"]
+    assert {"port": 13440, "endPort": 13449, "protocol": "TCP"} in ucx_rules[0]["ports"]
+
+
+def test_gpu_rdma_values_request_devices_and_ucx(helm_home: Path) -> None:
+    docs = render(helm_home, [GPU_VALUES])
+    for role, replicas in (("prefill", 2), ("decode", 4)):
+        deployment = find(docs, "Deployment", f"{FULLNAME}-{role}")
+        assert deployment["spec"]["replicas"] == replicas
+        pod = deployment["spec"]["template"]["spec"]
+        c = container(deployment)
+        for kind in ("limits", "requests"):
+            assert c["resources"][kind]["nvidia.com/gpu"] == 1
+            assert c["resources"][kind]["rdma/hca_shared_devices_a"] == 1
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc,tcp"
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+        assert env["UCX_IB_GID_INDEX"] == "3"
+        assert "CUDA_VISIBLE_DEVICES" not in env
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # External broker: no Mosquitto in the release, its address in the config.
+    assert not [d for d in docs if d["metadata"]["name"].endswith("mosquitto")]
+    assert "mqtt_host: mosquitto.observability.svc" in hook_config(docs).replace('"', "")
+
+
+def test_default_values_request_no_devices(helm_home: Path) -> None:
+    c = container(find(render(helm_home), "Deployment", f"{FULLNAME}-decode"))
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert "add" not in c["securityContext"]["capabilities"]
+
+
+@pytest.mark.parametrize("values", [(), (GPU_VALUES,)], ids=["default", "gpu-rdma"])
+def test_config_map_and_pod_env_load_as_kvfence_config(
+    helm_home: Path, values: tuple[Path, ...]
+) -> None:
+    docs = render(helm_home, values)
+    text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+    assert text == hook_config(docs)  # the hook checks exactly what the services load
+    for role in Role:
+        c = container(find(docs, "Deployment", f"{FULLNAME}-{role}"))
+        env = dict(POD_ENV)
+        for e in c["env"]:
+            if "value" in e:  # Kubernetes expands $(VAR) from earlier entries
+                env[e["name"]] = (
+                    e["value"]
+                    .replace("$(POD_IP)", env["POD_IP"])
+                    .replace("$(POD_NAME)", env["POD_NAME"])
+                )
+        cfg = parse_config(yaml.safe_load(text), environ=env)
+        assert cfg.node.role == role
+        assert cfg.node.node_id == "pod-0"
+        if role != Role.CONTROL_PLANE:
+            assert cfg.node.advertise.startswith("10.1.2.3:")
+            assert cfg.node.ucx_host == "10.1.2.3"
+
+
+def test_hook_configmap_is_created_before_the_hook_job(helm_home: Path) -> None:
+    docs = render(helm_home)
+    cm = find(docs, "ConfigMap", f"{FULLNAME}-config-check")["metadata"]["annotations"]
+    job = find(docs, "Job", f"{FULLNAME}-config-check")
+    annotations = job["metadata"]["annotations"]
+    assert cm["helm.sh/hook"] == annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert int(cm["helm.sh/hook-weight"]) < int(annotations["helm.sh/hook-weight"])
+    pod = job["spec"]["template"]["spec"]
+    assert container(job)["command"] == [
+        "kvfence",
+        "check-config",
+        "--static",
+        "/etc/kvfence/config.yaml",
+    ]
+    assert pod["volumes"][0]["configMap"]["name"] == f"{FULLNAME}-config-check"
+    assert job["spec"]["backoffLimit"] == 0
+
+
+# --- values.schema.json and the template check --------------------------------------------------
+
+TINY_CONTEXT = 2048  # kvfence.model.tiny.TINY_CONFIG max_position_embeddings
+PATH_WITH_SHAPE = [
+    "model.path=/models/m",
+    "model.shape.numLayers=2",
+    "model.shape.numKvHeads=2",
+    "model.shape.headDim=32",
+    "model.shape.contextWindow=4096",
+]
+
+
+@pytest.mark.parametrize(
+    ("bad", "fixed", "error"),
+    [
+        (["prefill.replicas=-1"], ["prefill.replicas=0"], "/prefill/replicas"),
+        (["decode.replicas=-2"], ["decode.replicas=3"], "/decode/replicas"),
+        (["controlPlane.replicas=-1"], ["controlPlane.replicas=0"], "/controlPlane/replicas"),
+        (["model.name=null"], ["model.name=glm"], "missing property 'name'"),
+        (["model.name="], ["model.name=glm"], "/model/name"),
+        (["model=null"], ["model.name=glm"], "missing property 'model'"),
+        # A checkpoint path needs its shape: the pre-install hook cannot read the checkpoint.
+        (["model.path=/models/m"], PATH_WITH_SHAPE, "/model/shape"),
+        # Pools as page counts against the context window (a template `fail`: JSON schema cannot
+        # compare two values). The embedded model's window is 2048 = 128 pages of 16.
+        (["decode.pool.numPages=127"], ["decode.pool.numPages=128"], "decode.pool holds 2032"),
+        (
+            ["model.contextWindow=8192"],
+            ["model.contextWindow=8192", "model.clampContext=true"],
+            "< model context window 8192",
+        ),
+        (
+            ["model.contextWindow=8192"],
+            ["model.contextWindow=8192", "prefill.pool.numPages=512", "decode.pool.numPages=512"],
+            "prefill.pool holds 4096 tokens",
+        ),
+        (
+            [*PATH_WITH_SHAPE, "kv.pageSize=8"],
+            [*PATH_WITH_SHAPE, "kv.pageSize=8", "model.clampContext=true"],
+            "< model context window 4096",
+        ),
+        (
+            ["prefill.pool.memoryBytes=1000000"],
+            ["prefill.pool.memoryBytes=1000000", "prefill.pool.numPages=null"],
+            "/prefill/pool",
+        ),
+    ],
+)
+def test_bad_values_are_rejected_and_the_fix_renders(
+    helm_home: Path, bad: list[str], fixed: list[str], error: str
+) -> None:
+    rc, _, err = template(helm_home, sets=bad)
+    assert rc != 0
+    assert error in err, err
+    rc, out, err = template(helm_home, sets=fixed)
+    assert rc == 0, err
+    assert "kind: Deployment" in out
+
+
+def test_template_check_uses_the_tiny_models_context_window(helm_home: Path) -> None:
+    from kvfence.model.tiny import TINY_CONFIG
+
+    assert TINY_CONFIG["max_position_embeddings"] == TINY_CONTEXT
+
+
+# --- the pre-install hook's check ---------------------------------------------------------------
+
+
+def check_config_static(config_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run the hook's command, ``kvfence check-config --static``, on a rendered config."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text)
+    script = Path(sys.executable).with_name("kvfence")
+    if script.is_file():
+        cmd = [str(script)]
+    else:  # the console script exists only after `pip install -e .`
+        cmd = [sys.executable, "-c", "from kvfence.cli import main; main()"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE__")}
+    return subprocess.run(
+        [*cmd, "check-config", "--static", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_hook_fails_the_release_on_the_incident_config(helm_home: Path, tmp_path: Path) -> None:
+    # The incident's values pass the schema and the template check (the prefill pool is in bytes)...
+    docs = render(helm_home, [INCIDENT_VALUES])
+    # ...and the hook's check stops them.
+    proc = check_config_static(hook_config(docs), tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "681280" in proc.stdout and "1048576" in proc.stdout
+
+
+def test_hook_passes_the_incident_config_when_clamped(helm_home: Path, tmp_path: Path) -> None:
+    docs = render(helm_home, [INCIDENT_VALUES], sets=["model.clampContext=true"])
+    proc = check_config_static(hook_config(docs), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK (clamped): admissible limit 681280" in proc.stdout
+
+
+@pytest.mark.parametrize("values", [(), (GPU_VALUES,)], ids=["default", "gpu-rdma"])
+def test_hook_passes_sound_configs(
+    helm_home: Path, tmp_path: Path, values: tuple[Path, ...]
+) -> None:
+    proc = check_config_static(hook_config(render(helm_home, values)), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: admissible limit" in proc.stdout
+
+
+def test_tls_needs_material_and_switches_probes_to_tcp(helm_home: Path) -> None:
+    rc, _, err = template(helm_home, sets=["tls.enabled=true"])
+    assert rc != 0
+    assert "tls.existingSecret" in err
+    docs = render(helm_home, sets=["tls.enabled=true", "tls.existingSecret=kvfence-tls"])
+    c = container(find(docs, "Deployment", f"{FULLNAME}-decode"))
+    # Kubernetes gRPC probes cannot speak TLS.
+    assert c["readinessProbe"]["tcpSocket"] == {"port": 50071}
+    assert "grpc" not in c["readinessProbe"]
+    volumes = find(docs, "Deployment", f"{FULLNAME}-decode")["spec"]["template"]["spec"]["volumes"]
+    assert {"secretName": "kvfence-tls", "defaultMode": 0o440} in [v.get("secret") for v in volumes]
+    assert "internal_ca: /etc/kvfence/tls/ca.crt" in hook_config(docs)
+    assert not [d for d in docs if d["metadata"]["name"] == f"{FULLNAME}-tls"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_existing_admin_token_secret_is_used(helm_home: Path) -> None:
+    docs = render(helm_home, sets=["adminToken.existingSecret=ops-admin", "adminToken.key=tok"])
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    spec = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
+    secret = next(v["secret"] for v in spec["volumes"] if v["name"] == "admin-token")
+    assert (secret["secretName"], secret["items"]) == ("ops-admin", [{"key": "tok", "path": "tok"}])
+    assert "admin_token_file: /etc/kvfence/admin/tok" in hook_config(docs)
