@@ -1,13 +1,13 @@
 """Continuous-batching decode on a dedicated thread, streaming tokens back to the event loop.
 
-Only verified reservations are ever added. Each step feeds every running sequence's last token at its
-position, writes that token's KV into the sequence's own page and attends over its pages through the
-tag-checking kernel. A sequence whose block table no longer matches the pool's generations is failed
-with an integrity error and produces no token.
+Only verified reservations are ever added. Each step feeds every running sequence's last token at
+its position, writes that token's KV into the sequence's own page and attends over its pages
+through the tag-checking kernel. A sequence whose block table no longer matches the pool's
+generations is failed with an integrity error and produces no token.
 
-The page each step writes into is counted as an outstanding operation in the pool for the duration of
-the step, so a request released mid-step leaves that page QUARANTINED until the write is over — never
-free while a kernel may still write into it.
+The page each step writes into is counted as an outstanding operation in the pool for the duration
+of the step, so a request released mid-step leaves that page QUARANTINED until the write is over —
+never free while a kernel may still write into it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class ActiveSeq:
     prompt_len: int
     first_token: int
     params: SamplingParams
-    # Called on the event loop with ("tokens", [ids]), ("finish", reason) or ("error", KvfenceError).
+    # Called on the event loop with ("tokens", [ids]), ("finish", reason) or ("error",
+    # KvfenceError).
     emit: Callable[[tuple[str, Any]], None]
     generated: list[int] = field(default_factory=list)
 
@@ -130,7 +131,7 @@ class DecodeBatcher:
                 continue
             try:
                 self._step(batch)
-            except Exception as err:  # noqa: BLE001 - fail the batch, keep the node alive
+            except Exception as err:
                 log.exception("decode step failed")
                 for seq in batch:
                     self._finish(seq, ("error", KvfenceError(f"decode step failed: {err}")))

@@ -7,8 +7,8 @@ Reservation life (one per request)::
     any failure -> pages QUARANTINED, freed once every posted receive has settled
 
 ``Reserve`` hands out pages for prompt + max_new_tokens up front, with a fresh secret. A reservation
-that never sees its ``Decode`` call within ``transfer.reservation_timeout_s`` is cancelled and released
-(its receives first), so a vanished control plane cannot pin pages.
+that never sees its ``Decode`` call within ``transfer.reservation_timeout_s`` is cancelled and
+released (its receives first), so a vanished control plane cannot pin pages.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from kvfence.errors import (
     IntegrityError,
     InvalidArgument,
     KvfenceError,
-    NotFound,
     ResourceExhausted,
 )
 from kvfence.events import EventBus
@@ -171,11 +170,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         self.metrics.requests_total.labels(status="OK").inc()
                         break
                     else:
-                        err = value
-                        if isinstance(err, IntegrityError):
-                            self._integrity_failure(res, err, stage="decode")
+                        failure: KvfenceError = value
+                        if isinstance(failure, IntegrityError):
+                            self._integrity_failure(res, failure, stage="decode")
                         self._release(res.reservation_id, "error")
-                        await abort(context, err)
+                        await abort(context, failure)
             finally:
                 # Client or control plane gone, or finished: the sequence leaves the batch; pages
                 # are released by the control plane's Release (or here, when it ended badly).

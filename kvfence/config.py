@@ -1,8 +1,9 @@
 """Cluster configuration: pydantic models loaded from YAML plus environment overrides.
 
-One file describes the whole cluster; each process reads the sections it needs (`node` says which role
-it plays). Environment variables override the file: ``KVFENCE__<SECTION>__<FIELD>=value`` (double
-underscores separate levels, values are parsed as YAML scalars), e.g. ``KVFENCE__NODE__ROLE=decode``.
+One file describes the whole cluster; each process reads the sections it needs (`node` says which
+role it plays). Environment variables override the file: ``KVFENCE__<SECTION>__<FIELD>=value``
+(double underscores separate levels, values are parsed as YAML scalars), e.g.
+``KVFENCE__NODE__ROLE=decode``.
 
 A bad value raises :class:`ConfigError` whose message names the field and the rule it broke.
 """

@@ -1,8 +1,8 @@
 """One error base class and the DESIGN.md status taxonomy.
 
-Every failure that reaches a client is a :class:`KvfenceError` subclass carrying its gRPC status code,
-a machine-readable ``reason`` (``google.rpc.ErrorInfo.reason``) and metadata. Messages never contain
-another request's data: build them from numbers and ids of the failing request only.
+Every failure that reaches a client is a :class:`KvfenceError` subclass carrying its gRPC status
+code, a machine-readable ``reason`` (``google.rpc.ErrorInfo.reason``) and metadata. Messages never
+contain another request's data: build them from numbers and ids of the failing request only.
 """
 
 from __future__ import annotations

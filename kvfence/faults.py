@@ -1,7 +1,8 @@
 """Test-only fault hook in the prefill -> decode transfer path.
 
 Off unless the node's config sets ``node.fault_hook: true`` and ``node.fault_file``; nothing on the
-public API can reach it. Tests write a JSON list to the fault file; before each transfer prefill reads
+public API can reach it. Tests write a JSON list to the fault file; before each transfer prefill
+reads
 it and applies the first fault whose ``tenant_id`` matches the request (or that names no tenant)::
 
     [{"kind": "corrupt_byte", "tenant_id": "tenant-b"}]

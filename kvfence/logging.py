@@ -1,8 +1,8 @@
 """structlog set-up: JSON lines in services, console rendering in the CLI.
 
-Per-request fields (``request_id``, ``tenant_id``) are bound through structlog's contextvars, so every
-line logged while a request is handled carries them, whichever module logs it. Prompt text is never
-logged by kvfence code; log token counts instead.
+Per-request fields (``request_id``, ``tenant_id``) are bound through structlog's contextvars, so
+every line logged while a request is handled carries them, whichever module logs it. Prompt text is
+never logged by kvfence code; log token counts instead.
 """
 
 from __future__ import annotations

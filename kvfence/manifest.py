@@ -2,12 +2,14 @@
 
 Decode accepts a transfer only if all six checks of DESIGN.md hold, in this order:
 
-1. ``RESERVATION`` the reservation exists, is RECEIVING (transfer complete, never verified before), and
+1. ``RESERVATION`` the reservation exists, is RECEIVING (transfer complete, never verified before),
+and
    belongs to the same request and tenant;
 2. ``MAC`` HMAC-SHA256 under the reservation secret over the canonical encoding verifies;
 3. ``COUNT`` ``token_count`` equals the reserved prompt tokens; ``COVERAGE`` the pages listed are
-   exactly the first ``ceil(token_count / page_size)`` reserved pages in order, every listed page was
-   received exactly once, and ``tokens_in_page`` adds up to ``token_count`` (full pages but the last);
+   exactly the first ``ceil(token_count / page_size)`` reserved pages in order, every listed page
+   was received exactly once, and ``tokens_in_page`` adds up to ``token_count`` (full pages but the
+   last);
 4. ``GENERATION`` every ``(page_id, generation)`` matches the pool right now;
 5. ``CHECKSUM`` every page's checksum, recomputed over the memory that was received, matches (seeded
    with the reservation id and page index, so a correct copy of another page or a replay fails);

@@ -137,7 +137,7 @@ class NodeAgent:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._channel.close()
+        await self._channel.close(None)
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> object:

@@ -1,9 +1,9 @@
 """Process entry points for prefill and decode nodes: ``kvfence serve prefill|decode``.
 
-Start-up order: load the model and pool, start the gRPC server (health, reflection), the UCX listener
-(decode), the metrics endpoint and the event bus, then register with the control plane. Shutdown
-(SIGTERM/SIGINT or ``stop``): health NOT_SERVING, stop accepting, finish in-flight RPCs within the
-grace period, release every page, stop the engine thread.
+Start-up order: load the model and pool, start the gRPC server (health, reflection), the UCX
+listener (decode), the metrics endpoint and the event bus, then register with the control plane.
+Shutdown (SIGTERM/SIGINT or ``stop``): health NOT_SERVING, stop accepting, finish in-flight RPCs
+within the grace period, release every page, stop the engine thread.
 """
 
 from __future__ import annotations

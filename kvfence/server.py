@@ -7,13 +7,14 @@ Usage in a service::
     ...
     await server.stop(grace=5)
 
-``stop`` first flips health to NOT_SERVING (so load balancers drain), then lets in-flight RPCs finish
-for ``grace`` seconds.
+``stop`` first flips health to NOT_SERVING (so load balancers drain), then lets in-flight RPCs
+finish for ``grace`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class GrpcServer:
 
     server: grpc.aio.Server
     port: int
-    health: health.aio.HealthServicer
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
     service_names: list[str]
 
     @classmethod
@@ -56,7 +57,7 @@ class GrpcServer:
         server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
         for add, servicer in servicers:
             add(servicer, server)
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -102,7 +103,7 @@ def require_bearer(context: grpc.aio.ServicerContext) -> str:
 
 async def abort(context: grpc.aio.ServicerContext, err: KvfenceError) -> NoReturn:
     """End the RPC with ``err``'s status code, message and ErrorInfo."""
-    await context.abort_with_status(err.to_status())
+    await context.abort_with_status(err.to_status())  # type: ignore[attr-defined]
     raise AssertionError("unreachable")  # abort_with_status always raises
 
 
@@ -117,7 +118,5 @@ async def run_until_stopped(stop: asyncio.Event, *cleanups: Callable[[], Awaitab
     """Wait for ``stop``, then run each cleanup in order (each guarded so all of them run)."""
     await stop.wait()
     for cleanup in cleanups:
-        try:
+        with contextlib.suppress(Exception):  # shutdown must go on
             await cleanup()
-        except Exception:  # noqa: BLE001 - shutdown must go on
-            pass

@@ -2,11 +2,12 @@
 
 One UCX endpoint per transfer. The wire, in order::
 
-    prefill -> decode   HELLO {reservation_id, request_id, auth}        auth = HMAC(secret, reservation)
+    prefill -> decode   HELLO {reservation_id, request_id, auth}        auth = HMAC(secret,
+    reservation)
     decode  -> prefill  {ok} | {ok: false, error}                       unknown/bad auth: dropped
     repeat:
-      prefill -> decode BATCH {indices: [i, ...]}                       at most max_batch_bytes of pages
-      decode posts one tagged receive per page straight into reserved page ``pages[i]``
+      prefill -> decode BATCH {indices: [i, ...]}                       at most max_batch_bytes of
+      pages decode posts one tagged receive per page straight into reserved page ``pages[i]``
       prefill -> decode the pages, tag PAGE_TAG + k
       decode  -> prefill {ok} once every receive of the batch completed (per-batch timeout)
     prefill -> decode   BATCH {done: true};   decode -> prefill {ok}
@@ -15,8 +16,8 @@ The receiver decides where bytes land: a sender names only an index into *its* r
 pages, so a sender bug can at worst leave a reserved page unwritten or wrongly written — which the
 manifest's coverage and checksum checks catch. Every posted receive is counted as an outstanding
 operation on its page in the pool; the first error aborts the endpoint, which cancels all posted
-receives, and only when they have settled are the operations ended (a released page stays QUARANTINED
-until then).
+receives, and only when they have settled are the operations ended (a released page stays
+QUARANTINED until then).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class TransferError(Exception):
 
 
 def authenticator(secret: bytes, reservation_id: str) -> str:
-    return hmac.new(secret, b"kvfence-ucx-hello|" + reservation_id.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(
+        secret, b"kvfence-ucx-hello|" + reservation_id.encode(), hashlib.sha256
+    ).hexdigest()
 
 
 def page_buffer(t: torch.Tensor) -> Any:
@@ -196,7 +199,7 @@ class KvReceiver:
     async def _serve(self, ep: Any) -> None:
         try:
             hello = await asyncio.wait_for(_recv_json(ep), self.batch_timeout_s)
-        except Exception as err:  # noqa: BLE001 - a broken peer is reported, never raised
+        except Exception as err:
             self.report("transfer_failed", {"reason": "BAD_HELLO", "error": type(err).__name__})
             return
         rid = str(hello.get("reservation_id", ""))
@@ -226,7 +229,7 @@ class KvReceiver:
             await self._receive_batches(ep, t)
             t.state = InboundState.COMPLETE
             await _send_json(ep, {"ok": True, "received": len(t.received)}, reply=True)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             if t.state == InboundState.RECEIVING:
                 t.state = InboundState.FAILED
                 t.error = getattr(err, "reason", type(err).__name__)

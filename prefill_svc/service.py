@@ -1,11 +1,12 @@
 """Prefill node: runs the prompt, writes KV into its own pages and sends them to decode.
 
-For each ``Prefill`` call: allocate local pages for the prompt (RESOURCE_EXHAUSTED when the pool has no
-room now), run the model off the event loop, sample the first token, zero the unused tail of the last
-page, checksum every page (seeded by reservation and page index), send the pages over UCX in bounded
-batches, and return the signed manifest. The source pages stay held until the control plane calls
-``Release`` (decode verified, or the request ended), or until ``reservation_timeout_s`` passes without
-one, so a control plane that vanished cannot pin the pool forever.
+For each ``Prefill`` call: allocate local pages for the prompt (RESOURCE_EXHAUSTED when the pool
+has no room now), run the model off the event loop, sample the first token, zero the unused tail of
+the last page, checksum every page (seeded by reservation and page index), send the pages over UCX
+in bounded batches, and return the signed manifest. The source pages stay held until the control
+plane calls
+``Release`` (decode verified, or the request ended), or until ``reservation_timeout_s`` passes
+without one, so a control plane that vanished cannot pin the pool forever.
 """
 
 from __future__ import annotations
@@ -161,9 +162,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if fault is not None and fault.kind == "replay":
             await self._send(req, outbound, None)
         self.metrics.requests_total.labels(status="OK").inc()
-        return prefill_pb2.PrefillResponse(
-            manifest=m, pages_sent=len(outbound), bytes_sent=sent
-        )
+        return prefill_pb2.PrefillResponse(manifest=m, pages_sent=len(outbound), bytes_sent=sent)
 
     def _run_model(
         self, tokens: list[int], refs: list[PageRef], req: prefill_pb2.PrefillRequest
@@ -216,8 +215,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         page_bytes = self.pool.page_bytes
         if fault is not None and fault.kind == "kill":
             # Die while the transfer is in flight: decode sees the connection lost mid-transfer.
-            asyncio.ensure_future(self._send_raw(req, outbound, page_bytes, auth=None, stall=0))
+            send = asyncio.ensure_future(
+                self._send_raw(req, outbound, page_bytes, auth=None, stall=0)
+            )
             await asyncio.sleep(0.01)
+            del send
             os._exit(17)
         try:
             seconds = await self._send_raw(

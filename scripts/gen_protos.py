@@ -1,7 +1,8 @@
 """Regenerate the committed gRPC stubs under kvfence/proto/ from protos/.
 
-grpc_tools writes absolute imports such as ``from kvfence.v1 import common_pb2``; the stubs live inside
-the ``kvfence.proto`` package, so those imports are rewritten to ``from kvfence.proto.kvfence.v1 ...``.
+grpc_tools writes absolute imports such as ``from kvfence.v1 import common_pb2``; the stubs live
+inside the ``kvfence.proto`` package, so those imports are rewritten to ``from
+kvfence.proto.kvfence.v1 ...``.
 
     python scripts/gen_protos.py [--out DIR]    # default: kvfence/proto
 """

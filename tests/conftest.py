@@ -10,8 +10,8 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import psutil  # noqa: E402
-import pytest  # noqa: E402
+import psutil
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,9 @@ def _no_leaked_children():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     leaked = [
-        p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.is_running()
     ]
     leaked = [p for p in leaked if p.status() != psutil.STATUS_ZOMBIE]
     for p in leaked:

@@ -134,8 +134,14 @@ async def test_cancel_mid_transfer_settles_posted_receives_before_free():
 
         # A sender that announces a batch and then stalls: the receives stay posted.
         ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
-        await _send_json(ep, {"reservation_id": "res-1", "request_id": "req-1",
-                              "auth": authenticator(b"k" * 32, "res-1")})
+        await _send_json(
+            ep,
+            {
+                "reservation_id": "res-1",
+                "request_id": "req-1",
+                "auth": authenticator(b"k" * 32, "res-1"),
+            },
+        )
         await _expect_ok(ep, 5)
         await _send_json(ep, {"indices": [0, 1]})
         for _ in range(100):

@@ -1,7 +1,8 @@
 """``kvfence serve ROLE`` (one service per process) and ``kvfence up`` (the local stack).
 
-``up`` writes a cluster config into the state directory, starts the control plane, then N prefill and M
-decode processes on loopback, waits until every node has registered, creates a demo tenant, writes
+``up`` writes a cluster config into the state directory, starts the control plane, then N prefill
+and M decode processes on loopback, waits until every node has registered, creates a demo tenant,
+writes
 ``<state-dir>/up.json`` ``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` and
 prints ``kvfence ready: <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C or
 SIGTERM stops every process it started (SIGTERM first, SIGKILL after a grace period).
@@ -45,7 +46,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             asyncio.run(_run_service(cfg, role))
         except KeyboardInterrupt:
             pass
-        except Exception as err:  # noqa: BLE001 - one line, non-zero exit
+        except Exception as err:
             typer.echo(f"kvfence serve {role.value}: {err}", err=True)
             raise typer.Exit(1) from None
 
@@ -149,7 +150,9 @@ def build_up_config(
     return cfg
 
 
-def _spawn(role: str, cfg_path: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    role: str, cfg_path: Path, env: dict[str, str], log_path: Path
+) -> subprocess.Popen[bytes]:
     log_file = log_path.open("ab")
     return subprocess.Popen(
         [sys.executable, "-m", "kvfence", "serve", role, "--config", str(cfg_path)],
@@ -201,7 +204,7 @@ def run_stack(
         def all_registered() -> bool:
             try:
                 return len(admin.list_nodes().nodes) >= n_prefill + n_decode
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 return False
 
         if not _wait(all_registered, 180, lambda: stopping, procs):

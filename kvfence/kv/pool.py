@@ -1,8 +1,8 @@
 """The paged KV pool: page-major storage, per-page generation tags, owners and deferred release.
 
-Storage is ``kv[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` so that one page is one
-contiguous buffer (one UCX message). ``page_gen[num_pages]`` (int64, on the pool's device) is the tag the
-attention kernel compares with the generation a block table expects.
+Storage is ``kv[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` so that one page is
+one contiguous buffer (one UCX message). ``page_gen[num_pages]`` (int64, on the pool's device) is
+the tag the attention kernel compares with the generation a block table expects.
 
 Page life::
 
@@ -14,14 +14,16 @@ Page life::
                                      FREE (generation bumped, optionally scrubbed)
     any held state --quarantine()--> QUARANTINED --release() and ops settled--> FREE
 
-An *operation* is anything that may still write into a page (a posted UCX receive, a kernel in flight).
-``begin_ops``/``end_ops`` count them; a released page with operations outstanding stays QUARANTINED and
-is freed by the ``end_ops`` call that settles the last one. So a page is never handed to a new owner
-while a write into it may be outstanding, and every free bumps the generation, so a block table that
-still names the page fails the tag check.
+An *operation* is anything that may still write into a page (a posted UCX receive, a kernel in
+flight).
+``begin_ops``/``end_ops`` count them; a released page with operations outstanding stays QUARANTINED
+and is freed by the ``end_ops`` call that settles the last one. So a page is never handed to a new
+owner while a write into it may be outstanding, and every free bumps the generation, so a block
+table that still names the page fails the tag check.
 
-Allocation returns ``None`` when there is no room now and raises ``ValueError`` for a request that can
-never fit. All methods are thread-safe (the decode engine thread and the event loop share a pool).
+Allocation returns ``None`` when there is no room now and raises ``ValueError`` for a request that
+can never fit. All methods are thread-safe (the decode engine thread and the event loop share a
+pool).
 """
 
 from __future__ import annotations
@@ -187,9 +189,8 @@ class PagePool:
         with self._lock:
             for pid in self._pages(owner):
                 if state not in _ALLOWED[self._state[pid]]:
-                    raise ValueError(
-                        f"page {pid} of {owner!r}: {self._state[pid].name} -> {state.name} not allowed"
-                    )
+                    move = f"{self._state[pid].name} -> {state.name}"
+                    raise ValueError(f"page {pid} of {owner!r}: {move} not allowed")
                 self._state[pid] = state
 
     def quarantine(self, owner: str) -> None:

@@ -28,7 +28,11 @@ def tiny_dir(tmp_path_factory):
 def make_cfg(tiny_dir, tmp_path, **over):
     data = {
         "model": {"path": str(tiny_dir)},
-        "kv": {"page_size": 16, "prefill_pool": {"num_pages": 16}, "decode_pool": {"num_pages": 24}},
+        "kv": {
+            "page_size": 16,
+            "prefill_pool": {"num_pages": 16},
+            "decode_pool": {"num_pages": 24},
+        },
         "control_plane": {"state_dir": str(tmp_path)},
         "transfer": {"max_batch_bytes": 40000, "batch_timeout_s": 5},
     }
@@ -55,7 +59,10 @@ async def run_request(dstub, pstub, request_id, tenant, prompt, max_new, samplin
     sampling = sampling or common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     res = await dstub.Reserve(
         decode_pb2.ReserveRequest(
-            request_id=request_id, tenant_id=tenant, prompt_tokens=len(prompt), max_new_tokens=max_new
+            request_id=request_id,
+            tenant_id=tenant,
+            prompt_tokens=len(prompt),
+            max_new_tokens=max_new,
         )
     )
     pre = await pstub.Prefill(
@@ -106,12 +113,18 @@ async def test_tampered_manifest_is_data_loss_and_pages_come_back(nodes):
     dec, pre, dstub, pstub = nodes
     prompt = list(range(3, 40))
     res = await dstub.Reserve(
-        decode_pb2.ReserveRequest(request_id="r2", tenant_id="t-b", prompt_tokens=37, max_new_tokens=4)
+        decode_pb2.ReserveRequest(
+            request_id="r2", tenant_id="t-b", prompt_tokens=37, max_new_tokens=4
+        )
     )
     sampling = common_pb2.SamplingParams(max_new_tokens=4)
     p = await pstub.Prefill(
         prefill_pb2.PrefillRequest(
-            request_id="r2", tenant_id="t-b", prompt_token_ids=prompt, sampling=sampling, reservation=res
+            request_id="r2",
+            tenant_id="t-b",
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            reservation=res,
         )
     )
     bad = common_pb2.KvManifest()
@@ -120,8 +133,11 @@ async def test_tampered_manifest_is_data_loss_and_pages_come_back(nodes):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in dstub.Decode(
             decode_pb2.DecodeRequest(
-                request_id="r2", tenant_id="t-b", reservation_id=res.reservation_id,
-                manifest=bad, sampling=sampling,
+                request_id="r2",
+                tenant_id="t-b",
+                reservation_id=res.reservation_id,
+                manifest=bad,
+                sampling=sampling,
             )
         ):
             pass
