@@ -1,0 +1,111 @@
+"""``kvfence events --follow``: a live view of the cluster's event stream (MQTT).
+
+Broker and cluster come from the flags, else from ``--config``, else 127.0.0.1:1883 / "local".
+Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached or the
+connection dropped, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any, NoReturn
+
+import aiomqtt
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvfence.config import ConfigError, load_config
+from kvfence.events import EVENT_KINDS, SECURITY_KINDS, follow
+
+EXIT_OK, EXIT_BROKER, EXIT_USAGE = 0, 1, 2
+_HEADER_FIELDS = ("seq", "ts", "kind", "cluster", "node_id")
+
+
+def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
+    app.command("events")(events)
+
+
+def events(
+    follow_: bool = typer.Option(False, "--follow", "-f", help="Stream events as they arrive."),
+    mqtt_host: str | None = typer.Option(None, "--mqtt-host", help="Broker host."),
+    mqtt_port: int | None = typer.Option(None, "--mqtt-port", help="Broker port."),
+    cluster: str | None = typer.Option(None, "--cluster", help="Cluster name."),
+    kind: list[str] | None = typer.Option(
+        None, "--kind", "-k", help=f"Only this kind (repeatable): {', '.join(EVENT_KINDS)}."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Exit after N events."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="Cluster config file."),
+) -> None:
+    """Show the cluster's events (MQTT) live."""
+    if not follow_:
+        _exit("kvfence events needs --follow (only the live view exists)", EXIT_USAGE)
+    host, port, name = _target(config, mqtt_host, mqtt_port, cluster)
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        asyncio.run(_stream(name, host, port, kind or None, as_json, limit, console))
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_OK) from None
+    except aiomqtt.MqttError as err:
+        _exit(f"events: MQTT broker {host}:{port} unreachable or lost: {err}", EXIT_BROKER)
+
+
+def _target(
+    config: Path | None, host: str | None, port: int | None, cluster: str | None
+) -> tuple[str, int, str]:
+    try:
+        cfg = load_config(config) if config is not None else None
+    except ConfigError as err:
+        _exit(f"events: {err}", EXIT_USAGE)
+    if cfg is not None:
+        host = host or cfg.events.mqtt_host
+        port = port or cfg.events.mqtt_port
+        cluster = cluster or cfg.cluster
+    return host or "127.0.0.1", port or 1883, cluster or "local"
+
+
+async def _stream(
+    cluster: str,
+    host: str,
+    port: int,
+    kinds: list[str] | None,
+    as_json: bool,
+    limit: int | None,
+    console: Console,
+) -> None:
+    seen = 0
+    async for event in follow(cluster, host, port, kinds):
+        if as_json:
+            typer.echo(json.dumps(event, default=str))
+        else:
+            console.print(format_event(event))
+        seen += 1
+        if limit is not None and seen >= limit:
+            return
+
+
+def format_event(event: dict[str, Any]) -> str:
+    """One rich-markup line: time, node, seq, kind (red for security kinds), payload."""
+    ts = event.get("ts")
+    when = (
+        dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%H:%M:%S.%f")[:-3]
+        if isinstance(ts, int | float)
+        else "?"
+    )
+    kind = str(event.get("kind", "?"))
+    style = "bold red" if kind in SECURITY_KINDS else "cyan"
+    rest = " ".join(
+        f"{k}={json.dumps(v, default=str)}" for k, v in event.items() if k not in _HEADER_FIELDS
+    )
+    node = escape(str(event.get("node_id", "?")))
+    head = f"{when} [dim]{node}[/dim] #{event.get('seq', '?')} [{style}]{escape(kind)}[/{style}]"
+    return f"{head} {escape(rest)}".rstrip()
+
+
+def _exit(message: str, code: int) -> NoReturn:
+    typer.echo(message, err=True)
+    raise typer.Exit(code)

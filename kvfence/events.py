@@ -1,0 +1,512 @@
+"""Cluster events over MQTT: a never-blocking emitter with an at-least-once buffer, and a follower.
+
+Topics (DESIGN.md "Events and logs")::
+
+    kvfence/v1/<cluster>/events/<kind>    QoS 1, JSON {"seq", "ts", "kind", "cluster", "node_id"..}
+    kvfence/v1/<cluster>/nodes/<node_id>  QoS 1, retained: the node's latest status
+
+``EventBus.emit`` is called on request paths, so it only appends to a bounded in-memory buffer and
+wakes the publisher task; it never blocks and never raises. The publisher removes an event from the
+buffer only after the broker acknowledged it (PUBACK), so a broker restart loses nothing that was
+still buffered: the whole buffer is re-sent after reconnecting. Consumers therefore see each event
+at least once and dedupe by ``(node_id, seq, ts)`` (``follow`` does this).
+
+When the buffer is full the oldest non-security event goes first; security events (see
+``SECURITY_KINDS``) are dropped only when the buffer holds nothing else. Every drop is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any
+
+import aiomqtt
+
+from kvfence.logging import get_logger
+
+if TYPE_CHECKING:
+    from kvfence.metrics import Metrics
+
+TOPIC_ROOT = "kvfence/v1"
+EVENT_KINDS = (
+    "admission_rejected",
+    "integrity_violation",
+    "transfer_failed",
+    "node_joined",
+    "node_lost",
+    "model_access",
+    "request_failed",
+)
+# Kept in preference to every other kind when the buffer overflows.
+SECURITY_KINDS = frozenset({"integrity_violation", "transfer_failed"})
+RECENT_SIZE = 1000
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+PUBLISH_TIMEOUT_S = 5.0
+MAX_IN_FLIGHT = 64
+
+log = get_logger("events")
+
+
+def event_topic(cluster: str, kind: str) -> str:
+    return f"{TOPIC_ROOT}/{cluster}/events/{kind}"
+
+
+def node_topic(cluster: str, node_id: str) -> str:
+    return f"{TOPIC_ROOT}/{cluster}/nodes/{node_id}"
+
+
+class _Buffer:
+    """Events not yet acknowledged by the broker, in seq order, bounded to ``capacity``.
+
+    Not thread-safe on its own; ``EventBus`` guards it with a lock.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.events: dict[int, dict[str, Any]] = {}  # seq -> event; insertion order == seq order
+        self._plain: collections.deque[int] = collections.deque()  # non-security seqs, may be stale
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def add(self, event: dict[str, Any]) -> int:
+        """Store ``event``; returns how many events were dropped to make room (0 or 1)."""
+        security = event["kind"] in SECURITY_KINDS
+        if len(self.events) >= self.capacity:
+            victim = self._oldest_plain()
+            if victim is None and not security:
+                self.dropped += 1  # the buffer holds only security events: drop the newcomer
+                return 1
+            if victim is None:
+                victim = next(iter(self.events))
+            del self.events[victim]
+            self.dropped += 1
+            dropped = 1
+        else:
+            dropped = 0
+        self.events[event["seq"]] = event
+        if not security:
+            self._plain.append(event["seq"])
+        return dropped
+
+    def ack(self, seq: int) -> None:
+        self.events.pop(seq, None)
+
+    def next_from(self, seq: int, end: int) -> dict[str, Any] | None:
+        """The first buffered event with ``seq <= event.seq < end``."""
+        for s in range(seq, end):
+            event = self.events.get(s)
+            if event is not None:
+                return event
+        return None
+
+    def first_seq(self) -> int | None:
+        return next(iter(self.events), None)
+
+    def _oldest_plain(self) -> int | None:
+        while self._plain:
+            seq = self._plain.popleft()
+            if seq in self.events:
+                return seq
+        return None
+
+
+class EventBus:
+    """Emits cluster events to MQTT (or only to the log when ``mqtt_host`` is None).
+
+    ``emit`` may be called from any thread, before ``start`` and after ``stop``; events emitted
+    while the bus is not running wait in the buffer (bounded) until it runs.
+    """
+
+    def __init__(
+        self,
+        cluster: str,
+        node_id: str,
+        mqtt_host: str | None,
+        mqtt_port: int = 1883,
+        buffer_size: int = 10_000,
+        *,
+        metrics: Metrics | None = None,
+    ):
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        self.cluster = cluster
+        self.node_id = node_id
+        self.mqtt_host = mqtt_host
+        self.mqtt_port = mqtt_port
+        self.metrics = metrics
+        # The last RECENT_SIZE events emitted, for in-process checks ("was an event emitted?").
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_SIZE)
+        self.connected = False
+        self._buffer = _Buffer(buffer_size)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._status: dict[str, Any] | None = None
+        self._status_dirty = False  # set: the status must be (re)published
+        self._status_version = 0  # bumped on every change of _status
+        self._status_acked = 0  # the newest version the broker acknowledged
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- caller side -------------------------------------------------------------------------------
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped because the buffer was full."""
+        return self._buffer.dropped
+
+    @property
+    def pending(self) -> int:
+        """Events emitted but not yet acknowledged by the broker."""
+        return len(self._buffer)
+
+    def emit(self, kind: str, **payload: Any) -> int:
+        """Record one event and return its sequence number (-1 if it could not be recorded).
+
+        Never blocks and never raises: an event must not break the request that emits it.
+        """
+        try:
+            event = self._record(kind, payload)
+        except Exception:
+            with contextlib.suppress(Exception):
+                log.exception("event emit failed", kind=kind)
+            return -1
+        with contextlib.suppress(Exception):
+            self._log(event)
+        self._poke()
+        return int(event["seq"])
+
+    def _record(self, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self._seq += 1
+            event: dict[str, Any] = {
+                "seq": self._seq,
+                "ts": time.time(),
+                "kind": kind,
+                "cluster": self.cluster,
+                "node_id": self.node_id,
+            }
+            for key, value in payload.items():  # the header wins; a clashing field is renamed
+                event[f"payload_{key}" if key in event else key] = value
+            self.recent.append(event)
+            if self.mqtt_host is not None:
+                dropped = self._buffer.add(event)
+                if dropped and self.metrics is not None:
+                    self.metrics.events_dropped_total.inc(dropped)
+        return event
+
+    def publish_node_status(self, status: dict[str, Any]) -> None:
+        """Set this node's retained status (latest wins); never blocks, never raises."""
+        try:
+            with self._lock:
+                self._status = {
+                    "cluster": self.cluster,
+                    "node_id": self.node_id,
+                    "ts": time.time(),
+                    "online": True,
+                    **status,
+                }
+                self._status_version += 1
+                self._status_dirty = self.mqtt_host is not None
+            log.debug("node status", **_log_fields(self._status))
+            self._poke()
+        except Exception:
+            with contextlib.suppress(Exception):
+                log.exception("node status publish failed")
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the publisher task (no-op without a broker); returns without waiting to connect."""
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        if self.mqtt_host is not None:
+            self._task = asyncio.create_task(self._run(), name=f"kvfence-events-{self.node_id}")
+        self._poke()
+
+    async def stop(self, flush_timeout: float = 2.0) -> None:
+        """Wait up to ``flush_timeout`` s for the buffer to drain, then disconnect."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        with self._lock:  # a graceful stop says so; the MQTT will covers the ungraceful one
+            self._status = {**json.loads(self._offline_payload()), "ts": time.time()}
+            self._status_version += 1
+            self._status_dirty = True
+        self._poke()
+        await self.wait_drained(flush_timeout)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if self.pending:
+            log.warning("events not delivered at stop", pending=self.pending)
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """True once every event and the node status are acknowledged within ``timeout`` s."""
+        if self._idle is None:  # not started: nothing will drain
+            return self._is_drained()
+        try:
+            await asyncio.wait_for(self._wait_drained(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _wait_drained(self) -> None:
+        assert self._idle is not None
+        while not self._is_drained():
+            self._idle.clear()
+            if self._is_drained():
+                return
+            await self._idle.wait()
+
+    def _is_drained(self) -> bool:
+        with self._lock:
+            if self.mqtt_host is None:
+                return True
+            status_done = not self._status_dirty and self._status_acked == self._status_version
+            return not self._buffer.events and status_done
+
+    # -- publisher ---------------------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+            if running is loop:
+                wake.set()
+            else:
+                loop.call_soon_threadsafe(wake.set)
+
+    async def _run(self) -> None:
+        assert self.mqtt_host is not None
+        backoff = BACKOFF_MIN_S
+        while True:
+            client = aiomqtt.Client(
+                self.mqtt_host,
+                self.mqtt_port,
+                identifier=f"kvfence-{self.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                timeout=PUBLISH_TIMEOUT_S,
+                keepalive=10,
+                will=aiomqtt.Will(
+                    node_topic(self.cluster, self.node_id),
+                    self._offline_payload(),
+                    qos=1,
+                    retain=True,
+                ),
+                max_inflight_messages=MAX_IN_FLIGHT,
+            )
+            try:
+                async with client:
+                    self.connected = True
+                    backoff = BACKOFF_MIN_S
+                    log.info("event bus connected", host=self.mqtt_host, port=self.mqtt_port)
+                    await self._serve_connection(client)
+            except aiomqtt.MqttError as err:
+                log.warning(
+                    "event bus disconnected",
+                    host=self.mqtt_host,
+                    port=self.mqtt_port,
+                    error=str(err),
+                    retry_in_s=backoff,
+                    pending=self.pending,
+                )
+            except Exception:  # a bug must not silence the bus for good: log it and reconnect
+                log.exception("event bus publisher failed", retry_in_s=backoff)
+            finally:
+                self.connected = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _serve_connection(self, client: aiomqtt.Client) -> None:
+        """Publish until the connection breaks (raises MqttError) or the task is cancelled.
+
+        Plain tasks and ``asyncio.wait`` rather than a TaskGroup: on Python 3.11 a TaskGroup can
+        leave its parent's cancel count raised, and stop() must always be able to cancel us.
+        """
+        with self._lock:
+            self._status_dirty = self._status is not None  # the broker may have lost it
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        publishers: set[asyncio.Task[None]] = set()
+        watch = asyncio.create_task(_watch_disconnect(client))
+        send = asyncio.create_task(self._send_loop(client, publishers, failed))
+        try:
+            done, _ = await asyncio.wait({watch, send, failed}, return_when="FIRST_COMPLETED")
+            for fut in done:
+                fut.result()  # raises the MqttError that ended the connection
+        finally:
+            tasks = [watch, send, *publishers]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if failed.done() and not failed.cancelled():
+                failed.exception()  # retrieved: no "never retrieved" warning
+            failed.cancel()
+
+    async def _send_loop(
+        self,
+        client: aiomqtt.Client,
+        publishers: set[asyncio.Task[None]],
+        failed: asyncio.Future[None],
+    ) -> None:
+        assert self._wake is not None and self._idle is not None
+        window = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+            task = asyncio.create_task(coro)
+            publishers.add(task)
+            task.add_done_callback(lambda t: _on_publish_done(t, publishers, failed))
+
+        cursor = self._buffer.first_seq() or self._seq + 1  # everything unacked is re-sent
+        while True:
+            self._wake.clear()
+            with self._lock:
+                status = self._status if self._status_dirty else None
+                version = self._status_version
+                self._status_dirty = False
+            if status is not None:
+                await window.acquire()
+                spawn(self._publish_status(client, status, version, window))
+            while True:
+                with self._lock:
+                    first = self._buffer.first_seq()
+                    cursor = max(cursor, first) if first is not None else self._seq + 1
+                    event = self._buffer.next_from(cursor, self._seq + 1)
+                if event is None:
+                    break
+                cursor = event["seq"] + 1
+                await window.acquire()
+                spawn(self._publish_event(client, event, window))
+            if self._is_drained():
+                self._idle.set()
+            await self._wake.wait()
+
+    async def _publish_event(
+        self, client: aiomqtt.Client, event: dict[str, Any], window: asyncio.Semaphore
+    ) -> None:
+        try:
+            await client.publish(event_topic(self.cluster, event["kind"]), _encode(event), qos=1)
+        finally:
+            window.release()
+        with self._lock:
+            self._buffer.ack(event["seq"])
+        self._mark_progress()
+
+    async def _publish_status(
+        self,
+        client: aiomqtt.Client,
+        status: dict[str, Any],
+        version: int,
+        window: asyncio.Semaphore,
+    ) -> None:
+        try:
+            await client.publish(
+                node_topic(self.cluster, self.node_id), _encode(status), qos=1, retain=True
+            )
+        except BaseException:
+            with self._lock:
+                self._status_dirty = True
+            raise
+        finally:
+            window.release()
+        with self._lock:
+            self._status_acked = max(self._status_acked, version)
+        self._mark_progress()
+
+    def _mark_progress(self) -> None:
+        assert self._idle is not None and self._wake is not None
+        if self._is_drained():
+            self._idle.set()
+
+    def _offline_payload(self) -> bytes:
+        return _encode({"cluster": self.cluster, "node_id": self.node_id, "online": False})
+
+    def _log(self, event: dict[str, Any]) -> None:
+        fields = _log_fields(event)
+        if event["kind"] in SECURITY_KINDS:
+            log.warning("cluster event", **fields)
+        else:
+            log.info("cluster event", **fields)
+
+
+def _on_publish_done(
+    task: asyncio.Task[None], publishers: set[asyncio.Task[None]], failed: asyncio.Future[None]
+) -> None:
+    publishers.discard(task)
+    if task.cancelled():
+        return
+    err = task.exception()
+    if err is not None and not failed.done():
+        failed.set_exception(err)
+
+
+async def _watch_disconnect(client: aiomqtt.Client) -> None:
+    # The messages iterator raises MqttError when the connection drops; we subscribe to nothing,
+    # so this is the public way to learn about a disconnect while no publish is outstanding.
+    async for _ in client.messages:
+        pass
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, default=str, separators=(",", ":")).encode()
+
+
+def _log_fields(event: dict[str, Any]) -> dict[str, Any]:
+    # "event" is structlog's message key; a payload field of that name must not collide with it.
+    return {("event_" if k == "event" else k): v for k, v in event.items()}
+
+
+async def follow(
+    cluster: str,
+    host: str,
+    port: int = 1883,
+    kinds: Iterable[str] | None = None,
+    *,
+    dedupe: bool = True,
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield events of ``cluster`` (only ``kinds`` when given) as they arrive.
+
+    Raises ``aiomqtt.MqttError`` when the broker cannot be reached or the connection drops.
+    Re-sent duplicates (same node, seq and ts) are skipped unless ``dedupe`` is False.
+    """
+    wanted = sorted(set(kinds)) if kinds else ["+"]
+    seen: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
+    async with aiomqtt.Client(host, port, identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}") as c:
+        for kind in wanted:
+            await c.subscribe(event_topic(cluster, kind), qos=1)
+        async for message in c.messages:
+            raw = message.payload
+            try:
+                event = json.loads(raw if isinstance(raw, bytes | bytearray | str) else str(raw))
+            except ValueError:
+                log.warning("undecodable event", topic=str(message.topic))
+                continue
+            if not isinstance(event, dict):
+                continue
+            if dedupe:
+                key = (event.get("node_id"), event.get("seq"), event.get("ts"))
+                if key in seen:
+                    continue
+                seen[key] = None
+                if len(seen) > 10 * RECENT_SIZE:
+                    seen.popitem(last=False)
+            yield event

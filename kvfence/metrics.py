@@ -1,0 +1,144 @@
+"""Prometheus metrics of one kvfence service, in a registry of its own.
+
+Every metric is named ``kvfence_*`` and every sample carries a ``service`` label (a constant label
+added at collection time, so code increments ``requests_total.labels(status="ok")`` without it).
+A registry per instance keeps several services in one process (tests, the local stack) apart.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+NAMESPACE = "kvfence"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
+
+
+class _ConstLabels(Collector):
+    """Re-exposes every metric of ``inner`` with ``labels`` added to each sample."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]):
+        self._inner = inner
+        self._labels = labels
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples]
+            yield out
+
+
+class Metrics:
+    """The metrics every kvfence service exposes; attribute names are the contract."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self._inner = CollectorRegistry(auto_describe=True)
+        # What render() and the HTTP endpoint expose: the inner metrics plus the service label.
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ConstLabels(self._inner, {"service": service}))
+        r = self._inner
+
+        self.requests_total = Counter(
+            "requests_total",
+            "Requests finished, by final status.",
+            ["status"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.admission_rejections_total = Counter(
+            "admission_rejections_total",
+            "Requests rejected at admission.",
+            ["reason"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.integrity_failures_total = Counter(
+            "integrity_failures_total",
+            "KV integrity checks that failed (manifest, tag, checksum, count, MAC).",
+            ["check"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.transfer_bytes_total = Counter(
+            "transfer_bytes_total",
+            "KV bytes moved from prefill to decode.",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "transfer_seconds",
+            "Duration of one KV transfer.",
+            buckets=TRANSFER_BUCKETS,
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.pages = Gauge(
+            "pages",
+            "KV pages by state (free, held, quarantined).",
+            ["state"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "ttft_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.inter_token_seconds = Histogram(
+            "inter_token_seconds",
+            "Time between consecutive tokens.",
+            buckets=TOKEN_BUCKETS,
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.rpcs_total = Counter(
+            "rpcs_total",
+            "gRPC calls served, by method.",
+            ["method"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.events_dropped_total = Counter(
+            "events_dropped_total",
+            "Cluster events dropped because the buffer was full.",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve the metrics over HTTP in a daemon thread (port 0 = ephemeral); returns the port."""
+        if self._server is not None:
+            raise RuntimeError(f"metrics of {self.service} already served on {self.port}")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else int(self._server.server_port)
+
+    def stop(self) -> None:
+        """Stop the HTTP server (no-op when not serving)."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)

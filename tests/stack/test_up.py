@@ -1,0 +1,66 @@
+"""`kvfence up` serves and leaves nothing running after SIGTERM; foreign nodes are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import yaml
+from stack_harness import Stack
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_serves_and_stops_cleanly(tmp_path):
+    stack = Stack(tmp_path / "s").start()
+    procs = [psutil.Process(stack.proc.pid), *stack.children]
+    assert len(procs) == 4  # up, control plane, one prefill, one decode
+    out = (tmp_path / "s" / "up.out").read_text()
+    assert f"kvfence ready: {stack.target}" in out and "kvfence generate" in out
+    with stack.client() as c:
+        result = c.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, ignore_eos=True)
+    assert len(result.token_ids) == 3
+    up = json.loads((tmp_path / "s" / "up.json").read_text())
+    assert set(up) >= {"target", "admin_token", "api_keys"} and "demo" in up["api_keys"]
+    stack.stop()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+
+
+def test_node_with_other_model_is_refused(tmp_path):
+    stack = Stack(tmp_path / "s").start()
+    try:
+        from kvfence.model.tiny import ensure_tiny_model
+
+        other = ensure_tiny_model(tmp_path / "other")
+        cfg_file = tmp_path / "s" / "up-config.yaml"
+        cfg = yaml.safe_load(cfg_file.read_text())
+        # Same architecture, one weight changed: a different fingerprint.
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        weights = next(other.glob("*.safetensors"))
+        state = load_file(weights)
+        name = sorted(state)[0]
+        state[name] = state[name] + 1e-3
+        save_file(state, weights)
+        cfg["model"]["path"] = str(other)
+        other_cfg = tmp_path / "other.yaml"
+        other_cfg.write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "KVFENCE__NODE__NODE_ID": "intruder"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvfence", "serve", "decode", "--config", str(other_cfg)],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert proc.returncode != 0
+        assert "fingerprint" in (proc.stderr + proc.stdout)
+        with stack.admin() as admin:
+            ids = sorted(n.node_id for n in admin.list_nodes().nodes)
+        # control: the stack's own nodes, with the right model, were accepted
+        assert ids == ["decode-0", "prefill-0"]
+        del torch
+    finally:
+        stack.stop()

@@ -1,0 +1,75 @@
+"""Metrics: the attribute contract, the service label, render() and the HTTP endpoint."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from kvfence.metrics import Metrics
+
+
+def make_metrics(service: str = "decode") -> Metrics:
+    m = Metrics(service)
+    m.requests_total.labels(status="ok").inc(3)
+    m.admission_rejections_total.labels(reason="too_long").inc()
+    m.integrity_failures_total.labels(check="checksum").inc(2)
+    m.transfer_bytes_total.inc(4096)
+    m.transfer_seconds.observe(0.003)
+    m.pages.labels(state="free").set(10)
+    m.pages.labels(state="held").set(5)
+    m.pages.labels(state="quarantined").set(1)
+    m.ttft_seconds.observe(0.2)
+    m.inter_token_seconds.observe(0.02)
+    m.rpcs_total.labels(method="Reserve").inc()
+    m.events_dropped_total.inc(7)
+    return m
+
+
+EXPECTED = [
+    'kvfence_requests_total{service="decode",status="ok"} 3.0',
+    'kvfence_admission_rejections_total{reason="too_long",service="decode"} 1.0',
+    'kvfence_integrity_failures_total{check="checksum",service="decode"} 2.0',
+    'kvfence_transfer_bytes_total{service="decode"} 4096.0',
+    'kvfence_transfer_seconds_count{service="decode"} 1.0',
+    'kvfence_pages{service="decode",state="free"} 10.0',
+    'kvfence_pages{service="decode",state="held"} 5.0',
+    'kvfence_pages{service="decode",state="quarantined"} 1.0',
+    'kvfence_ttft_seconds_count{service="decode"} 1.0',
+    'kvfence_inter_token_seconds_bucket{le="0.025",service="decode"} 1.0',
+    'kvfence_rpcs_total{method="Reserve",service="decode"} 1.0',
+    'kvfence_events_dropped_total{service="decode"} 7.0',
+]
+
+
+def test_render_shows_every_metric_with_the_service_label() -> None:
+    lines = make_metrics().render().decode().splitlines()
+    for want in EXPECTED:
+        assert want in lines, want
+    samples = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert all(ln.startswith("kvfence_") and 'service="decode"' in ln for ln in samples)
+
+
+def test_registries_are_separate_per_instance() -> None:
+    a, b = make_metrics("prefill"), Metrics("prefill")  # same name twice: no duplicate error
+    assert b'kvfence_requests_total{service="prefill",status="ok"} 3.0' in a.render()
+    assert b"status=" not in b.render()  # b counted nothing
+
+
+def test_serve_over_http_on_an_ephemeral_port() -> None:
+    m = make_metrics()
+    port = m.serve(0)
+    try:
+        assert port > 0 and m.port == port
+        with pytest.raises(RuntimeError, match="already served"):
+            m.serve(0)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        m.requests_total.labels(status="DATA_LOSS").inc()
+        again = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    finally:
+        m.stop()
+    for want in EXPECTED:
+        assert want.encode() in body
+    assert b'status="DATA_LOSS"' not in body and b'status="DATA_LOSS"' in again
+    assert m.port is None
+    m.stop()  # idempotent
