@@ -10,12 +10,27 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import structlog
 
 _configured_mode: str | None = None
+
+
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is at write time (test runners and CLIs swap it), and a log line
+    that cannot be written is dropped: logging must never fail a request."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except (ValueError, OSError):
+            return 0
+
+    def flush(self) -> None:
+        with suppress(ValueError, OSError):
+            sys.stderr.flush()
 
 
 def configure(mode: str = "json", level: str = "INFO") -> None:
@@ -38,7 +53,7 @@ def configure(mode: str = "json", level: str = "INFO") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     _configured_mode = mode

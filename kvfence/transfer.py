@@ -44,9 +44,16 @@ BODY_TAG = 2
 REPLY_LEN_TAG = 3
 REPLY_BODY_TAG = 4
 PAGE_TAG = 1 << 20
+LINGER_TAG = 99  # never sent: a receive on it ends when the peer closes
 MAX_CONTROL_BYTES = 1 << 20
 
 log = kvlog.get_logger("transfer")
+
+
+# Reasons that mean the bytes or the protocol were wrong (not merely slow or lost): DATA_LOSS.
+INTEGRITY_REASONS = frozenset(
+    {"DUPLICATE_PAGE", "COVERAGE", "PROTOCOL", "BAD_AUTHENTICATOR", "REPLAY", "UNKNOWN_RESERVATION"}
+)
 
 
 class TransferError(Exception):
@@ -239,9 +246,19 @@ class KvReceiver:
                 )
             with contextlib.suppress(Exception):
                 await _send_json(ep, {"ok": False, "error": t.error}, reply=True)
+                await self._linger(ep)
         finally:
             t.ep = None
             t.done.set()
+
+    async def _linger(self, ep: Any) -> None:
+        """Keep a failed endpoint open until the sender closes it (or a batch timeout), so the
+        sender reads the reason instead of a connection reset. Page bytes it still sends match no
+        posted receive and never reach a page."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                ep.recv(np.empty(1, np.uint8), tag=LINGER_TAG), self.batch_timeout_s
+            )
 
     async def _receive_batches(self, ep: Any, t: InboundTransfer) -> None:
         page_bytes = self.pool.page_bytes
@@ -310,6 +327,7 @@ async def send_pages(
     max_batch_bytes: int,
     batch_timeout_s: float,
     auth_override: str | None = None,
+    stall_after_hello_s: float = 0.0,
 ) -> float:
     """Send ``pages`` to decode; returns seconds taken. Raises TransferError on the first error."""
     import ucxx
@@ -329,12 +347,12 @@ async def send_pages(
         }
         await _send_json(ep, hello)
         await _expect_ok(ep, batch_timeout_s)
+        if stall_after_hello_s:  # fault hook only: a sender that stalls mid-transfer
+            await asyncio.sleep(stall_after_hello_s)
         for b in range(0, len(pages), per_batch):
             batch = pages[b : b + per_batch]
             await _send_json(ep, {"indices": [p.index for p in batch]})
-            sends = [ep.send(p.data, tag=PAGE_TAG + k) for k, p in enumerate(batch)]
-            await asyncio.wait_for(asyncio.gather(*sends), batch_timeout_s)
-            await _expect_ok(ep, batch_timeout_s)
+            await _send_batch(ep, batch, batch_timeout_s)
         await _send_json(ep, {"done": True})
         await _expect_ok(ep, batch_timeout_s)
     except TimeoutError as err:
@@ -349,7 +367,36 @@ async def send_pages(
     return time.perf_counter() - start
 
 
+async def _send_batch(ep: Any, batch: Sequence[OutboundPage], timeout: float) -> None:
+    """Send one batch and wait for decode's verdict. A refusal can arrive while page sends are
+    still pending (decode never posts receives for a bad batch), so wait for either."""
+    sends = asyncio.ensure_future(
+        asyncio.gather(*[ep.send(p.data, tag=PAGE_TAG + k) for k, p in enumerate(batch)])
+    )
+    reply = asyncio.ensure_future(_recv_json(ep, reply=True))
+    try:
+        done, _ = await asyncio.wait(
+            {sends, reply}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if reply in done:
+            _check_reply(reply.result())
+        if not done:
+            raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
+        await asyncio.wait_for(asyncio.shield(sends), timeout)
+        _check_reply(await asyncio.wait_for(asyncio.shield(reply), timeout))
+    finally:
+        for task in (sends, reply):
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: the caller sees the first error only
+
+
 async def _expect_ok(ep: Any, timeout: float) -> None:
-    reply = await asyncio.wait_for(_recv_json(ep, reply=True), timeout)
+    _check_reply(await asyncio.wait_for(_recv_json(ep, reply=True), timeout))
+
+
+def _check_reply(reply: dict[str, Any]) -> None:
     if not reply.get("ok"):
-        raise TransferError(f"decode refused: {reply.get('error')}", str(reply.get("error")))
+        reason = str(reply.get("error"))
+        raise TransferError(f"decode refused: {reason}", reason, timeout=reason == "TIMEOUT")

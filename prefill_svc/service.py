@@ -25,7 +25,14 @@ import kernels
 from kvfence import logging as kvlog
 from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
-from kvfence.errors import InvalidArgument, KvfenceError, ResourceExhausted, Unavailable
+from kvfence.errors import (
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+    KvfenceError,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvfence.events import EventBus
 from kvfence.faults import Fault, FaultHook
 from kvfence.kv.pool import PageRef, PageState
@@ -34,7 +41,13 @@ from kvfence.model.sampling import sample_one
 from kvfence.node import NodeRuntime, sampling_from_proto
 from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from kvfence.server import abort
-from kvfence.transfer import OutboundPage, TransferError, page_buffer, send_pages
+from kvfence.transfer import (
+    INTEGRITY_REASONS,
+    OutboundPage,
+    TransferError,
+    page_buffer,
+    send_pages,
+)
 
 log = kvlog.get_logger("prefill")
 
@@ -237,8 +250,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 reason=err.reason,
                 decode_node=res.decode_node_id,
             )
-            cls = Unavailable if not err.timeout else _deadline()
-            raise cls(f"KV transfer to decode failed: {err}", reason=err.reason) from None
+            raise transfer_status(err) from None
         nbytes = len(outbound) * page_bytes
         self.metrics.transfer_bytes_total.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
@@ -254,8 +266,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         stall: float,
     ) -> float:
         res = req.reservation
-        if stall:
-            await asyncio.sleep(stall)
         return await send_pages(
             res.decode_ucx_address,
             reservation_id=res.reservation_id,
@@ -266,6 +276,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             max_batch_bytes=self.cfg.transfer.max_batch_bytes,
             batch_timeout_s=self.cfg.transfer.batch_timeout_s,
             auth_override=auth,
+            stall_after_hello_s=stall,
         )
 
     # ---- release -----------------------------------------------------------------------------
@@ -294,10 +305,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.pages.labels(state="quarantined").set(s.quarantined)
 
 
-def _deadline() -> type[KvfenceError]:
-    from kvfence.errors import DeadlineExceeded
-
-    return DeadlineExceeded
+def transfer_status(err: TransferError) -> KvfenceError:
+    """DATA_LOSS when decode saw wrong bytes or protocol, DEADLINE_EXCEEDED on a timeout, else
+    UNAVAILABLE (decode unreachable or lost mid-transfer)."""
+    message = f"KV transfer to decode failed: {err}"
+    if err.reason in INTEGRITY_REASONS:
+        return IntegrityError(message, reason=err.reason)
+    if err.timeout:
+        return DeadlineExceeded(message, reason=err.reason)
+    return Unavailable(message, reason=err.reason)
 
 
 def node_stats(rt: NodeRuntime, rpc_count: int, active: int) -> prefill_pb2.NodeStats:

@@ -10,21 +10,39 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import psutil
-import pytest
+import psutil  # noqa: E402
+import pytest  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
+def _live_children() -> dict[int, psutil.Process]:
+    live = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live[p.pid] = p
+        except psutil.NoSuchProcess:
+            pass
+    return live
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()[:5])
+    except psutil.Error:
+        return f"pid {p.pid}"
+
+
+@pytest.fixture(autouse=True, scope="module")
 def _no_leaked_children():
-    """Every test leaves no child process behind (services, brokers, stacks)."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    """Every test module leaves no child process behind (services, brokers, stacks); module scope
+    because a module's shared stack legitimately outlives (and may restart nodes during) a test."""
+    before = set(_live_children())
     yield
-    leaked = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and p.is_running()
-    ]
-    leaked = [p for p in leaked if p.status() != psutil.STATUS_ZOMBIE]
+    leaked = [p for pid, p in _live_children().items() if pid not in before]
+    names = [_cmd(p) for p in leaked]
     for p in leaked:
-        p.kill()
-    assert not leaked, f"test left processes running: {[p.cmdline()[:4] for p in leaked]}"
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not leaked, f"test module left processes running: {names}"

@@ -1,1 +1,18 @@
-"""kvfence.model: the Llama-family engine that prefill and decode run."""
+"""kvfence.model: the Llama-family engine that prefill and decode run.
+
+Modules (import them directly; this package imports nothing so that ``kvfence.model.tiny`` stays
+cheap for static checks):
+
+* ``loader``: ``load_model(path, dtype=, device=) -> LoadedModel`` (``.model``, ``.args``,
+  ``.shape``, ``.fingerprint``, ``.eos_token_ids``), ``read_model_shape(path)``,
+  ``fingerprint(path)``.
+* ``llama``: ``ModelArgs``, ``Transformer`` (flat tokens + an ``attend`` callback per layer).
+* ``engine``: ``Engine(model, pool)`` with ``prefill(token_ids, pages)`` and
+  ``decode_step([DecodeItem]) -> (logits, error_flags)``.
+* ``sampling``: ``SamplingParams``, ``sample``/``sample_one`` (seeded by request seed and step),
+  ``find_stop``.
+* ``scheduler``: ``Scheduler`` (continuous batching; ``add``, ``add_prefilled``, ``abort``,
+  ``step``), ``SequenceStatus``, ``StepOutput``.
+* ``colocated``: ``ColocatedEngine.generate`` (the differential-test reference), ``logit_gaps``.
+* ``tiny``: ``TINY_CONFIG``, ``write_tiny_model(dir)``, ``ensure_tiny_model(dir=None)``.
+"""

@@ -6,7 +6,20 @@ the KV shape from it when the config names no checkpoint.
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, safetensors and tokenizers are imported inside the writers: static config checks import
+# this module for TINY_CONFIG alone and must stay fast.
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -27,3 +40,111 @@ TINY_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 TINY_SEED = 20260829
+
+TINY_DIR_ENV = "KVFENCE_TINY_MODEL_DIR"
+_WEIGHTS = "model.safetensors"
+_UNRENDERED = [0, 1, *range(259, TINY_CONFIG["vocab_size"])]
+
+
+def tiny_state_dict() -> dict[str, torch.Tensor]:
+    """The tiny model's weights, a pure function of TINY_CONFIG and TINY_SEED.
+
+    Linear weights are scaled by 1/sqrt(fan_in) so activations stay O(1) through the layers, and
+    the LM head by 4/sqrt(hidden) so logits spread over several units: a greedy run then produces
+    varied tokens with clear margins instead of near-ties or a single repeated id. Drawn in
+    float32 on the CPU generator, so every machine writes the same bytes.
+    """
+    import torch
+
+    from kvfence.model.llama import ModelArgs, Transformer
+
+    args = ModelArgs.from_hf_config(TINY_CONFIG)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    gen = torch.Generator().manual_seed(TINY_SEED)
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(shapes):  # sorted: the draw order must not depend on module layout
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            state[name] = torch.randn(shape, generator=gen)
+        elif name == "lm_head.weight":
+            head = torch.randn(shape, generator=gen) * (4.0 / math.sqrt(shape[1]))
+            # Ids the byte tokenizer cannot render (and <pad>, <s>) rarely win, so text is readable.
+            head[_UNRENDERED] *= 0.25
+            state[name] = head
+        else:
+            state[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def write_tiny_model(directory: Path | str) -> Path:
+    """Write the embedded model (config, weights, tokenizer) to ``directory``; same bytes always."""
+    from safetensors.torch import save_file
+
+    from kvfence.tokenizer import byte_level_tokenizer_json
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2, sort_keys=True) + "\n")
+    gen_cfg = {
+        "bos_token_id": TINY_CONFIG["bos_token_id"],
+        "eos_token_id": TINY_CONFIG["eos_token_id"],
+    }
+    (out / "generation_config.json").write_text(
+        json.dumps(gen_cfg, indent=2, sort_keys=True) + "\n"
+    )
+    (out / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    save_file(tiny_state_dict(), str(out / _WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+def default_tiny_dir() -> Path:
+    """Where the services keep the embedded model: $KVFENCE_TINY_MODEL_DIR or the user cache.
+
+    The folder name carries a hash of TINY_CONFIG and TINY_SEED, so changing either never reuses a
+    stale copy.
+    """
+    if os.environ.get(TINY_DIR_ENV):
+        return Path(os.environ[TINY_DIR_ENV])
+    canonical = json.dumps([TINY_CONFIG, TINY_SEED], sort_keys=True, separators=(",", ":"))
+    tag = hashlib.sha256(canonical.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvfence" / f"tiny-llama-{tag}"
+
+
+def _is_complete(directory: Path) -> bool:
+    cfg = directory / "config.json"
+    names = ("generation_config.json", "tokenizer.json", _WEIGHTS)
+    if not cfg.exists() or not all((directory / n).exists() for n in names):
+        return False
+    try:
+        return bool(json.loads(cfg.read_text()) == TINY_CONFIG)
+    except json.JSONDecodeError:
+        return False
+
+
+def ensure_tiny_model(directory: Path | str | None = None) -> Path:
+    """The embedded model's folder, written first if it is missing or incomplete.
+
+    Safe when several processes start at once: each writes into its own temporary folder and
+    renames it into place; a loser of the race discards its copy (the bytes are identical anyway).
+    """
+    target = Path(directory) if directory is not None else default_tiny_dir()
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_tiny_model(tmp)
+        if target.exists() and not _is_complete(target):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not _is_complete(target):  # not a lost race but a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,156 @@
+"""kvfence kernels: paged attention with a generation check, KV write, page checksum, page scrub.
+
+Every public function dispatches on the device of its tensors: CUDA tensors run the Triton kernel
+in ``kernels.triton_impl``, CPU tensors run the torch reference in ``kernels.reference``. Both
+follow one contract; the attention output agrees to float tolerance, the other three bit for bit.
+Triton is imported only when a CUDA tensor arrives, so the CPU path works where triton is missing
+or broken.
+
+Pool layout (``kvfence.kv.pool``): ``kv_pages`` is ``[num_pages, num_layers, 2, page_size,
+num_kv_heads, head_dim]`` (dim 2: 0 = K, 1 = V), contiguous; ``page_gen`` is int64 ``[num_pages]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+__all__ = [
+    "CHECKSUM_ALGO",
+    "checksum_as_uint64",
+    "checksum_seed",
+    "page_checksum",
+    "paged_decode_attention",
+    "scrub_pages",
+    "write_kv_pages",
+]
+
+CHECKSUM_ALGO = "kvf-mulfold64-v1"
+"""Name of the page checksum algorithm; manifests carry it and decode refuses any other.
+
+For a page of W 32-bit words ``w[i]`` (the page's raw bytes, little-endian; two float16/bfloat16
+elements per word) and a seed ``s``::
+
+    m       = fmix64(s) | 1                                   # MurmurHash3 finalizer, made odd
+    x[i]    = (sign_extend64(w[i]) ^ (i << 32)) * m   mod 2**64
+    term[i] = x[i] ^ (x[i] >> 32)                              # logical shift
+    checksum = sum(term[i]) mod 2**64
+
+The multiply and the fold mix word, index and seed nonlinearly per word; the sum is associative and
+commutative, so Triton's block order cannot change the result. It detects corruption and misplaced
+pages; it is not a MAC (the manifest's HMAC is).
+"""
+
+
+def checksum_seed(reservation_id: str, page_index: int) -> int:
+    """The checksum seed of page ``page_index`` of a reservation, as a signed int64.
+
+    The first 8 bytes (little-endian) of blake2b over ``reservation_id`` and the index, so a correct
+    copy of another page, or of a page of another reservation, fails the check.
+    """
+    if page_index < 0:
+        raise ValueError(f"page_index must be >= 0, got {page_index}")
+    digest = hashlib.blake2b(
+        f"{reservation_id}\x00{page_index}".encode(), digest_size=8, person=b"kvfence-ck"
+    ).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def checksum_as_uint64(value: int) -> int:
+    """The unsigned value (the proto's uint64) of an element of ``page_checksum``'s int64 result."""
+    return value & ((1 << 64) - 1)
+
+
+def _impl(device: torch.device) -> ModuleType:
+    """The Triton launchers for CUDA tensors, the torch references otherwise."""
+    if device.type != "cuda":
+        return reference
+    try:
+        from kernels import triton_impl
+    except Exception as exc:  # a broken triton install must not take serving down
+        warnings.warn(f"triton unusable ({exc!r}); running torch references on CUDA", stacklevel=3)
+        return reference
+    return triton_impl
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of attention over paged KV, with the page-ownership check in the kernel.
+
+    Args:
+        q: ``[B, num_heads, head_dim]`` the step's queries (pool dtype). ``num_heads`` is a multiple
+            of ``num_kv_heads``; head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+        kv_pages: the pool; ``layer`` selects the layer read.
+        block_tables: int32 ``[B, max_pages]`` page ids; entries at or beyond
+            ``ceil(seq_len / page_size)`` are ignored (any value).
+        expected_gen: int64 ``[B, max_pages]`` the generation each table entry was allocated at.
+        page_gen: int64 ``[num_pages]`` the pool's current generations.
+        seq_lens: int32 ``[B]`` valid tokens per sequence (>= 1); later positions are never read.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``out`` ``[B, num_heads, head_dim]`` in q's dtype (float32 accumulation), and
+        ``error_flags`` bool ``[B]``: True when a page the sequence reads has ``page_gen[page] !=
+        expected_gen``, an id outside the pool, or ``seq_len`` needs more pages than ``max_pages``.
+        A flagged row reads no K/V and its output is zeros; the caller must fail that request.
+    """
+    return _impl(q.device).paged_decode_attention(  # type: ignore[no-any-return]
+        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens, scale
+    )
+
+
+def write_kv_pages(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write one layer's K and V for ``T`` tokens into the pool, in place.
+
+    ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` in the pool dtype. ``slot_mapping``: int64
+    ``[T]``, ``slot = page_id * page_size + offset``; ``-1`` skips the token. Slots must be
+    distinct. A slot outside the pool raises ``ValueError`` on CPU; on CUDA (no host sync) the
+    token is dropped, never written elsewhere, and the page checksum catches the missing write.
+    """
+    _impl(k.device).write_kv_pages(k, v, kv_pages, layer, slot_mapping)
+
+
+def page_checksum(
+    kv_pages: torch.Tensor, page_ids: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """Checksum of each listed whole page (all layers, K and V): int64 ``[N]``.
+
+    Each element holds the bit pattern of a uint64 (``checksum_as_uint64`` gives the unsigned
+    value); the algorithm is ``CHECKSUM_ALGO``. ``page_ids``: int32/int64 ``[N]`` in
+    ``[0, num_pages)`` (checked; raises ``ValueError``). ``seeds``: int64 ``[N]``, one per page,
+    from ``checksum_seed``.
+    """
+    return _impl(kv_pages.device).page_checksum(  # type: ignore[no-any-return]
+        kv_pages, page_ids, seeds
+    )
+
+
+def scrub_pages(
+    kv_pages: torch.Tensor, page_ids: torch.Tensor, from_slot: int | torch.Tensor = 0
+) -> None:
+    """Zero slots ``>= from_slot`` of each listed page, all layers, K and V, in place.
+
+    ``from_slot`` 0 zeroes whole pages; a partly filled last page passes its token count. It is an
+    int for all pages or an int tensor ``[N]`` per page, each in ``[0, page_size]``. ``page_ids``:
+    int32/int64 ``[N]`` in ``[0, num_pages)`` (checked; raises ``ValueError``).
+    """
+    _impl(kv_pages.device).scrub_pages(kv_pages, page_ids, from_slot)

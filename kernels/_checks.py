@@ -1,0 +1,116 @@
+"""Argument checks shared by the torch references and the Triton launchers.
+
+Only metadata is inspected here (shapes, dtypes, devices, strides): reading tensor *contents* would
+synchronise with the device, which the decode hot path must not do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_pool(kv_pages: torch.Tensor) -> None:
+    """The pool is ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` and contiguous.
+
+    Contiguity is part of the design (one page is one UCX message) and the checksum reads raw bytes.
+    """
+    if kv_pages.dim() != 6 or kv_pages.shape[2] != 2:
+        raise ValueError(
+            "kv_pages must be [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(kv_pages.shape)}"
+        )
+    if kv_pages.dtype not in POOL_DTYPES:
+        raise ValueError(f"kv_pages dtype must be one of {POOL_DTYPES}, got {kv_pages.dtype}")
+    if not kv_pages.is_contiguous():
+        raise ValueError("kv_pages must be contiguous (one page is one contiguous buffer)")
+
+
+def check_layer(kv_pages: torch.Tensor, layer: int) -> None:
+    if not 0 <= layer < kv_pages.shape[1]:
+        raise ValueError(f"layer {layer} out of range for a pool with {kv_pages.shape[1]} layers")
+
+
+def check_same_device(*tensors: torch.Tensor) -> torch.device:
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
+    return device
+
+
+def check_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    check_pool(kv_pages)
+    check_layer(kv_pages, layer)
+    check_same_device(q, kv_pages, block_tables, expected_gen, page_gen, seq_lens)
+    num_kv_heads, head_dim = kv_pages.shape[4], kv_pages.shape[5]
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [B, num_heads, {head_dim}], got {tuple(q.shape)}")
+    if q.dtype != kv_pages.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the pool dtype {kv_pages.dtype}")
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    batch = q.shape[0]
+    check_dtype("block_tables", block_tables, torch.int32)
+    check_dtype("expected_gen", expected_gen, torch.int64)
+    check_dtype("page_gen", page_gen, torch.int64)
+    check_dtype("seq_lens", seq_lens, torch.int32)
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_pages], got {block_tables.shape}")
+    if expected_gen.shape != block_tables.shape:
+        raise ValueError(
+            f"expected_gen shape {tuple(expected_gen.shape)} differs from block_tables "
+            f"{tuple(block_tables.shape)}"
+        )
+    if page_gen.shape != (kv_pages.shape[0],):
+        raise ValueError(f"page_gen must be [{kv_pages.shape[0]}], got {tuple(page_gen.shape)}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be [{batch}], got {tuple(seq_lens.shape)}")
+
+
+def check_write_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    check_pool(kv_pages)
+    check_layer(kv_pages, layer)
+    check_same_device(k, v, kv_pages, slot_mapping)
+    want = (slot_mapping.shape[0], kv_pages.shape[4], kv_pages.shape[5])
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be {want}, got {tuple(t.shape)}")
+        if t.dtype != kv_pages.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from the pool dtype {kv_pages.dtype}")
+    check_dtype("slot_mapping", slot_mapping, torch.int64)
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be [T], got {tuple(slot_mapping.shape)}")
+
+
+def check_page_ids(page_ids: torch.Tensor, kv_pages: torch.Tensor) -> None:
+    check_same_device(page_ids, kv_pages)
+    check_dtype("page_ids", page_ids, torch.int32, torch.int64)
+    if page_ids.dim() != 1:
+        raise ValueError(f"page_ids must be [N], got {tuple(page_ids.shape)}")
+
+
+def check_page_ids_in_range(page_ids: torch.Tensor, num_pages: int) -> None:
+    """Contents check (synchronises on a device): checksum and scrub are off the decode hot path."""
+    if page_ids.numel() and (int(page_ids.min()) < 0 or int(page_ids.max()) >= num_pages):
+        raise ValueError(f"page_ids must lie in [0, {num_pages}), got {page_ids.tolist()[:16]}")

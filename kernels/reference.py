@@ -1,0 +1,233 @@
+"""Torch references for the four kernels; the CPU services run these on every step.
+
+Each function has the same contract as its Triton twin in ``kernels.triton_impl``: the attention
+output matches to float tolerance (the reduction order differs), the other three match bit for bit.
+Everything is vectorised over tokens; the only Python loops run over pages or chunks of a page.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernels import _checks
+
+_U64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    """Reinterpret the low 64 bits of ``x`` as a two's-complement int64."""
+    x &= _U64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def fmix64(x: int) -> int:
+    """MurmurHash3's 64-bit finalizer on a Python int (taken mod 2**64), returned unsigned."""
+    x &= _U64
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _U64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _U64
+    x ^= x >> 33
+    return x
+
+
+def seed_multiplier(seed: int) -> int:
+    """The per-page odd multiplier of the checksum, as a signed int64 (see ``page_checksum``)."""
+    return _signed64(fmix64(seed) | 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# paged decode attention
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``kernels.paged_decode_attention`` (same contract)."""
+    _checks.check_attention_args(q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens)
+    batch, num_heads, head_dim = q.shape
+    num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    max_pages = block_tables.shape[1]
+    group = num_heads // num_kv_heads
+    device = q.device
+
+    seq = seq_lens.to(torch.int64)  # (B,)
+    n_pages = (seq.clamp(min=0) + page_size - 1) // page_size  # (B,)
+    page_idx = torch.arange(max_pages, device=device)  # (max_pages,)
+    read = page_idx[None, :] < n_pages[:, None]  # (B, max_pages) pages the sequence reads
+    pid = block_tables.to(torch.int64)
+    in_range = (pid >= 0) & (pid < num_pages)
+    safe_pid = torch.where(in_range, pid, 0)
+    stale = ~in_range | (page_gen[safe_pid] != expected_gen)
+    # A sequence longer than its block table can describe is as wrong as a stale page.
+    bad = (read & stale).any(dim=1) | (n_pages > max_pages)  # (B,)
+
+    # Flagged rows and unread table entries gather page 0 and are masked out below, so no byte of
+    # a page the sequence does not own enters the arithmetic of its output.
+    n_read = int(torch.where(bad, 0, n_pages).max()) if batch else 0
+    n_read = max(n_read, 1)
+    use = read[:, :n_read] & ~bad[:, None]  # (B, n_read)
+    gather = torch.where(use, safe_pid[:, :n_read], 0)  # (B, n_read)
+    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view
+    k = layer_kv[gather, 0].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
+    v = layer_kv[gather, 1].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
+
+    pos = torch.arange(n_read * page_size, device=device)  # (T,)
+    valid = (pos[None, :] < seq[:, None]) & ~bad[:, None]  # (B, T)
+    # Slots past seq_len hold whatever was there before (even NaN): zero them so 0 * garbage
+    # cannot leak into the sum, as the kernel's masked loads never read them.
+    keep = valid[:, :, None, None]  # (B, T, 1, 1)
+    k = torch.where(keep, k.float(), 0.0)  # (B, T, kvh, D)
+    v = torch.where(keep, v.float(), 0.0)
+    qf = q.float().reshape(batch, num_kv_heads, group, head_dim)  # (B, kvh, G, D)
+    scores = torch.einsum("bkgd,btkd->bkgt", qf, k) * scale  # (B, kvh, G, T)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # Rows with nothing valid (flagged, or an invalid seq_len <= 0) would softmax to NaN: zero them.
+    has_any = valid.any(dim=1)  # (B,)
+    probs = torch.softmax(torch.where(has_any[:, None, None, None], scores, 0.0), dim=-1)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # (B, kvh, G, D)
+    out = torch.where(has_any[:, None, None, None], out, 0.0)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype), bad
+
+
+# --------------------------------------------------------------------------------------------------
+# KV page write
+
+
+def write_kv_pages(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Torch reference of ``kernels.write_kv_pages``.
+
+    Raises ``ValueError`` for a slot outside ``[-1, num_pages * page_size)``; the Triton kernel,
+    which cannot raise without a host sync, drops such tokens instead of writing outside the pool.
+    """
+    _checks.check_write_args(k, v, kv_pages, layer, slot_mapping)
+    num_pages, page_size = kv_pages.shape[0], kv_pages.shape[3]
+    if slot_mapping.numel() and (
+        int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_pages * page_size
+    ):
+        raise ValueError(f"slot_mapping must lie in [-1, {num_pages * page_size})")
+    keep = slot_mapping >= 0  # (T,)
+    slots = slot_mapping[keep]
+    page, offset = slots // page_size, slots % page_size
+    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view: index_put_ writes the pool
+    layer_kv[page, 0, offset] = k[keep]
+    layer_kv[page, 1, offset] = v[keep]
+
+
+# --------------------------------------------------------------------------------------------------
+# page checksum
+
+# Words per chunk: big enough to amortise op dispatch and use both threads of torch's pool, small
+# enough that the int64 working buffer (1 MiB) stays in cache between the passes over it.
+_CHUNK_WORDS = 1 << 17
+_POS_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _position_keys(words: int, device: torch.device) -> torch.Tensor:
+    """``i << 32`` for every word index of a page, cached per page size. (W,) int64."""
+    key = (words, device)
+    if key not in _POS_CACHE:
+        _POS_CACHE[key] = torch.arange(words, dtype=torch.int64, device=device) << 32
+    return _POS_CACHE[key]
+
+
+def page_words(kv_pages: torch.Tensor) -> torch.Tensor:
+    """The pool as 32-bit words, one row per page: (P, W) int32, a view of the pool's memory."""
+    _checks.check_pool(kv_pages)
+    flat = kv_pages.view(kv_pages.shape[0], -1)  # (P, elements per page)
+    if flat.shape[1] * flat.element_size() % 4:
+        raise ValueError("a page must be a whole number of 32-bit words")
+    return flat.view(torch.int32)
+
+
+def page_checksum(
+    kv_pages: torch.Tensor, page_ids: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of ``kernels.page_checksum`` (algorithm in ``kernels.CHECKSUM_ALGO``)."""
+    _checks.check_page_ids(page_ids, kv_pages)
+    _checks.check_same_device(seeds, kv_pages)
+    _checks.check_dtype("seeds", seeds, torch.int64)
+    if seeds.shape != page_ids.shape:
+        raise ValueError(f"seeds shape {tuple(seeds.shape)} differs from page_ids {page_ids.shape}")
+    _checks.check_page_ids_in_range(page_ids, kv_pages.shape[0])
+    # The lo ^= hi step below reads an int64 as two int32 halves, low half first.
+    assert sys.byteorder == "little", "the checksum reference assumes a little-endian host"
+    words = page_words(kv_pages)  # (P, W) int32
+    num_words = words.shape[1]
+    n = page_ids.shape[0]
+    out = torch.zeros(n, dtype=torch.int64, device=kv_pages.device)
+    if n == 0:
+        return out
+    mult = torch.tensor(
+        [seed_multiplier(s) for s in seeds.tolist()], dtype=torch.int64, device=kv_pages.device
+    )  # (N,)
+    pos = _position_keys(num_words, kv_pages.device)  # (W,)
+    cols = min(num_words, _CHUNK_WORDS)
+    rows = max(1, _CHUNK_WORDS // num_words)  # small pages: several per pass
+    buf = torch.empty(rows, cols, dtype=torch.int64, device=kv_pages.device)
+    id_list = page_ids.tolist()
+    for r0 in range(0, n, rows):
+        ids = page_ids[r0 : r0 + rows]
+        m = mult[r0 : r0 + rows, None]  # (R, 1)
+        for c0 in range(0, num_words, cols):
+            c1 = min(c0 + cols, num_words)
+            x = buf[: ids.shape[0], : c1 - c0]  # (R, C) int64
+            # One big page at a time reads a view; several small ones need a gather.
+            src = words[id_list[r0], None, c0:c1] if rows == 1 else words[ids, c0:c1]
+            x.copy_(src)  # sign-extends each word
+            x.bitwise_xor_(pos[c0:c1])  # word index into the high half
+            x.mul_(m)  # wraps mod 2**64
+            halves = x.view(torch.int32).unflatten(-1, (-1, 2))  # (R, C, 2): [lo, hi]
+            halves[..., 0].bitwise_xor_(halves[..., 1])  # x ^= x >>> 32
+            out[r0 : r0 + rows] += x.sum(dim=1)  # wrapping sum mod 2**64
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# page scrub
+
+
+def scrub_pages(
+    kv_pages: torch.Tensor, page_ids: torch.Tensor, from_slot: int | torch.Tensor
+) -> None:
+    """Torch reference of ``kernels.scrub_pages``."""
+    _checks.check_page_ids(page_ids, kv_pages)
+    _checks.check_page_ids_in_range(page_ids, kv_pages.shape[0])
+    starts = from_slots(from_slot, page_ids, kv_pages.shape[3])
+    if isinstance(from_slot, int) and from_slot == 0:
+        kv_pages.index_fill_(0, page_ids.to(torch.int64), 0)
+        return
+    for page, start in zip(page_ids.tolist(), starts.tolist(), strict=True):
+        kv_pages[page, :, :, start:].zero_()  # (L, 2, page_size - start, kvh, D)
+
+
+def from_slots(
+    from_slot: int | torch.Tensor, page_ids: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """``from_slot`` as an int64 tensor shaped like ``page_ids``, validated to [0, page_size]."""
+    if isinstance(from_slot, int):
+        starts = torch.full_like(page_ids, from_slot, dtype=torch.int64)
+    else:
+        _checks.check_same_device(from_slot, page_ids)
+        _checks.check_dtype("from_slot", from_slot, torch.int32, torch.int64)
+        if from_slot.shape != page_ids.shape:
+            raise ValueError(f"from_slot shape {from_slot.shape} differs from {page_ids.shape}")
+        starts = from_slot.to(torch.int64)
+    if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > page_size):
+        raise ValueError(f"from_slot must lie in [0, {page_size}]")
+    return starts

@@ -1,0 +1,172 @@
+"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) without ``transformers``.
+
+The model fingerprint identifies exactly what a node serves: sha256 over the canonical config JSON
+and, for every weight in name order, its name, dtype, shape and stored bytes. It does not depend on
+how the weights are sharded. Prefill and decode compare fingerprints before any KV crosses between
+them, so a node with other weights (or another config) can never feed a request's cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvfence.config import ModelShape
+from kvfence.model.llama import ModelArgs, Transformer
+from kvfence.model.rope import inv_freq_and_scale
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_HASH_CHUNK = 1 << 22
+# Buffers some checkpoints carry but the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def read_config(path: Path | str) -> dict[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a checkpoint folder: no config.json") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{cfg_path} is not valid JSON: {err}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: top level must be an object")
+    return cfg
+
+
+def read_model_shape(path: Path | str) -> ModelShape:
+    """The KV shape of a checkpoint from its config alone (no weights are read)."""
+    return ModelArgs.from_hf_config(read_config(path)).shape
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shard index's files, or every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"{index} names missing shards: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors weights")
+    return files
+
+
+def _read_header(f: Any) -> tuple[dict[str, Any], int]:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def fingerprint(path: Path | str) -> str:
+    """sha256 hex of the canonical config and every weight's name, dtype, shape and bytes."""
+    path = Path(path)
+    h = hashlib.sha256(b"kvfence-model-v1\0")
+    h.update(canonical_json(read_config(path)))
+    entries: list[tuple[str, Path, dict[str, Any], int]] = []
+    for file in weight_files(path):
+        with file.open("rb") as f:
+            header, data_start = _read_header(f)
+        entries += [(name, file, info, data_start) for name, info in header.items()]
+    names = [e[0] for e in entries]
+    if len(names) != len(set(names)):
+        raise ValueError(f"{path}: a weight name appears in two shards")
+    for name, file, info, data_start in sorted(entries, key=lambda e: e[0]):
+        start, end = info["data_offsets"]
+        h.update(canonical_json([name, info["dtype"], info["shape"], end - start]))
+        with file.open("rb") as f:
+            f.seek(data_start + start)
+            left = end - start
+            while left:
+                chunk = f.read(min(left, _HASH_CHUNK))
+                if not chunk:
+                    raise ValueError(f"{file.name}: weight {name} is truncated")
+                h.update(chunk)
+                left -= len(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint in memory: its architecture, weights, config and fingerprint."""
+
+    path: Path
+    args: ModelArgs
+    model: Transformer
+    config: dict[str, Any]
+    fingerprint: str
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.args.shape
+
+    @property
+    def dtype(self) -> str:
+        return {v: k for k, v in TORCH_DTYPES.items()}[self.model.dtype]
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return ()
+    value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def load_model(
+    path: Path | str, *, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Read config, weights and fingerprint; ValueError if the folder is no usable checkpoint."""
+    path = Path(path)
+    cfg = read_config(path)
+    args = ModelArgs.from_hf_config(cfg)
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                state[name] = f.get_tensor(name).to(device=device, dtype=TORCH_DTYPES[dtype])
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding is the head, as in transformers
+    tied = {"lm_head.weight"} if args.tie_word_embeddings else set()
+    expected = set(model.state_dict()) - tied
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: weights do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as err:  # a weight whose shape disagrees with the config
+        raise ValueError(f"{path}: {str(err).splitlines()[-1].strip()}") from None
+    # The rope buffer was built on the meta device; recompute it for real.
+    inv_freq, _ = inv_freq_and_scale(args.rope, args.head_dim, args.max_position_embeddings)
+    model.inv_freq = inv_freq.to(device)
+    model.tie_weights()
+    model.eval().requires_grad_(False)
+    eos = _generation_eos(path) or args.eos_token_ids
+    return LoadedModel(path, args, model, cfg, fingerprint(path), eos)

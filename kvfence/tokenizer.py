@@ -1,0 +1,132 @@
+"""Text <-> token ids for a checkpoint: its ``tokenizer.json`` through ``tokenizers``, else bytes.
+
+Ids are the contract, text is a convenience: any id the model can emit decodes to *something*. An id
+the tokenizer cannot render (past its vocabulary, e.g. a padded model vocab) shows as ``"\\ufffd"``,
+never an exception, because a serving path must not crash on what a model sampled.
+
+The byte fallback follows the Llama convention: ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>`` and
+byte ``b`` is id ``3 + b``. The embedded tiny model's ``tokenizer.json`` uses the same ids, so
+both paths agree on it. Like any ``tokenizers`` file it matches special-token text (``"</s>"``) in
+a prompt; the byte fallback encodes such text as plain bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+PLACEHOLDER = "\ufffd"
+BYTE_OFFSET = 3
+BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+class Tokenizer(Protocol):
+    """What the engine needs from a tokenizer."""
+
+    vocab_size: int  # ids the tokenizer itself can render
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens after three specials (for a checkpoint without tokenizer.json)."""
+
+    vocab_size = BYTE_OFFSET + 256
+
+    def encode(self, text: str) -> list[int]:
+        return [BYTE_OFFSET + b for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if BYTE_OFFSET <= i < self.vocab_size:
+                run.append(i - BYTE_OFFSET)
+                continue
+            if 0 <= i < BYTE_OFFSET:
+                continue  # specials render as nothing, like skip_special_tokens
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append(PLACEHOLDER)
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+
+    def __init__(self, path: Path | str):
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text).ids)
+
+    def _renderable(self, i: int) -> bool:
+        return 0 <= i < self.vocab_size and self._tok.id_to_token(i) is not None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Decode runs of renderable ids together (byte-level pieces merge across tokens) and put a
+        # placeholder where an id has no token.
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if self._renderable(i):
+                run.append(i)
+                continue
+            if run:
+                out.append(self._tok.decode(run, skip_special_tokens=True))
+                run = []
+            out.append(PLACEHOLDER)
+        if run:
+            out.append(self._tok.decode(run, skip_special_tokens=True))
+        return "".join(out)
+
+
+def load_tokenizer(path: Path | str) -> Tokenizer:
+    """The checkpoint folder's ``tokenizer.json`` if it has one, else the byte tokenizer."""
+    file = Path(path) / "tokenizer.json"
+    if file.exists():
+        return HFTokenizer(file)
+    return ByteTokenizer()
+
+
+def byte_level_tokenizer_json() -> str:
+    """A ``tokenizer.json`` with the byte fallback's ids, built with ``tokenizers`` (no merges).
+
+    The output is canonical JSON, so writing it twice gives identical bytes.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as _Tok
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel maps each byte to a printable character; order them by the byte they stand for.
+    byte_to_char = _bytes_to_unicode()
+    assert sorted(byte_to_char.values()) == sorted(alphabet), "byte-level alphabet changed"
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
+    vocab.update({byte_to_char[b]: BYTE_OFFSET + b for b in range(256)})
+    tok = _Tok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIALS])
+    return json.dumps(json.loads(tok.to_str()), sort_keys=True, indent=1) + "\n"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable character map, which ByteLevel uses.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}

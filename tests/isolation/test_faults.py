@@ -1,0 +1,244 @@
+"""Issue 6.2: fault injection in the transfer path, against real processes, UCX and MQTT.
+
+Each fault hits one request of tenant B while tenant A's requests run concurrently. For every fault:
+B's request fails with the expected status (never OK), A's outputs equal the colocated reference,
+an event naming B's request reaches the MQTT broker, and after drain every pool is entirely free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fixtures_mqtt import start_mosquitto
+from stack_harness import Cluster
+
+from kvfence.errors import KvfenceError
+from kvfence.events import follow
+from kvfence.model.colocated import ColocatedEngine, GenerationRequest
+from kvfence.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+DATA_LOSS = {"DATA_LOSS"}
+# fault -> statuses that are right for it (DESIGN.md "gRPC status mapping")
+FAULTS = {
+    "drop_page": DATA_LOSS,
+    "duplicate_page": DATA_LOSS,
+    "reorder_pages": DATA_LOSS,
+    "truncate_pages": DATA_LOSS,
+    "fewer_tokens": DATA_LOSS,
+    "corrupt_byte": DATA_LOSS,
+    "stale_generation": DATA_LOSS,
+    "foreign_page": DATA_LOSS,
+    "replay": DATA_LOSS,
+    "wrong_mac": DATA_LOSS,
+    "bad_auth": DATA_LOSS,
+    "delay": {"DEADLINE_EXCEEDED", "UNAVAILABLE"},
+}
+
+
+class EventCollector:
+    """Subscribes to the cluster's event topics on a background thread."""
+
+    def __init__(self, host: str, port: int, cluster: str):
+        self.events: list[dict] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(host, port, cluster), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "event subscriber did not start"
+
+    def _run(self, host: str, port: int, cluster: str) -> None:
+        async def main() -> None:
+            stream = follow(cluster, host, port)
+            self._ready.set()
+            async for event in stream:
+                self.events.append(event)
+                if self._stop.is_set():
+                    return
+
+        try:
+            asyncio.run(main())
+        except Exception:
+            pass
+
+    def wait_for(self, pred, timeout: float = 10.0) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in list(self.events):
+                if pred(event):
+                    return event
+            time.sleep(0.05)
+        return None
+
+
+@pytest.fixture(scope="module")
+def broker():
+    with start_mosquitto() as (host, port, _restart):
+        yield host, port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, broker):
+    host, port = broker
+    state = tmp_path_factory.mktemp("cluster")
+    fault_file = state / "faults.json"
+    fault_file.write_text("[]")
+    c = Cluster(
+        state,
+        prefill=1,
+        decode=1,
+        prefill_pool_tokens=1024,
+        decode_pool_tokens=1024,
+        config={
+            "cluster": "faults",
+            "node": {"fault_hook": True, "fault_file": str(fault_file)},
+            "transfer": {"batch_timeout_s": 1.0, "max_batch_bytes": 3 * 16384},
+            "events": {"mqtt_host": host, "mqtt_port": port},
+        },
+    ).start()
+    c.fault_file = fault_file
+    c.keys = {"tenant-a": c.create_tenant("tenant-a"), "tenant-b": c.create_tenant("tenant-b")}
+    c.events = EventCollector(host, port, "faults")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    return ColocatedEngine.from_path(cluster.state_dir / "models" / "tiny-llama")
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(13 * i + 5 * salt) % 240 + 3 for i in range(n)]
+
+
+A_CASES = [(37, 10, 1), (20, 12, 2)]
+
+
+def run_a(cluster) -> list[list[int]]:
+    with cluster.client(cluster.keys["tenant-a"]) as c:
+        return [
+            c.generate(prompt_ids=prompt(n, s), max_new_tokens=m, ignore_eos=True).token_ids
+            for n, m, s in A_CASES
+        ]
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_fault_fails_only_the_faulty_request(cluster, reference, fault):
+    cluster.fault_file.write_text(json.dumps([{"kind": fault, "tenant_id": "tenant-b",
+                                               "seconds": 2.5}]))  # fmt: skip
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(run_a, cluster)
+            with cluster.client(cluster.keys["tenant-b"]) as c:
+                stream = c.stream(prompt_ids=prompt(45, 9), max_new_tokens=6)
+                got = []
+                with pytest.raises(KvfenceError) as err:
+                    for chunk in stream:
+                        got.extend(chunk.token_ids)
+            a_outputs = a.result(timeout=60)
+    finally:
+        cluster.fault_file.write_text("[]")
+    assert err.value.code.name in FAULTS[fault], (fault, err.value)
+    assert got == []  # not one token of a request whose KV could not be trusted
+    refs = reference.generate(
+        [GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
+         for n, m, s in A_CASES]
+    )  # fmt: skip
+    assert a_outputs == [r.token_ids for r in refs]
+    failed = cluster.events.wait_for(
+        lambda e: (
+            e.get("kind") == "request_failed"
+            and e.get("tenant_id") == "tenant-b"
+            and e.get("code") == err.value.code.name
+        )
+    )
+    assert failed is not None, f"no request_failed event for {fault}"
+    if FAULTS[fault] == DATA_LOSS:
+        node_event = cluster.events.wait_for(
+            lambda e: (
+                e.get("kind") in ("integrity_violation", "transfer_failed")
+                and e.get("node_id", "").startswith("decode")
+                and e.get("seq", 0) > 0
+            )
+        )
+        assert node_event is not None
+    stats = cluster.wait_pools_free(timeout=30)
+    assert all(s.free_pages == s.total_pages for s in stats.values()), stats
+
+
+def test_control_without_fault_succeeds(cluster, reference):
+    """Positive control for every case above: the same request with no fault is OK and exact."""
+    with cluster.client(cluster.keys["tenant-b"]) as c:
+        got = c.generate(prompt_ids=prompt(45, 9), max_new_tokens=6, ignore_eos=True)
+    ref = reference.generate(
+        [GenerationRequest(prompt(45, 9), SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    )[0]
+    assert got.token_ids == ref.token_ids
+
+
+def test_abort_storm_returns_every_page(cluster, reference):
+    """Many requests cancelled at once; tenant A's concurrent work is unaffected."""
+    keys = cluster.keys
+
+    def cancel_after_first(i: int) -> int:
+        with cluster.client(keys["tenant-b"]) as c:
+            stream = c.stream(prompt_ids=prompt(30 + i, i), max_new_tokens=200, ignore_eos=True)
+            n = 0
+            try:
+                for chunk in stream:
+                    n += len(chunk.token_ids)
+                    if n >= 1 or i % 3 == 0:
+                        break
+            except KvfenceError:
+                pass
+            stream.close()
+            return n
+
+    with ThreadPoolExecutor(12) as pool:
+        a = pool.submit(run_a, cluster)
+        list(pool.map(cancel_after_first, range(16)))
+        a_outputs = a.result(timeout=120)
+    refs = reference.generate(
+        [GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
+         for n, m, s in A_CASES]
+    )  # fmt: skip
+    assert a_outputs == [r.token_ids for r in refs]
+    stats = cluster.wait_pools_free(timeout=30)
+    assert all(s.free_pages == s.total_pages for s in stats.values()), stats
+
+
+def test_decode_restarted_mid_transfer(cluster, reference):
+    cluster.fault_file.write_text(json.dumps([{"kind": "delay", "tenant_id": "tenant-b",
+                                               "seconds": 3}]))  # fmt: skip
+    try:
+        with ThreadPoolExecutor(1) as pool:
+
+            def b_request():
+                with cluster.client(cluster.keys["tenant-b"]) as c:
+                    return c.generate(prompt_ids=prompt(45, 2), max_new_tokens=4)
+
+            fut = pool.submit(b_request)
+            time.sleep(1.0)  # prefill is stalled mid-transfer now
+            cluster.restart("decode-0")
+            with pytest.raises(KvfenceError) as err:
+                fut.result(timeout=60)
+    finally:
+        cluster.fault_file.write_text("[]")
+    assert err.value.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    cluster.wait_registered({"decode-0", "prefill-0"})
+    # control: the restarted decode node serves exact output again
+    with cluster.client(cluster.keys["tenant-a"]) as c:
+        got = c.generate(prompt_ids=prompt(37, 1), max_new_tokens=10, ignore_eos=True)
+    ref = reference.generate(
+        [GenerationRequest(prompt(37, 1), SamplingParams(max_new_tokens=10, ignore_eos=True))]
+    )[0]
+    assert got.token_ids == ref.token_ids
+    stats = cluster.wait_pools_free(timeout=30)
+    assert all(s.free_pages == s.total_pages for s in stats.values()), stats

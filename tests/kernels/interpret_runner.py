@@ -1,0 +1,33 @@
+"""Run ``kernels.triton_impl`` launchers on CPU under the Triton interpreter (a test helper).
+
+Usage: ``python interpret_runner.py CASES.pt RESULTS.pt``. CASES is a dict ``name -> (fn, args)``;
+RESULTS maps each name to what the launcher returned, or, for the in-place launchers, to the pool
+after the call. The interpreter is chosen when triton is first imported, so this runs as its own
+process and the pytest process never imports triton in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from kernels import triton_impl
+
+IN_PLACE = {"write_kv_pages": 2, "scrub_pages": 0}  # launcher -> index of the pool argument
+
+
+def main(cases_path: str, results_path: str) -> None:
+    cases = torch.load(cases_path)
+    results = {}
+    for name, (fn, args) in cases.items():
+        ret = getattr(triton_impl, fn)(*args)
+        results[name] = args[IN_PLACE[fn]] if fn in IN_PLACE else ret
+    torch.save(results, results_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,99 @@
+"""The torch reference of paged decode attention against dense SDPA, and its generation check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("page_size", "head_dim", "num_heads", "num_kv_heads"),
+    [(16, 32, 4, 2), (32, 64, 4, 4), (16, 128, 8, 1)],
+)
+def test_matches_dense_sdpa(
+    make_pool, make_batch, dense_attention, dtype, page_size, head_dim, num_heads, num_kv_heads
+):
+    pool = make_pool(dtype=dtype, page_size=page_size, head_dim=head_dim, num_kv_heads=num_kv_heads)
+    # 1 token, exactly one page, a masked tail, exactly max_pages pages.
+    lens = [1, page_size, 2 * page_size + 5, 4 * page_size]
+    batch = make_batch(pool, lens, num_heads=num_heads)
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=1))
+    assert flags.tolist() == [False, False, False, False]
+    assert out.dtype == dtype and out.shape == (4, num_heads, head_dim)
+    want = dense_attention(pool, batch, 1)
+    torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_dispatcher_runs_the_reference_on_cpu(make_pool, make_batch):
+    pool = make_pool()
+    batch = make_batch(pool, [5, 20])
+    got = kernels.paged_decode_attention(*batch.args(pool, layer=0))
+    want = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_stale_generation_flags_only_that_sequence(make_pool, make_batch, dense_attention):
+    pool = make_pool()
+    batch = make_batch(pool, [20, 20, 33])
+    clean, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [False, False, False]  # positive control
+    # Sequence 1's second page was freed and handed to someone else: its generation moved on.
+    pool.page_gen[batch.block_tables[1, 1].long()] += 1
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [False, True, False]
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+    torch.testing.assert_close(out[[0, 2]], dense_attention(pool, batch, 0)[[0, 2]])
+
+
+def test_stale_page_beyond_seq_len_is_not_read_or_flagged(make_pool, make_batch):
+    pool = make_pool()
+    batch = make_batch(pool, [16, 17])
+    # Entries past ceil(seq_len / page_size) may hold anything: a stale generation, a wild id.
+    batch.expected_gen[0, 1:] = -5
+    batch.block_tables[0, 1:] = 10**6
+    batch.block_tables[1, 2:] = -3
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [False, False]
+    assert bool(torch.isfinite(out).all())
+
+
+def test_page_id_outside_pool_within_seq_len_is_flagged(make_pool, make_batch):
+    pool = make_pool()
+    batch = make_batch(pool, [17, 17])
+    batch.block_tables[0, 1] = pool.kv.shape[0]  # one past the last page
+    batch.block_tables[1, 0] = -1
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [True, True]
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_seq_len_beyond_block_table_is_flagged(make_pool, make_batch):
+    pool = make_pool()
+    batch = make_batch(pool, [64, 10], max_pages=4)
+    batch.seq_lens[0] = 65  # would need a fifth page the table cannot name
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [True, False]
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_rejects_bad_arguments(make_pool, make_batch):
+    pool = make_pool()
+    batch = make_batch(pool, [5])
+    args = list(batch.args(pool, layer=0))
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        reference.paged_decode_attention(*args[:2], 2, *args[3:])
+    bad_tables = batch.block_tables.long()
+    with pytest.raises(ValueError, match="block_tables must have dtype"):
+        reference.paged_decode_attention(*args[:3], bad_tables, *args[4:])
+    with pytest.raises(ValueError, match="q dtype"):
+        reference.paged_decode_attention(batch.q.half(), *args[1:])
+    with pytest.raises(ValueError, match="not a multiple"):
+        reference.paged_decode_attention(batch.q[:, :3], *args[1:])

@@ -1,0 +1,173 @@
+"""Every Triton kernel, run on CPU by the Triton interpreter, against its torch reference.
+
+The interpreter is picked when triton is first imported, so the launchers run in one subprocess
+(``interpret_runner.py``) per module; this process builds the inputs, runs the references and
+compares.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import reference
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+STALE_FLAGS = [False, True, False, False, True]
+
+
+def _attention_cases(make_pool, make_batch) -> dict:
+    cases = {}
+    for name, dtype in DTYPES.items():
+        pool = make_pool(dtype=dtype, num_pages=24)
+        # One token, exactly one page, a masked tail, exactly max_pages pages.
+        batch = make_batch(pool, [1, 16, 37, 64], seed=2)
+        cases[f"attn_clean_{name}"] = (pool, batch, 1)
+        # A pool of its own: make_batch writes NaN poison into the tails of the pages it uses.
+        pool_stale = make_pool(dtype=dtype, num_pages=24, seed=1)
+        stale = make_batch(pool_stale, [20, 20, 33, 17, 64], seed=3)
+        pool_stale.page_gen[stale.block_tables[1, 1].long()] += 1  # read, stale: flagged
+        stale.expected_gen[3, 2] = -1  # stale but past seq_len: not read, not flagged
+        stale.block_tables[3, 3] = 10**6  # wild id past seq_len: not read
+        stale.seq_lens[4] = 65  # needs a fifth page the table cannot name: flagged
+        cases[f"attn_stale_{name}"] = (pool_stale, stale, 0)
+    shapes = {
+        "attn_d64_ps32_mha": (
+            dict(page_size=32, head_dim=64, num_kv_heads=4),
+            [31, 32, 33, 100],
+            4,
+        ),
+        "attn_d128_group8": (dict(head_dim=128, num_kv_heads=1), [5, 48], 8),
+        "attn_ps48": (dict(page_size=48, num_kv_heads=2), [47, 48, 49, 150], 4),
+    }
+    for name, (shape, lens, heads) in shapes.items():
+        pool = make_pool(num_pages=16, **shape)
+        cases[name] = (pool, make_batch(pool, lens, num_heads=heads, seed=4), 1)
+    return cases
+
+
+def _page_cases(make_pool) -> dict:
+    """name -> (launcher, args) for the write, scrub and checksum launchers."""
+    cases: dict = {}
+    for name, dtype in DTYPES.items():
+        pool = make_pool(dtype=dtype, num_pages=6)
+        gen = torch.Generator().manual_seed(5)
+        k = torch.randn(5, 2, 32, generator=gen).to(dtype)
+        # V as a strided view (head stride 64) exercises the launcher's stride handling.
+        v = torch.randn(5, 2, 64, generator=gen).to(dtype)[:, :, :32]
+        slots = torch.tensor([17, -1, 31, 32, 95])
+        cases[f"write_{name}"] = ("write_kv_pages", (k, v, pool.kv.clone(), 1, slots))
+        ids = torch.tensor([3, 1, 5])
+        cases[f"scrub_int_{name}"] = ("scrub_pages", (pool.kv.clone(), ids, 5))
+        cases[f"scrub_whole_{name}"] = ("scrub_pages", (pool.kv.clone(), ids, 0))
+        per_page = torch.tensor([0, 9, 16])
+        cases[f"scrub_per_page_{name}"] = ("scrub_pages", (pool.kv.clone(), ids, per_page))
+        seeds = torch.tensor([1, -2, 1 << 62])
+        cases[f"checksum_{name}"] = ("page_checksum", (pool.kv, torch.tensor([3, 0, 5]), seeds))
+    # 32768 words per page: the launcher splits each page across programs.
+    big = make_pool(num_pages=3, page_size=32, num_kv_heads=4, head_dim=64)
+    seeds = torch.tensor([7, 8, 9])
+    cases["checksum_split_f32"] = ("page_checksum", (big.kv, torch.tensor([2, 1, 0]), seeds))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def runs(make_pool, make_batch, tmp_path_factory):
+    """Build all cases, run the Triton launchers once in an interpreter subprocess."""
+    attn = _attention_cases(make_pool, make_batch)
+    pages = _page_cases(make_pool)
+    jobs = {
+        name: ("paged_decode_attention", b.args(p, layer)) for name, (p, b, layer) in attn.items()
+    }
+    jobs.update(pages)
+    tmp = tmp_path_factory.mktemp("interpret")
+    torch.save(jobs, tmp / "cases.pt")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "interpret_runner.py"), tmp / "cases.pt", tmp / "results.pt"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return attn, pages, torch.load(tmp / "results.pt")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN payloads included (the pools carry NaN poison)."""
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("name", [f"attn_clean_{n}" for n in DTYPES])
+def test_attention_clean_matches_reference_and_dense(runs, dense_attention, name):
+    attn, _, results = runs
+    pool, batch, layer = attn[name]
+    out, flags = results[name]
+    want, want_flags = reference.paged_decode_attention(*batch.args(pool, layer))
+    assert flags.tolist() == want_flags.tolist() == [False, False, False, False]
+    tol = TOL[batch.q.dtype]
+    assert out.dtype == batch.q.dtype
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    # Positive control: with every generation matching, Triton is plain attention.
+    dense = dense_attention(pool, batch, layer)
+    torch.testing.assert_close(out.float(), dense, atol=2 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("name", [f"attn_stale_{n}" for n in DTYPES])
+def test_attention_stale_generations_flag_exactly_those_rows(runs, name):
+    attn, _, results = runs
+    pool, batch, layer = attn[name]
+    out, flags = results[name]
+    want, want_flags = reference.paged_decode_attention(*batch.args(pool, layer))
+    assert flags.tolist() == want_flags.tolist() == STALE_FLAGS
+    assert int(out[torch.tensor(STALE_FLAGS)].count_nonzero()) == 0
+    tol = TOL[batch.q.dtype]
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("name", ["attn_d64_ps32_mha", "attn_d128_group8", "attn_ps48"])
+def test_attention_shapes(runs, dense_attention, name):
+    attn, _, results = runs
+    pool, batch, layer = attn[name]
+    out, flags = results[name]
+    assert not bool(flags.any())
+    want, _ = reference.paged_decode_attention(*batch.args(pool, layer))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense_attention(pool, batch, layer), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["write", "scrub_int", "scrub_whole", "scrub_per_page"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_in_place_kernels_are_bit_identical(runs, kind, dtype):
+    _, pages, results = runs
+    fn, args = pages[f"{kind}_{dtype}"]
+    pool = args[2] if fn == "write_kv_pages" else args[0]
+    before = pool.clone()
+    getattr(reference, fn)(*args)  # args hold this process's copy of the pool
+    assert not same_bits(pool, before)  # control: the call changed something
+    assert same_bits(results[f"{kind}_{dtype}"], pool)
+
+
+@pytest.mark.parametrize("name", [*(f"checksum_{n}" for n in DTYPES), "checksum_split_f32"])
+def test_checksum_is_bit_identical(runs, name):
+    _, pages, results = runs
+    _, args = pages[name]
+    got = results[name]
+    want = reference.page_checksum(*args)
+    assert got.dtype == torch.int64
+    assert got.tolist() == want.tolist()
+    assert len(set(want.tolist())) == len(want)  # control: distinct pages, distinct sums
