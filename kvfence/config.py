@@ -132,6 +132,9 @@ class ControlPlaneConfig(_Strict):
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     node_timeout_s: float = Field(default=5.0, gt=0)
     admin_token_file: Path | None = None
+    # Shared by the control plane and every node (kvfence/auth.py); None = generated under
+    # state_dir by the control plane, which only nodes sharing that directory can read.
+    node_token_file: Path | None = None
 
 
 class EventsConfig(_Strict):

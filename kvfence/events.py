@@ -42,11 +42,12 @@ EVENT_KINDS = (
     "transfer_failed",
     "node_joined",
     "node_lost",
+    "node_refused",
     "model_access",
     "request_failed",
 )
 # Kept in preference to every other kind when the buffer overflows.
-SECURITY_KINDS = frozenset({"integrity_violation", "transfer_failed"})
+SECURITY_KINDS = frozenset({"integrity_violation", "transfer_failed", "node_refused"})
 RECENT_SIZE = 1000
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0

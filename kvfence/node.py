@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from kvfence import logging as kvlog
+from kvfence.auth import read_token
 from kvfence.config import ClusterConfig, Role
 from kvfence.kv.pool import PagePool
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
@@ -89,6 +90,7 @@ class NodeAgent:
         register: control_pb2.RegisterRequest,
         load: Callable[[], control_pb2.HeartbeatRequest],
         interval_s: float = 1.0,
+        token_path: Path | None = None,
     ):
         self.control_plane = control_plane
         self.register_request = register
@@ -97,15 +99,27 @@ class NodeAgent:
         self._channel = grpc.aio.insecure_channel(control_plane, options=CHANNEL_OPTIONS)
         self._stub = control_pb2_grpc.NodeRegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
+        self.token_path = token_path
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        if self.token_path is None or not self.token_path.exists():
+            return []
+        return [("authorization", f"Bearer {read_token(self.token_path)}")]
 
     async def register(self, timeout_s: float = 30.0) -> None:
         """Register, retrying while the control plane is not up yet; raise when refused."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             try:
-                resp = await self._stub.Register(self.register_request, timeout=5)
+                resp = await self._stub.Register(
+                    self.register_request, timeout=5, metadata=self._metadata()
+                )
                 break
             except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise RegistrationRefused(
+                        f"{err.details()} (wrong or missing node token)"
+                    ) from None
                 if asyncio.get_running_loop().time() > deadline:
                     raise RegistrationRefused(
                         f"control plane {self.control_plane} unreachable: {err.code().name}"
@@ -124,7 +138,9 @@ class NodeAgent:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                resp = await self._stub.Heartbeat(self.load(), timeout=max(self.interval_s, 1.0))
+                resp = await self._stub.Heartbeat(
+                    self.load(), timeout=max(self.interval_s, 1.0), metadata=self._metadata()
+                )
                 if not resp.known:
                     await self.register()
             except RegistrationRefused as err:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfence import logging as kvlog
+from kvfence.auth import node_token_path
 from kvfence.config import ClusterConfig, Role
 from kvfence.events import EventBus
 from kvfence.metrics import Metrics
@@ -122,8 +123,13 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
                 queue_length=getattr(servicer, "queue_length", 0),
             )
 
+        token = node_token_path(cfg.control_plane.node_token_file, cfg.control_plane.state_dir)
         agent = NodeAgent(
-            _control_plane_address(cfg), request, load, cfg.control_plane.heartbeat_interval_s
+            _control_plane_address(cfg),
+            request,
+            load,
+            cfg.control_plane.heartbeat_interval_s,
+            token_path=token,
         )
         try:
             await agent.register()

@@ -10,8 +10,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import psutil  # noqa: E402
-import pytest  # noqa: E402
+import contextlib
+
+import psutil
+import pytest
 
 
 def _live_children() -> dict[int, psutil.Process]:
@@ -41,8 +43,6 @@ def _no_leaked_children():
     leaked = [p for pid, p in _live_children().items() if pid not in before]
     names = [_cmd(p) for p in leaked]
     for p in leaked:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     assert not leaked, f"test module left processes running: {names}"

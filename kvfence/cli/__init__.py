@@ -14,7 +14,7 @@ from kvfence import logging as kvlog
 
 app = typer.Typer(
     name="kvfence",
-    help="Multi-tenant disaggregated LLM serving that never reads KV cache a request did not write.",
+    help="Multi-tenant disaggregated LLM serving; no request reads KV cache it did not write.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )

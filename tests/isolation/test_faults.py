@@ -8,6 +8,7 @@ an event naming B's request reaches the MQTT broker, and after drain every pool 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -62,10 +63,8 @@ class EventCollector:
                 if self._stop.is_set():
                     return
 
-        try:
+        with contextlib.suppress(Exception):
             asyncio.run(main())
-        except Exception:
-            pass
 
     def wait_for(self, pred, timeout: float = 10.0) -> dict | None:
         deadline = time.monotonic() + timeout
@@ -238,6 +237,32 @@ def test_decode_restarted_mid_transfer(cluster, reference):
         got = c.generate(prompt_ids=prompt(37, 1), max_new_tokens=10, ignore_eos=True)
     ref = reference.generate(
         [GenerationRequest(prompt(37, 1), SamplingParams(max_new_tokens=10, ignore_eos=True))]
+    )[0]
+    assert got.token_ids == ref.token_ids
+    stats = cluster.wait_pools_free(timeout=30)
+    assert all(s.free_pages == s.total_pages for s in stats.values()), stats
+
+
+def test_prefill_killed_mid_transfer(cluster, reference):
+    """UNAVAILABLE for the request; decode's pages are quarantined until the receives settle, then
+    freed; a restarted prefill node serves exact output again."""
+    cluster.fault_file.write_text(json.dumps([{"kind": "kill", "tenant_id": "tenant-b"}]))
+    try:
+        with cluster.client(cluster.keys["tenant-b"]) as c, pytest.raises(KvfenceError) as err:
+            c.generate(prompt_ids=prompt(60, 5), max_new_tokens=4)
+    finally:
+        cluster.fault_file.write_text("[]")
+    assert err.value.code.name == "UNAVAILABLE"
+    assert cluster.procs["prefill-0"].wait(10) == 17  # the fault hook's exit code
+    assert cluster.events.wait_for(
+        lambda e: e.get("kind") == "request_failed" and e.get("code") == "UNAVAILABLE"
+    )
+    cluster.restart("prefill-0")
+    cluster.wait_registered({"prefill-0", "decode-0"})
+    with cluster.client(cluster.keys["tenant-a"]) as c:
+        got = c.generate(prompt_ids=prompt(20, 6), max_new_tokens=6, ignore_eos=True)
+    ref = reference.generate(
+        [GenerationRequest(prompt(20, 6), SamplingParams(max_new_tokens=6, ignore_eos=True))]
     )[0]
     assert got.token_ids == ref.token_ids
     stats = cluster.wait_pools_free(timeout=30)

@@ -1,0 +1,111 @@
+"""Helpers shared by the benchmark scripts (not a benchmark itself: ``make bench`` runs only the
+top-level ``benchmarks/*.py``).
+
+Every script prints one JSON object on stdout and nothing else there; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+# The repository before this folder: ``benchmarks/kernels.py`` must not shadow the kernels package.
+if sys.path[:1] != [str(REPO)]:
+    sys.path.insert(0, str(REPO))
+# Before anything imports ucxx: TCP on loopback works on every machine; HF never downloads.
+os.environ.setdefault("UCX_TLS", "tcp,self")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MACHINE_NOTE = "shared, noisy"
+
+
+def log(msg: str) -> None:
+    """Progress for humans, on stderr (stdout carries the one JSON object)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
+    """p50/p99/mean of latencies given in seconds, as milliseconds."""
+    return {
+        "n": len(seconds),
+        "p50_ms": round(percentile(seconds, 50) * 1e3, 3),
+        "p99_ms": round(percentile(seconds, 99) * 1e3, 3),
+        "mean_ms": round(statistics.fmean(seconds) * 1e3, 3) if seconds else math.nan,
+    }
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, taking turns every repetition (after one warm-up call
+    each), so that a noisy shared machine slows every variant alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: core count, CPU model, and that it is shared."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "note": MACHINE_NOTE,
+    }
+
+
+def pyplot(png: Path) -> Any:
+    """matplotlib's pyplot on the Agg backend, or exit saying why ``--png`` cannot work."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--png needs matplotlib, which is not installed ({exc})") from exc
+    png.parent.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def r(x: float, digits: int = 4) -> float:
+    """Round for JSON; keeps nan/inf out (JSON has neither) by mapping them to -1."""
+    if x is None or not math.isfinite(x):
+        return -1.0
+    return round(x, digits)

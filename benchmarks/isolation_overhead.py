@@ -1,0 +1,434 @@
+"""Isolation overhead benchmark: what kvfence's protections cost, against a 1% goal.
+
+The services have no switch that turns protections off (and get none for a benchmark), so the
+"off" side is measured in-process on the same engine and data, where this script can toggle each
+protection, and the "on" side end to end through a real stack:
+
+(a) tag check: ``kernels`` reference paged attention (generation compare inside) against the same
+    gather + attention arithmetic with the compare removed; and whole ``Engine.decode_step`` calls
+    with either attention (so the decode inter-token latency on/off is measured directly), and
+    colocated end-to-end generation (tokens/s) with either, repetitions interleaved;
+(b) manifest verification per transfer (``kvfence.manifest.verify``: MAC, coverage, generations,
+    checksums recomputed over the received pages) against none;
+(c) the checksums prefill computes for the manifest, and the tail scrub of the last page, per
+    request, against none (beside the prefill forward pass for scale);
+(d) deferred-release bookkeeping (``PagePool.begin_ops``/``end_ops`` per transfer batch and per
+    decode step) against none.
+
+The per-request sum of (a)-(d) is divided by the measured end-to-end seconds per request of a
+``kvfence up`` stack (protections always on) running the same workload, at concurrency 1 (latency
+view) and at the batch size used above (throughput view). The goal (<= 1%) is reported, never
+asserted. Prints one JSON object; ``--quick`` for a smoke run, ``--png PATH`` a chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib
+import torch
+from benchlib.load import make_prompts, run_load
+from benchlib.stack import BenchStack
+
+import kernels
+import kvfence.model.engine as engine_mod
+from kernels._checks import check_attention_args
+from kvfence import manifest as mf
+from kvfence.config import pages_needed
+from kvfence.kv.pool import PagePool
+from kvfence.model.colocated import ColocatedEngine, GenerationRequest
+from kvfence.model.engine import DecodeItem, Engine
+from kvfence.model.sampling import SamplingParams
+from kvfence.proto.kvfence.v1 import common_pb2
+
+GOAL_FRACTION = 0.01
+PAGE_SIZE = 16
+
+
+def attention_unchecked(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.reference.paged_decode_attention`` with the generation check (and the argument
+    checks and id range check that come with it) removed: the "off" baseline, same arithmetic."""
+    batch, num_heads, head_dim = q.shape
+    _, _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    group = num_heads // num_kv_heads
+    seq = seq_lens.to(torch.int64)  # (B,)
+    n_pages = (seq + page_size - 1) // page_size  # (B,)
+    n_read = int(n_pages.max())
+    page_idx = torch.arange(n_read, device=q.device)
+    use = page_idx[None, :] < n_pages[:, None]  # (B, n_read)
+    gather = torch.where(use, block_tables[:, :n_read].to(torch.int64), 0)
+    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D)
+    k = layer_kv[gather, 0].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
+    v = layer_kv[gather, 1].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
+    pos = torch.arange(n_read * page_size, device=q.device)
+    valid = pos[None, :] < seq[:, None]  # (B, T)
+    keep = valid[:, :, None, None]
+    k = torch.where(keep, k.float(), 0.0)
+    v = torch.where(keep, v.float(), 0.0)
+    qf = q.float().reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,btkd->bkgt", qf, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, v)
+    flags = torch.zeros(batch, dtype=torch.bool, device=q.device)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype), flags
+
+
+# The engine reads ``kernels.<fn>`` at call time: swapping its module reference toggles the check.
+KERNELS_OFF = types.SimpleNamespace(
+    write_kv_pages=kernels.write_kv_pages, paged_decode_attention=attention_unchecked
+)
+
+
+def set_tag_check(on: bool) -> None:
+    engine_mod.kernels = kernels if on else KERNELS_OFF  # type: ignore[assignment]
+
+
+class Workload:
+    """One request shape (prompt, new tokens) and a decode batch of ``batch`` such requests."""
+
+    def __init__(self, colo: ColocatedEngine, prompt: int, new: int, batch: int):
+        self.colo, self.prompt, self.new, self.batch = colo, prompt, new, batch
+        self.engine: Engine = colo.engine
+        self.pool: PagePool = colo.pool
+        self.args = colo.loaded.args
+        g = torch.Generator().manual_seed(0)
+        self.pool.kv.copy_(torch.randn(self.pool.kv.shape, generator=g))
+        per_seq = pages_needed(prompt + new, PAGE_SIZE)
+        self.refs = [self.pool.allocate(per_seq, f"b{batch}-seq-{i}") for i in range(batch)]
+        # the middle of generation: half the new tokens are in the pages
+        self.position = prompt + new // 2
+
+    def decode_items(self) -> list[DecodeItem]:
+        return [DecodeItem(7, self.position, refs) for refs in self.refs]  # type: ignore[arg-type]
+
+    def attention_args(self) -> tuple[Any, ...]:
+        a = self.args
+        pages = self.refs
+        table = torch.tensor([[r.page_id for r in refs] for refs in pages], dtype=torch.int32)  # type: ignore[union-attr]
+        gens = torch.tensor([[r.generation for r in refs] for refs in pages])  # type: ignore[union-attr]
+        lens = torch.full((self.batch,), self.position + 1, dtype=torch.int32)
+        q = torch.randn(self.batch, a.num_heads, a.head_dim)
+        return (q, self.pool.kv, 0, table, gens, self.pool.page_gen, lens, a.head_dim**-0.5)
+
+
+def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
+    """(a) attention and whole decode steps with the generation check on and off."""
+    args = w.attention_args()
+    out_on, flags = kernels.paged_decode_attention(*args)
+    out_off, _ = attention_unchecked(*args)
+    assert not flags.any() and torch.allclose(out_on, out_off, atol=1e-5), "baseline differs"
+    attn = benchlib.interleaved(
+        {
+            "on": lambda: kernels.paged_decode_attention(*args),
+            "off": lambda: attention_unchecked(*args),
+            "off_with_arg_checks": lambda: (
+                check_attention_args(*args[:7]),
+                attention_unchecked(*args),
+            ),
+        },
+        reps,
+    )
+    arg_checks = benchlib.median(attn["off_with_arg_checks"]) - benchlib.median(attn["off"])
+    items = w.decode_items()
+
+    def step(on: bool) -> None:
+        set_tag_check(on)
+        try:
+            w.engine.decode_step(items)
+        finally:
+            set_tag_check(True)
+
+    steps = benchlib.interleaved({"on": lambda: step(True), "off": lambda: step(False)}, reps)
+    attn_on, attn_off = benchlib.median(attn["on"]), benchlib.median(attn["off"])
+    step_on, step_off = benchlib.median(steps["on"]), benchlib.median(steps["off"])
+    layers = w.args.num_layers
+    return {
+        "attention_us": {"on": benchlib.r(attn_on * 1e6, 2), "off": benchlib.r(attn_off * 1e6, 2)},
+        "attention_check_us_per_step": benchlib.r((attn_on - attn_off) * layers * 1e6, 2),
+        # of which argument validation (shapes/dtypes only), also removed from "off"
+        "arg_checks_us_per_call": benchlib.r(arg_checks * 1e6, 2),
+        "decode_step_itl": {
+            "on": benchlib.summary_ms(steps["on"]),
+            "off": benchlib.summary_ms(steps["off"]),
+        },
+        "decode_step_delta_us": benchlib.r((step_on - step_off) * 1e6, 2),
+        "decode_step_overhead_fraction": benchlib.r((step_on - step_off) / step_off),
+        "_per_step_s": max(0.0, (attn_on - attn_off) * layers),
+    }
+
+
+def bench_colocated(w: Workload, n_requests: int, rounds: int) -> dict[str, Any]:
+    """Colocated end-to-end generation, check on and off, rounds interleaved."""
+    prompts = make_prompts(n_requests, w.prompt, w.prompt, seed=1)
+    reqs = [
+        GenerationRequest(p, SamplingParams(max_new_tokens=w.new, ignore_eos=True)) for p in prompts
+    ]
+    colo = ColocatedEngine(w.colo.loaded, tokenizer=w.colo.tokenizer, max_batch_size=w.batch)
+
+    def run(on: bool) -> None:
+        set_tag_check(on)
+        try:
+            colo.generate(reqs)
+        finally:
+            set_tag_check(True)
+
+    times = benchlib.interleaved({"on": lambda: run(True), "off": lambda: run(False)}, rounds)
+    tokens = n_requests * w.new
+    tps = {k: tokens / benchlib.median(v) for k, v in times.items()}
+    return {
+        "requests": n_requests,
+        "rounds": rounds,
+        "tokens_per_s": {k: benchlib.r(v, 1) for k, v in tps.items()},
+        "overhead_fraction": benchlib.r(tps["off"] / tps["on"] - 1),
+    }
+
+
+def make_manifest(w: Workload, refs: list[Any], secret: bytes) -> tuple[Any, mf.Expected]:
+    n = pages_needed(w.prompt, PAGE_SIZE)
+    layout = common_pb2.KvLayout(
+        page_size=PAGE_SIZE,
+        dtype=w.pool.dtype,
+        num_layers=w.pool.num_layers,
+        num_kv_heads=w.pool.num_kv_heads,
+        head_dim=w.pool.head_dim,
+    )
+    rid = "res-bench"
+    tail = w.prompt % PAGE_SIZE
+    if tail:  # prefill zeroes the unused tail before the checksum (and the benchmark repeats it)
+        kernels.scrub_pages(w.pool.kv, torch.tensor([refs[n - 1].page_id]), tail)
+    sums = prefill_checksums(w.pool, [r.page_id for r in refs[:n]], rid)
+    pages = [
+        common_pb2.ManifestPage(
+            page_id=r.page_id,
+            generation=r.generation,
+            tokens_in_page=min(PAGE_SIZE, w.prompt - i * PAGE_SIZE),
+            checksum=sums[i],
+        )
+        for i, r in enumerate(refs[:n])
+    ]
+    m = common_pb2.KvManifest(
+        request_id="req-bench",
+        tenant_id="t",
+        reservation_id=rid,
+        model_fingerprint="fp",
+        layout=layout,
+        token_count=w.prompt,
+        first_token=7,
+        pages=pages,
+        checksum_algo=kernels.CHECKSUM_ALGO,
+    )
+    mf.sign(m, secret)
+    exp = mf.Expected(
+        request_id="req-bench",
+        tenant_id="t",
+        reservation_id=rid,
+        secret=secret,
+        prompt_tokens=w.prompt,
+        pages=refs,
+        receiving=True,
+        received=list(range(n)),
+        fingerprint="fp",
+        layout=layout,
+        checksum_algo=kernels.CHECKSUM_ALGO,
+    )
+    return m, exp
+
+
+def prefill_checksums(pool: PagePool, page_ids: list[int], rid: str) -> list[int]:
+    """What prefill computes for a manifest (as prefill_svc does)."""
+    seeds = [kernels.checksum_seed(rid, i) for i in range(len(page_ids))]
+    sums = kernels.page_checksum(pool.kv, torch.tensor(page_ids), torch.tensor(seeds)).tolist()
+    return [int(s) & 0xFFFFFFFFFFFFFFFF for s in sums]
+
+
+def bench_per_request(w: Workload, reps: int) -> dict[str, Any]:
+    """(b) verify, (c) prefill checksum and tail scrub, (d) bookkeeping, and the prefill pass."""
+    refs = w.refs[0]
+    assert refs is not None
+    m, exp = make_manifest(w, refs, b"k" * 32)
+    n = pages_needed(w.prompt, PAGE_SIZE)
+    ids = [r.page_id for r in refs[:n]]
+
+    def checksums(page_ids: list[int], seeds: list[int]) -> list[int]:
+        sums = kernels.page_checksum(w.pool.kv, torch.tensor(page_ids), torch.tensor(seeds))
+        return [int(x) & 0xFFFFFFFFFFFFFFFF for x in sums.tolist()]
+
+    def verify() -> None:
+        mf.verify(m, exp, current_generation=w.pool.generation, checksums=checksums,
+                  checksum_seed=kernels.checksum_seed)  # fmt: skip
+
+    batch_ids = [r[0].page_id for r in w.refs if r is not None]
+    tail = w.prompt % PAGE_SIZE
+    prefill_refs = w.refs[-1]
+    prompt = make_prompts(1, w.prompt, w.prompt, seed=2)[0]
+    times = benchlib.interleaved(
+        {
+            "verify": verify,
+            "prefill_checksum": lambda: prefill_checksums(w.pool, ids, "res-bench"),
+            "tail_scrub": lambda: (
+                kernels.scrub_pages(w.pool.kv, torch.tensor([ids[-1]]), tail) if tail else None
+            ),
+            "ops_transfer": lambda: (w.pool.begin_ops(ids), w.pool.end_ops(ids)),
+            "ops_decode_step": lambda: (w.pool.begin_ops(batch_ids), w.pool.end_ops(batch_ids)),
+            "prefill_forward": lambda: w.engine.prefill(prompt, prefill_refs),  # type: ignore[arg-type]
+            "nothing": lambda: None,
+        },
+        reps,
+    )
+    med = {k: benchlib.median(v) for k, v in times.items()}
+    return {k: v for k, v in med.items()}
+
+
+def bench_stack(w: Workload, quick: bool) -> dict[str, Any]:
+    """End-to-end through ``kvfence up`` (protections on) at concurrency 1 and ``batch``."""
+    out: dict[str, Any] = {}
+    pool_tokens = max(4096, 2 * w.batch * (w.prompt + w.new))
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
+        benchlib.log("starting kvfence up")
+        with BenchStack(Path(tmp) / "stack", args=["--decode-pool-tokens", str(pool_tokens)]) as st:
+            for conc in sorted({1, w.batch}):
+                n = (4 if quick else 12) * conc if conc > 1 else (4 if quick else 24)
+                prompts = make_prompts(n, w.prompt, w.prompt, seed=3)
+                benchlib.log(f"stack: {n} requests at concurrency {conc}")
+                res = run_load(st.target, st.api_key, prompts, w.new, conc)
+                out[str(conc)] = {
+                    "requests": n,
+                    "failed_requests": len(res.failures),
+                    "failures_sample": sorted(set(res.failures))[:3],
+                    "wall_s": benchlib.r(res.wall_s, 3),
+                    "tokens_per_s": benchlib.r(res.tokens_per_s, 1),
+                    "seconds_per_request": res.wall_s / max(1, len(res.timings)),
+                    "mean_latency_s": sum(t.total_s for t in res.timings)
+                    / max(1, len(res.timings)),
+                    "inter_token_latency": benchlib.summary_ms(res.gaps()),
+                    "ttft": benchlib.summary_ms(res.ttft()),
+                }
+    return out
+
+
+def estimate(
+    w: Workload, tag: dict[str, Any], per_req: dict[str, float], batch: int
+) -> dict[str, float]:
+    """Protection seconds per request when ``batch`` requests share every decode step."""
+    nothing = per_req["nothing"]
+    net = {k: max(0.0, v - nothing) for k, v in per_req.items()}
+    steps = w.new - 1  # the first token comes from prefill
+    return {
+        "tag_check": steps * tag["_per_step_s"] / batch,
+        "manifest_verify": net["verify"],
+        "prefill_checksum": net["prefill_checksum"],
+        "tail_scrub": net["tail_scrub"],
+        "deferred_release_ops": net["ops_transfer"] + steps * net["ops_decode_step"] / batch,
+    }
+
+
+def draw_png(result: dict[str, Any], path: Path) -> None:
+    plt = benchlib.pyplot(path)
+    est = result["estimate"]["throughput_view"]["per_request_us"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.barh(list(est), list(est.values()), color="tab:blue")
+    ax1.set_xlabel("µs per request")
+    ax1.set_title("protection cost per request")
+    views = result["estimate"]
+    names = ["latency_view", "throughput_view"]
+    ax2.bar(names, [views[n]["fraction_of_e2e"] * 100 for n in names], color="tab:orange")
+    ax2.axhline(GOAL_FRACTION * 100, ls="--", color="tab:red", label="goal")
+    ax2.set_ylabel("% of end-to-end time")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="few repetitions, small stack run (<1 min)"
+    )
+    ap.add_argument("--png", type=Path, help="also draw the cost breakdown here")
+    ap.add_argument("--prompt", type=int, default=120, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per request")
+    ap.add_argument(
+        "--batch", type=int, default=8, help="decode batch (concurrency) for the throughput view"
+    )
+    args = ap.parse_args(argv)
+    reps = 20 if args.quick else 300
+    torch.manual_seed(0)
+    colo = ColocatedEngine.from_path(None, page_size=PAGE_SIZE, num_pages=512)
+    benchlib.log("tag check: attention and decode steps")
+    per_batch = {b: Workload(colo, args.prompt, args.new, b) for b in sorted({1, args.batch})}
+    tag = {b: bench_tag_check(w, reps) for b, w in per_batch.items()}
+    w = per_batch[args.batch]
+    benchlib.log("manifest, checksum, scrub, bookkeeping")
+    per_req = bench_per_request(w, reps)
+    benchlib.log("colocated end to end, check on/off")
+    colocated = bench_colocated(
+        w, 2 * args.batch if args.quick else 6 * args.batch, 2 if args.quick else 6
+    )
+    stack = bench_stack(w, args.quick)
+
+    views = {}
+    for name, b in (("latency_view", 1), ("throughput_view", args.batch)):
+        cost = estimate(per_batch[b], tag[b], per_req, b)
+        s = stack[str(b)]
+        e2e = s["mean_latency_s"] if b == 1 else s["seconds_per_request"]
+        total = sum(cost.values())
+        views[name] = {
+            "concurrency": b,
+            "per_request_us": {k: benchlib.r(v * 1e6, 2) for k, v in cost.items()},
+            "total_us": benchlib.r(total * 1e6, 2),
+            "e2e_seconds_per_request": benchlib.r(e2e, 5),
+            "fraction_of_e2e": benchlib.r(total / e2e, 5),
+            "estimated_tokens_per_s_off": benchlib.r(
+                s["tokens_per_s"] * e2e / max(e2e - total, 1e-9), 1
+            ),
+        }
+    for t in tag.values():
+        t.pop("_per_step_s")
+    fractions = [v["fraction_of_e2e"] for v in views.values()]
+    result = {
+        "benchmark": "isolation_overhead",
+        "quick": args.quick,
+        "machine": benchlib.machine(),
+        "workload": {
+            "prompt_tokens": args.prompt,
+            "new_tokens": args.new,
+            "batch": args.batch,
+            "model": "embedded tiny",
+            "page_size": PAGE_SIZE,
+            "reps": reps,
+        },
+        "tag_check": {str(b): t for b, t in tag.items()},
+        "per_request_us": {k: benchlib.r(v * 1e6, 2) for k, v in per_req.items()},
+        "colocated_e2e_on_off": colocated,
+        "stack_e2e_protections_on": {
+            k: {kk: (benchlib.r(vv, 5) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+            for k, v in stack.items()
+        },
+        "estimate": views,
+        "goal": {"max_fraction": GOAL_FRACTION, "met": max(fractions) <= GOAL_FRACTION},
+    }
+    if args.png:
+        draw_png(result, args.png)
+        result["png"] = str(args.png)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

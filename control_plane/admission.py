@@ -1,0 +1,161 @@
+"""Admission: parameter checks, the admissible limit, tenant limits and the bounded wait queue.
+
+Everything here runs before any node is contacted. The limit is what the incident lacked: a
+request whose prompt plus new tokens does not fit in every pool that could serve it is refused
+here, with the numbers, instead of being truncated or replaced by a placeholder downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from control_plane.model_info import ModelInfo
+from control_plane.tenants import Tenant
+from kvfence.errors import InvalidArgument, ResourceExhausted
+from kvfence.proto.kvfence.v1 import client_pb2, common_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+# ErrorInfo reasons (and admission_rejections_total labels) of admission refusals.
+OVER_ADMISSIBLE_LIMIT = "OVER_ADMISSIBLE_LIMIT"
+OVER_TENANT_TOKEN_LIMIT = "OVER_TENANT_TOKEN_LIMIT"
+TENANT_CONCURRENCY = "TENANT_CONCURRENCY"
+INVALID_PARAMETERS = "INVALID_PARAMETERS"
+QUEUE_FULL = "QUEUE_FULL"
+NO_CAPACITY = "NO_CAPACITY"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A validated request: prompt token ids and the sampling parameters the nodes get."""
+
+    token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.token_ids) + self.sampling.max_new_tokens
+
+
+def _invalid(message: str) -> InvalidArgument:
+    return InvalidArgument(message, reason=INVALID_PARAMETERS)
+
+
+def validate(req: client_pb2.GenerateRequest, model: ModelInfo) -> Prompt:
+    """Check the parameters and tokenize; raises InvalidArgument naming the bad field."""
+    if req.model and req.model != model.name:
+        raise _invalid(f"unknown model {req.model!r}; this cluster serves {model.name!r}")
+    if req.max_new_tokens < 1:
+        raise _invalid(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+    if not req.temperature >= 0:  # also refuses NaN
+        raise _invalid(f"temperature must be >= 0, got {req.temperature}")
+    if not 0 <= req.top_p <= 1:
+        raise _invalid(f"top_p must be in [0, 1], got {req.top_p}")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise _invalid(f"stop strings must be 1-{MAX_STOP_CHARS} characters long")
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        ids = model.tokenizer.encode(req.text) if req.text else []
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        bad = [i for i in ids if i >= model.vocab_size]
+        if bad:
+            raise _invalid(
+                f"{len(bad)} prompt token ids are >= the vocabulary size {model.vocab_size} "
+                f"(first: {bad[0]})"
+            )
+    else:
+        ids = []
+    if not ids:
+        raise _invalid("the prompt is empty")
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=req.max_new_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=list(req.stop),
+        ignore_eos=req.ignore_eos,
+    )
+    if req.HasField("seed"):
+        sampling.seed = req.seed
+    return Prompt(ids, sampling)
+
+
+def check_limit(prompt: Prompt, limit: int, context_window: int) -> None:
+    """Refuse a request that can never fit: prompt + max_new_tokens over the admissible limit."""
+    p, m = len(prompt.token_ids), prompt.sampling.max_new_tokens
+    if p + m <= limit:
+        return
+    raise InvalidArgument(
+        f"prompt_tokens ({p}) + max_new_tokens ({m}) = {p + m} exceeds the admissible limit of "
+        f"{limit} tokens (model context window {context_window}, smallest KV pool of the nodes "
+        f"serving it included)",
+        reason=OVER_ADMISSIBLE_LIMIT,
+        metadata={
+            "prompt_tokens": str(p),
+            "max_new_tokens": str(m),
+            "admissible_limit": str(limit),
+            "context_window": str(context_window),
+        },
+    )
+
+
+def check_tenant(tenant: Tenant, prompt: Prompt, active_requests: int) -> None:
+    """The tenant's own limits: tokens per request (never fits) and concurrency (not now)."""
+    limits = tenant.limits
+    total = prompt.total_tokens
+    if limits.max_tokens_per_request and total > limits.max_tokens_per_request:
+        raise InvalidArgument(
+            f"prompt_tokens + max_new_tokens = {total} exceeds tenant {tenant.name}'s limit of "
+            f"{limits.max_tokens_per_request} tokens per request",
+            reason=OVER_TENANT_TOKEN_LIMIT,
+        )
+    if limits.max_concurrent_requests and active_requests >= limits.max_concurrent_requests:
+        raise ResourceExhausted(
+            f"tenant {tenant.name} already has {active_requests} requests in flight "
+            f"(limit {limits.max_concurrent_requests})",
+            reason=TENANT_CONCURRENCY,
+        )
+
+
+class AdmissionQueue:
+    """Requests waiting for capacity: bounded, woken whenever capacity or model access changes.
+
+    Waiters are not served in strict FIFO order: every change wakes all of them and each retries;
+    with a handful of nodes that is simpler and as fair as the nodes' own answers allow.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.waiting = 0
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wake every waiter (pages freed, node joined, model access changed)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold a queue place for the block; ResourceExhausted at once when the queue is full."""
+        if self.waiting >= self.capacity:
+            raise ResourceExhausted(
+                f"admission queue is full ({self.waiting} requests waiting for capacity)",
+                reason=QUEUE_FULL,
+            )
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the next notify() or after ``timeout`` seconds, whichever comes first."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(0.0, timeout))

@@ -1,0 +1,127 @@
+"""The public ``Generation`` service: authenticates the tenant and pumps a request's stream.
+
+The request itself runs in a task of its own (:class:`control_plane.pipeline.Pipeline`), not in the
+RPC handler: when the client cancels or its deadline passes, gRPC cancels the handler, and the
+handler only turns that into an interrupt. The request task then cancels its node RPCs and releases
+everything it holds, independent of the dead RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+
+import grpc
+
+from control_plane.lifecycle import RequestRecord, RequestTable, Run
+from control_plane.pipeline import Pipeline
+from control_plane.tenants import Tenant, TenantStore
+from kvfence.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    KvfenceError,
+    Unauthenticated,
+    Unavailable,
+)
+from kvfence.logging import request_context
+from kvfence.metrics import Metrics
+from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc
+from kvfence.server import abort, bearer_token
+
+_DONE = object()
+
+
+def authenticate(context: grpc.aio.ServicerContext, tenants: TenantStore) -> Tenant:
+    """The tenant of the call's API key; Unauthenticated when missing, unknown or revoked."""
+    key = bearer_token(context)
+    if key is None:
+        raise Unauthenticated("missing API key ('authorization: Bearer <key>' metadata)")
+    tenant = tenants.authenticate(key)
+    if tenant is None:
+        raise Unauthenticated("the API key is not valid or has been revoked")
+    return tenant
+
+
+class GenerationServicer(client_pb2_grpc.GenerationServicer):
+    """Generate and ListModels."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        tenants: TenantStore,
+        table: RequestTable,
+        metrics: Metrics,
+        default_deadline_s: float,
+        list_models: Callable[[], client_pb2.ListModelsResponse],
+    ):
+        self.pipeline = pipeline
+        self.tenants = tenants
+        self.table = table
+        self.metrics = metrics
+        self.default_deadline_s = default_deadline_s
+        self._list_models = list_models
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def Generate(
+        self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        self.metrics.rpcs_total.labels(method="Generate").inc()
+        try:
+            tenant = authenticate(context, self.tenants)
+        except KvfenceError as err:
+            self.metrics.requests_total.labels(status=err.code.name).inc()
+            await abort(context, err)
+        loop = asyncio.get_running_loop()
+        remaining = context.time_remaining()
+        budget = self.default_deadline_s if remaining is None else min(remaining, 10**7)
+        deadline = loop.time() + budget
+        run = Run(RequestRecord("req-" + secrets.token_hex(8), tenant.name))
+        out: asyncio.Queue[object] = asyncio.Queue()
+        with request_context(run.record.request_id, tenant.name):
+            self.table.add(run)
+            task = loop.create_task(self._run(run, request, tenant, deadline, out))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        try:
+            while (item := await out.get()) is not _DONE:
+                if isinstance(item, KvfenceError):
+                    await abort(context, item)
+                assert isinstance(item, client_pb2.GenerateResponse)
+                await context.write(item)
+        except asyncio.CancelledError:
+            if loop.time() >= deadline - 0.01:
+                run.interrupt(DeadlineExceeded("the client's deadline passed"))
+            else:
+                run.interrupt(Cancelled("the client cancelled the request"))
+            raise
+
+    async def _run(
+        self,
+        run: Run,
+        request: client_pb2.GenerateRequest,
+        tenant: Tenant,
+        deadline: float,
+        out: asyncio.Queue[object],
+    ) -> None:
+        try:
+            await self.pipeline.execute(run, request, tenant, deadline, out.put_nowait)
+            out.put_nowait(_DONE)
+        except KvfenceError as err:
+            out.put_nowait(err)
+        except BaseException:  # cancelled at shutdown: the handler must not wait forever
+            out.put_nowait(Unavailable("the control plane is shutting down"))
+            raise
+        finally:
+            self.table.remove(run)
+            run.done.set()
+
+    async def ListModels(
+        self, request: client_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> client_pb2.ListModelsResponse:
+        self.metrics.rpcs_total.labels(method="ListModels").inc()
+        try:
+            authenticate(context, self.tenants)
+        except KvfenceError as err:
+            await abort(context, err)
+        return self._list_models()

@@ -1,0 +1,212 @@
+"""The request lifecycle: one state enum, one transition function, the table of requests in flight.
+
+::
+
+    RECEIVED -> ADMITTED -> RESERVED -> PREFILLING -> KV_VERIFIED -> DECODING -> FINISHED
+        \\-> REJECTED (terminal, before any node is contacted)
+     any non-terminal -> FAILED | CANCELLED (terminal; cleanup on every node that holds something)
+
+Only the request's own pipeline task moves its state (through :func:`transition`). Anything else
+that wants a request to end (node lost, operator abort, model offline, shutdown, client gone) calls
+:meth:`Run.interrupt`; the pipeline sees the interrupt at its next await, cancels the node RPC in
+flight and fails the request itself. So there is exactly one writer of the state and a terminal
+request can never be resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from kvfence.errors import Cancelled, KvfenceError
+from kvfence.logging import get_logger
+
+log = get_logger("lifecycle")
+T = TypeVar("T")
+
+
+class RequestState(StrEnum):
+    RECEIVED = "RECEIVED"
+    ADMITTED = "ADMITTED"
+    RESERVED = "RESERVED"
+    PREFILLING = "PREFILLING"
+    KV_VERIFIED = "KV_VERIFIED"
+    DECODING = "DECODING"
+    FINISHED = "FINISHED"
+    REJECTED = "REJECTED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL = frozenset(
+    {RequestState.FINISHED, RequestState.REJECTED, RequestState.FAILED, RequestState.CANCELLED}
+)
+_FORWARD: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.RECEIVED: frozenset({RequestState.ADMITTED, RequestState.REJECTED}),
+    RequestState.ADMITTED: frozenset({RequestState.RESERVED}),
+    RequestState.RESERVED: frozenset({RequestState.PREFILLING}),
+    RequestState.PREFILLING: frozenset({RequestState.KV_VERIFIED}),
+    RequestState.KV_VERIFIED: frozenset({RequestState.DECODING}),
+    RequestState.DECODING: frozenset({RequestState.FINISHED}),
+}
+_ABORT = frozenset({RequestState.FAILED, RequestState.CANCELLED})
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle does not allow; always a bug in the caller."""
+
+
+def allowed(src: RequestState, dst: RequestState) -> bool:
+    """Whether ``src -> dst`` is a legal move (terminal states have no way out)."""
+    if src in TERMINAL:
+        return False
+    return dst in _FORWARD.get(src, frozenset()) or dst in _ABORT
+
+
+@dataclass
+class RequestRecord:
+    """What the control plane knows about one request; ``state`` changes only via transition()."""
+
+    request_id: str
+    tenant_id: str
+    state: RequestState = RequestState.RECEIVED
+    created_at: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    decode_node: str = ""
+    prefill_node: str = ""
+    reservation_id: str = ""
+    reserved_pages: int = 0
+    # node_id -> role of every node that received a request-carrying RPC and may hold something.
+    contacted: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    history: list[tuple[RequestState, float]] = field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def age_s(self) -> float:
+        return time.monotonic() - self.created_at
+
+
+def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fields: Any) -> None:
+    """Move ``record`` to ``dst``; :class:`IllegalTransition` for a move the diagram forbids."""
+    src = record.state
+    if not allowed(src, dst):
+        raise IllegalTransition(f"request {record.request_id}: {src} -> {dst} is not allowed")
+    record.history.append((src, time.monotonic()))
+    record.state = dst
+    if reason:
+        record.reason = reason
+    log.info(
+        "request state",
+        request_id=record.request_id,
+        tenant_id=record.tenant_id,
+        src=str(src),
+        dst=str(dst),
+        reason=reason or None,
+        **fields,
+    )
+
+
+class Run:
+    """A request in flight: its record plus the interrupt that other parties may raise into it."""
+
+    def __init__(self, record: RequestRecord):
+        self.record = record
+        self._interrupt: asyncio.Future[KvfenceError] = asyncio.get_running_loop().create_future()
+        self.done = asyncio.Event()
+
+    @property
+    def interrupted(self) -> KvfenceError | None:
+        return self._interrupt.result() if self._interrupt.done() else None
+
+    def interrupt(self, err: KvfenceError) -> bool:
+        """Ask the pipeline to end the request with ``err``; the first interrupt wins."""
+        if self._interrupt.done() or self.record.terminal:
+            return False
+        self._interrupt.set_result(err)
+        return True
+
+    def check(self) -> None:
+        """Raise the pending interrupt, if any."""
+        if self._interrupt.done():
+            raise self._interrupt.result()
+
+    async def guard(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` unless an interrupt comes first; then cancel it and raise the interrupt.
+
+        Cancelling a grpc.aio call cancels the RPC on the node too, so an interrupted request leaves
+        no node working for it.
+        """
+        task = asyncio.ensure_future(aw)
+        if not self._interrupt.done():
+            try:
+                waiters: set[asyncio.Future[Any]] = {task, self._interrupt}
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                await _cancel(task, aw)
+                raise
+        # A result that arrived wins; a failure that raced an interrupt is reported as the
+        # interrupt (closing a lost node's channel fails its calls with CANCELLED, say).
+        if task.done() and (
+            not self._interrupt.done() or (not task.cancelled() and task.exception() is None)
+        ):
+            return task.result()
+        await _cancel(task, aw)
+        raise self._interrupt.result()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep, but wake (raising) at once when interrupted."""
+        await self.guard(asyncio.sleep(seconds))
+
+
+async def _cancel(task: asyncio.Future[Any], aw: Awaitable[Any]) -> None:
+    cancel = getattr(aw, "cancel", None)
+    if callable(cancel):  # a grpc.aio call: cancel the RPC itself, not only our wait on it
+        cancel()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned on purpose
+        await task
+
+
+class RequestTable:
+    """Requests in flight, by id; what ListRequests shows and what interrupts are aimed at."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, Run] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __iter__(self) -> Iterator[Run]:
+        return iter(list(self._runs.values()))
+
+    def add(self, run: Run) -> None:
+        assert run.record.request_id not in self._runs, "request ids are unique"
+        self._runs[run.record.request_id] = run
+
+    def remove(self, run: Run) -> None:
+        self._runs.pop(run.record.request_id, None)
+
+    def get(self, request_id: str) -> Run | None:
+        return self._runs.get(request_id)
+
+    def active_for_tenant(self, tenant_id: str) -> int:
+        return sum(1 for r in self._runs.values() if r.record.tenant_id == tenant_id)
+
+    def using_node(self, node_id: str) -> list[Run]:
+        return [r for r in self._runs.values() if node_id in r.record.contacted]
+
+    def in_state(self, *states: RequestState) -> list[Run]:
+        return [r for r in self._runs.values() if r.record.state in states]
+
+    def interrupt_all(self, err_factory: type[KvfenceError] = Cancelled, message: str = "") -> int:
+        return sum(1 for r in self if r.interrupt(err_factory(message)))

@@ -1,0 +1,115 @@
+"""What the control plane needs to know about the served model, behind one small type.
+
+The control plane never runs the model; it needs the name, context window, fingerprint and KV layout
+(to admit requests and vet nodes) and the tokenizer (to count prompt tokens and detokenize). Tests
+inject a :class:`ModelInfo` of their own; services call :func:`load_model_info`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kvfence.config import ClusterConfig
+from kvfence.proto.kvfence.v1 import common_pb2
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: token ``offset + b`` is byte ``b``; lower ids are specials."""
+
+    def __init__(self, offset: int = 3):
+        self.offset = offset
+
+    def encode(self, text: str) -> list[int]:
+        return [self.offset + b for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raw = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
+        return raw.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as the control plane sees it."""
+
+    name: str
+    context_window: int
+    fingerprint: str
+    layout: common_pb2.KvLayout
+    vocab_size: int
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int] = frozenset()
+
+    @property
+    def page_size(self) -> int:
+        return int(self.layout.page_size)
+
+
+def layout_text(layout: common_pb2.KvLayout) -> str:
+    """A one-line rendering of a layout for messages that compare two of them."""
+    return (
+        f"page_size={layout.page_size} dtype={layout.dtype} layers={layout.num_layers} "
+        f"kv_heads={layout.num_kv_heads} head_dim={layout.head_dim}"
+    )
+
+
+def load_model_info(cfg: ClusterConfig) -> ModelInfo:
+    """The served model as the nodes see it: same folder, fingerprint, layout and tokenizer.
+
+    Reads the checkpoint the nodes load (``kvfence.node.model_dir``: the configured path or the
+    embedded tiny model), so a node serving other weights is refused at registration.
+    """
+    # Imported here: they pull in torch, which tests that inject a ModelInfo never need.
+    from kvfence.model.llama import ModelArgs
+    from kvfence.model.loader import fingerprint, read_config
+    from kvfence.node import model_dir
+    from kvfence.tokenizer import load_tokenizer
+
+    path = model_dir(cfg)
+    hf = read_config(path)
+    args = ModelArgs.from_hf_config(hf)
+    shape = args.shape
+    layout = common_pb2.KvLayout(
+        page_size=cfg.kv.page_size,
+        dtype=cfg.model.dtype,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+    )
+    return ModelInfo(
+        name=cfg.model.name,
+        context_window=cfg.model.context_window or shape.context_window,
+        fingerprint=fingerprint(path),
+        layout=layout,
+        vocab_size=args.vocab_size,
+        tokenizer=load_tokenizer(path),
+        eos_ids=frozenset(_eos_ids(path) or args.eos_token_ids),
+    )
+
+
+def _eos_ids(path: Path) -> tuple[int, ...]:
+    # generation_config.json overrides config.json, as in transformers and the nodes' loader.
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return ()
+    value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+@dataclass
+class ModelAccess:
+    """The operator's switch: offline turns new and queued requests into UNAVAILABLE."""
+
+    online: bool = True
+    reason: str = ""

@@ -1,0 +1,439 @@
+"""One request from admission to its last token: admit, reserve, prefill, decode, release.
+
+Each request runs in a task of its own (see generation.py) and only this code moves its state.
+Every node RPC is awaited through :meth:`Run.guard`, so an interrupt (node lost, abort, deadline,
+client gone) cancels the RPC in flight; the ``finally`` of :meth:`Pipeline.execute` then releases
+the request on every node that may hold something for it, whatever happened before. Errors from
+nodes keep their status code and ErrorInfo reason: DATA_LOSS from decode reaches the client as
+DATA_LOSS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from control_plane import admission
+from control_plane.admission import AdmissionQueue, Prompt
+from control_plane.detok import IncrementalDetokenizer
+from control_plane.lifecycle import RequestRecord, RequestState, RequestTable, Run, transition
+from control_plane.model_info import ModelAccess, ModelInfo
+from control_plane.registry import DECODE, PREFILL, Node, Registry
+from control_plane.routing import NodeClients, decode_candidates, prefill_candidates
+from control_plane.tenants import Tenant
+from control_plane.verify import DecodeStream, check_manifest, check_reservation, node_error
+from kvfence.config import pages_needed
+from kvfence.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    IntegrityError,
+    KvfenceError,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvfence.logging import get_logger
+from kvfence.metrics import Metrics
+from kvfence.proto.kvfence.v1 import (
+    client_pb2,
+    common_pb2,
+    decode_pb2,
+    prefill_pb2,
+)
+
+log = get_logger("pipeline")
+
+# Give up waiting for capacity this long before the deadline, so the client gets
+# RESOURCE_EXHAUSTED from us rather than DEADLINE_EXCEEDED from its own timer.
+QUEUE_MARGIN_S = 0.1
+MODEL_OFFLINE = "MODEL_OFFLINE"
+NO_NODES = "NO_NODES"
+SHUTTING_DOWN = "SHUTTING_DOWN"
+
+
+class EventSink(Protocol):
+    def emit(self, kind: str, **payload: Any) -> int: ...
+
+
+Emit = Callable[[client_pb2.GenerateResponse], None]
+
+
+@dataclass
+class PipelineDeps:
+    """What a request needs from the control plane; shared by every request."""
+
+    model: ModelInfo
+    access: ModelAccess
+    registry: Registry
+    clients: NodeClients
+    queue: AdmissionQueue
+    table: RequestTable
+    events: EventSink
+    metrics: Metrics
+    scrub_on_free: bool = False
+    draining: bool = False
+    poll_s: float = 1.0
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+class Pipeline:
+    """Runs requests through the lifecycle (module docstring)."""
+
+    def __init__(self, deps: PipelineDeps):
+        self.d = deps
+
+    # -- entry -------------------------------------------------------------------------------------
+
+    async def execute(
+        self,
+        run: Run,
+        req: client_pb2.GenerateRequest,
+        tenant: Tenant,
+        deadline: float,
+        emit: Emit,
+    ) -> None:
+        """Serve ``req``; streams responses through ``emit``, raises KvfenceError on failure."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(
+            deadline, run.interrupt, DeadlineExceeded("the request deadline passed")
+        )
+        status = "OK"
+        try:
+            prompt = self._admit(run, req, tenant)
+            await self._serve(run, prompt, tenant, deadline, emit)
+        except KvfenceError as err:
+            status = err.code.name
+            self._fail(run, err)
+            raise
+        except Exception as err:
+            status = "INTERNAL"
+            log.exception("request crashed")
+            self._fail(run, KvfenceError("internal error"))
+            raise KvfenceError(f"internal error ({type(err).__name__})") from err
+        finally:
+            timer.cancel()
+            await self._release_all(run)
+            self.d.metrics.requests_total.labels(status=status).inc()
+
+    def _fail(self, run: Run, err: KvfenceError) -> None:
+        rec = run.record
+        if rec.terminal:  # REJECTED at admission
+            return
+        dst = RequestState.CANCELLED if isinstance(err, Cancelled) else RequestState.FAILED
+        transition(rec, dst, reason=f"{err.code.name}: {err.reason}")
+        self.d.events.emit(
+            "request_failed",
+            request_id=rec.request_id,
+            tenant_id=rec.tenant_id,
+            code=err.code.name,
+            reason=err.reason,
+            state_before=str(rec.history[-1][0]),
+        )
+        if isinstance(err, IntegrityError):
+            self.d.metrics.integrity_failures_total.labels(check=err.reason).inc()
+
+    # -- admission (no node contact) ---------------------------------------------------------------
+
+    def _admit(self, run: Run, req: client_pb2.GenerateRequest, tenant: Tenant) -> Prompt:
+        rec = run.record
+        try:
+            self._check_serving()
+            prompt = admission.validate(req, self.d.model)
+            rec.prompt_tokens = len(prompt.token_ids)
+            rec.max_new_tokens = prompt.sampling.max_new_tokens
+            admission.check_limit(
+                prompt, self.d.registry.admissible_limit(), self.d.model.context_window
+            )
+            admission.check_tenant(tenant, prompt, self.d.table.active_for_tenant(tenant.name) - 1)
+            for role in (DECODE, PREFILL):
+                if not self.d.registry.nodes(role):
+                    raise Unavailable(f"no {role} node is registered", reason=NO_NODES)
+        except KvfenceError as err:
+            self._reject(run, err)
+            raise
+        transition(rec, RequestState.ADMITTED, prompt_tokens=rec.prompt_tokens)
+        return prompt
+
+    def _check_serving(self) -> None:
+        if self.d.draining:
+            raise Unavailable("the control plane is shutting down", reason=SHUTTING_DOWN)
+        if not self.d.access.online:
+            reason = self.d.access.reason or "no reason given"
+            raise Unavailable(
+                f"model {self.d.model.name} is offline: {reason}", reason=MODEL_OFFLINE
+            )
+
+    def _reject(self, run: Run, err: KvfenceError) -> None:
+        rec = run.record
+        transition(rec, RequestState.REJECTED, reason=f"{err.code.name}: {err.reason}")
+        self._count_rejection(rec, err)
+
+    def _count_rejection(self, rec: RequestRecord, err: KvfenceError) -> None:
+        self.d.metrics.admission_rejections_total.labels(reason=err.reason).inc()
+        if err.reason != admission.INVALID_PARAMETERS:
+            self.d.events.emit(
+                "admission_rejected",
+                request_id=rec.request_id,
+                tenant_id=rec.tenant_id,
+                reason=err.reason,
+                prompt_tokens=rec.prompt_tokens,
+                max_new_tokens=rec.max_new_tokens,
+                admissible_limit=self.d.registry.admissible_limit(),
+            )
+
+    # -- node work ---------------------------------------------------------------------------------
+
+    async def _serve(
+        self, run: Run, prompt: Prompt, tenant: Tenant, deadline: float, emit: Emit
+    ) -> None:
+        node, reservation = await self._reserve(run, prompt, tenant, deadline)
+        transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
+        manifest = await self._prefill(run, prompt, reservation, deadline)
+        await self._decode(run, prompt, node, reservation, manifest, deadline, emit)
+
+    async def _reserve(
+        self, run: Run, prompt: Prompt, tenant: Tenant, deadline: float
+    ) -> tuple[Node, prefill_pb2.Reservation]:
+        """Reserve decode pages, waiting in the admission queue while no node has room."""
+        loop = asyncio.get_running_loop()
+        pages = pages_needed(prompt.total_tokens, self.d.model.page_size)
+        give_up = deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
+        started = loop.time()
+        in_queue = False
+        with contextlib.ExitStack() as queued:
+            try:
+                while True:
+                    run.check()
+                    self._check_serving()  # an operator's offline reaches queued requests here
+                    if not self.d.registry.nodes(DECODE):
+                        raise Unavailable("no decode node is registered", reason=NO_NODES)
+                    for node in decode_candidates(self.d.registry, pages, skip=set()):
+                        res = await self._try_reserve(run, node, prompt, tenant, pages, deadline)
+                        if res is not None:
+                            return node, res
+                    now = loop.time()
+                    if now >= give_up:
+                        raise ResourceExhausted(
+                            f"no decode node had room for {pages} KV pages within the deadline "
+                            f"(waited {now - started:.1f} s)",
+                            reason=admission.NO_CAPACITY,
+                        )
+                    if not in_queue:  # first wait: take a place in the queue (or fail if full)
+                        queued.enter_context(self.d.queue.slot())
+                        in_queue = True
+                    await run.guard(self.d.queue.changed(min(give_up - now, self.d.poll_s)))
+            except ResourceExhausted as err:
+                if err.reason in (admission.NO_CAPACITY, admission.QUEUE_FULL):
+                    self._count_rejection(run.record, err)
+                raise
+
+    async def _try_reserve(
+        self, run: Run, node: Node, prompt: Prompt, tenant: Tenant, pages: int, deadline: float
+    ) -> prefill_pb2.Reservation | None:
+        rec = run.record
+        req = decode_pb2.ReserveRequest(
+            request_id=rec.request_id,
+            tenant_id=rec.tenant_id,
+            prompt_tokens=len(prompt.token_ids),
+            max_new_tokens=prompt.sampling.max_new_tokens,
+            scrub_on_free=tenant.limits.scrub_on_free or self.d.scrub_on_free,
+        )
+        # Recorded before the call: a call cut short may still have reserved on the node.
+        first_contact = node.node_id not in rec.contacted
+        rec.contacted[node.node_id] = DECODE
+        self.d.clients.count(node, "Reserve")
+        try:
+            res = await run.guard(self.d.clients.decode(node).Reserve(req, timeout=_left(deadline)))
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # "No room now": nothing held; skip the node until its next heartbeat.
+                if first_contact:
+                    del rec.contacted[node.node_id]
+                node.reserved_since_heartbeat = node.free_pages
+                return None
+            if unreachable(err):
+                if first_contact:
+                    del rec.contacted[node.node_id]
+                self.d.registry.lose(node, "refused connections")
+                return None
+            raise node_error(node, err) from None
+        node.reserved_since_heartbeat += pages
+        rec.decode_node, rec.reservation_id, rec.reserved_pages = (
+            node.node_id,
+            res.reservation_id,
+            pages,
+        )
+        check_reservation(node.node_id, res, prompt, pages)
+        return res
+
+    async def _prefill(
+        self, run: Run, prompt: Prompt, reservation: prefill_pb2.Reservation, deadline: float
+    ) -> common_pb2.KvManifest:
+        """Run the prompt on the least busy prefill node; wait and retry while all are full."""
+        rec = run.record
+        transition(rec, RequestState.PREFILLING)
+        loop = asyncio.get_running_loop()
+        give_up = deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
+        req = prefill_pb2.PrefillRequest(
+            request_id=rec.request_id,
+            tenant_id=rec.tenant_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=prompt.sampling,
+            reservation=reservation,
+        )
+        full: set[str] = set()
+        while True:
+            run.check()
+            candidates = prefill_candidates(self.d.registry, skip=full)
+            if not candidates:
+                # Wait (within the deadline) for room, or for a node that refused connections
+                # to register again after a restart.
+                if loop.time() >= give_up:
+                    if not self.d.registry.nodes(PREFILL):
+                        raise Unavailable("no prefill node is registered", reason=NO_NODES)
+                    raise ResourceExhausted(
+                        "no prefill node had room within the deadline", reason=admission.NO_CAPACITY
+                    )
+                full.clear()
+                await run.guard(self.d.queue.changed(min(give_up - loop.time(), self.d.poll_s)))
+                continue
+            node = candidates[0]
+            resp = await self._try_prefill(run, node, req, deadline)
+            if resp is None:
+                full.add(node.node_id)
+                continue
+            check_manifest(rec, resp.manifest, len(prompt.token_ids))
+            return resp.manifest
+
+    async def _try_prefill(
+        self, run: Run, node: Node, req: prefill_pb2.PrefillRequest, deadline: float
+    ) -> prefill_pb2.PrefillResponse | None:
+        rec = run.record
+        first_contact = node.node_id not in rec.contacted
+        rec.contacted[node.node_id] = PREFILL
+        rec.prefill_node = node.node_id
+        self.d.clients.count(node, "Prefill")
+        node.in_flight += 1
+        try:
+            return await run.guard(
+                self.d.clients.prefill(node).Prefill(req, timeout=_left(deadline))
+            )
+        except grpc.aio.AioRpcError as err:
+            gone = unreachable(err)
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or gone:
+                if first_contact:
+                    del rec.contacted[node.node_id]
+                rec.prefill_node = ""
+                if gone:
+                    self.d.registry.lose(node, "refused connections")
+                return None
+            raise node_error(node, err) from None
+        finally:
+            node.in_flight -= 1
+
+    async def _decode(
+        self,
+        run: Run,
+        prompt: Prompt,
+        node: Node,
+        reservation: prefill_pb2.Reservation,
+        manifest: common_pb2.KvManifest,
+        deadline: float,
+        emit: Emit,
+    ) -> None:
+        """Stream tokens from decode; the stream must start verified and end with a reason."""
+        rec = run.record
+        req = decode_pb2.DecodeRequest(
+            request_id=rec.request_id,
+            tenant_id=rec.tenant_id,
+            reservation_id=reservation.reservation_id,
+            manifest=manifest,
+            sampling=prompt.sampling,
+        )
+        self.d.clients.count(node, "Decode")
+        call = self.d.clients.decode(node).Decode(req, timeout=_left(deadline))
+        detok = IncrementalDetokenizer(self.d.model.tokenizer)
+        stream = DecodeStream(rec, manifest, prompt, detok)
+        started = last = time.monotonic()
+        try:
+            while True:
+                msg = await run.guard(call.read())
+                if not isinstance(msg, decode_pb2.DecodeResponse):  # grpc.aio.EOF
+                    break
+                if not stream.verified and msg.verified:
+                    transition(rec, RequestState.KV_VERIFIED)
+                    self._release_prefill_early(run)
+                    transition(rec, RequestState.DECODING)
+                out = stream.accept(msg)
+                if out is not None:
+                    now = time.monotonic()
+                    if stream.completion_tokens == len(out.token_ids):
+                        self.d.metrics.ttft_seconds.observe(now - started)
+                    else:  # per token of the message: decode may batch several in one
+                        gap = (now - last) / len(out.token_ids)
+                        for _ in out.token_ids:
+                            self.d.metrics.inter_token_seconds.observe(gap)
+                    last = now
+                    emit(out)
+        except grpc.aio.AioRpcError as err:
+            raise node_error(node, err) from None
+        finally:
+            if not call.done():
+                call.cancel()
+        final = stream.finish()
+        transition(rec, RequestState.FINISHED, completion_tokens=stream.completion_tokens)
+        emit(final)
+
+    # -- release -----------------------------------------------------------------------------------
+
+    def _release_prefill_early(self, run: Run) -> None:
+        """Once decode verified the KV, prefill's source pages are no longer needed: free them
+        now rather than at the end of decoding (nothing can still write into decode's pages)."""
+        rec = run.record
+        node = self.d.registry.get(rec.prefill_node)
+        rec.contacted.pop(rec.prefill_node, None)
+        if node is None:
+            return
+        task = asyncio.create_task(
+            self.d.clients.release(node, rec.request_id, "kv verified by decode")
+        )
+        self.d.background.add(task)
+        task.add_done_callback(self.d.background.discard)
+
+    async def _release_all(self, run: Run) -> None:
+        rec = run.record
+        if not rec.contacted:
+            return
+        reason = f"{rec.state}: {rec.reason}" if rec.reason else str(rec.state)
+        calls = []
+        for node_id in list(rec.contacted):
+            node = self.d.registry.get(node_id)
+            if node is None:  # lost: nothing to call, its pages went with it
+                log.info("not releasing on lost node", node_id=node_id)
+                continue
+            if node_id == rec.decode_node:
+                node.reserved_since_heartbeat -= rec.reserved_pages
+            calls.append(self.d.clients.release(node, rec.request_id, reason))
+        rec.contacted.clear()
+        await asyncio.gather(*calls, return_exceptions=True)
+        self.d.queue.notify()
+
+
+def unreachable(err: grpc.aio.AioRpcError) -> bool:
+    """True when a call never reached the node (connection refused: the process is gone or
+    restarting). Nothing ran there, so the request may go to another node, or to this one once it
+    has registered again; the caller drops the node from the registry until then. A call that
+    broke after connecting is never retried: work may have started."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
+        err.details() or ""
+    )
+
+
+def _left(deadline: float) -> float:
+    """Seconds to the deadline, as a node RPC timeout (so the deadline reaches the node)."""
+    return max(0.001, deadline - asyncio.get_running_loop().time())

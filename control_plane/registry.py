@@ -1,0 +1,224 @@
+"""The node registry: which prefill and decode nodes serve the model, their pools and liveness.
+
+A node registers once (role, addresses, fingerprint, layout, pool) and then heartbeats. A node
+whose fingerprint or layout differs from the model's is refused: its KV pages would not mean the
+same thing on the other side of a transfer. A node silent for ``node_timeout_s`` is lost; the
+registry drops it and tells the control plane, which fails every request that used it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from control_plane.model_info import ModelInfo, layout_text
+from kvfence.auth import token_matches
+from kvfence.errors import Unauthenticated
+from kvfence.logging import get_logger
+from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
+from kvfence.server import abort, bearer_token
+
+log = get_logger("registry")
+
+PREFILL = "prefill"
+DECODE = "decode"
+ROLES = (PREFILL, DECODE)
+
+
+@dataclass
+class Node:
+    """A registered node and its latest heartbeat."""
+
+    node_id: str
+    role: str
+    grpc_address: str
+    ucx_address: str
+    fingerprint: str
+    layout: common_pb2.KvLayout
+    pool_tokens: int
+    total_pages: int
+    free_pages: int
+    quarantined_pages: int = 0
+    queue_length: int = 0
+    last_heartbeat: float = 0.0
+    # Pages this control plane reserved since the last heartbeat: the heartbeat's free count does
+    # not know about them yet, and routing should not pick a node it has just filled.
+    reserved_since_heartbeat: int = 0
+    # Prefill calls this control plane has in flight on the node (added to its queue length).
+    in_flight: int = 0
+
+    @property
+    def free_estimate(self) -> int:
+        # Released pages make the count negative until the next heartbeat; never above the pool.
+        return min(self.total_pages, max(0, self.free_pages - self.reserved_since_heartbeat))
+
+    @property
+    def heartbeat_age_s(self) -> float:
+        return time.monotonic() - self.last_heartbeat
+
+
+NodeCallback = Callable[[Node], None]
+
+
+class Registry:
+    """Nodes by id; refuses nodes that do not match the model and detects lost ones."""
+
+    def __init__(
+        self,
+        model: ModelInfo,
+        heartbeat_interval_s: float,
+        node_timeout_s: float,
+        *,
+        on_joined: NodeCallback | None = None,
+        on_lost: NodeCallback | None = None,
+        on_refused: Callable[[control_pb2.RegisterRequest, str], None] | None = None,
+        on_capacity: Callable[[], None] | None = None,
+    ):
+        self.model = model
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.node_timeout_s = node_timeout_s
+        self._nodes: dict[str, Node] = {}
+        self._on_joined = on_joined or (lambda n: None)
+        self._on_lost = on_lost or (lambda n: None)
+        self._on_refused = on_refused or (lambda r, why: None)
+        self._on_capacity = on_capacity or (lambda: None)
+
+    # -- membership --------------------------------------------------------------------------------
+
+    def register(self, req: control_pb2.RegisterRequest) -> control_pb2.RegisterResponse:
+        reason = self._refusal(req)
+        if reason:
+            log.warning("node refused", node_id=req.node_id, role=req.role, reason=reason)
+            self._on_refused(req, reason)
+            return control_pb2.RegisterResponse(accepted=False, reason=reason)
+        node = Node(
+            node_id=req.node_id,
+            role=req.role,
+            grpc_address=req.grpc_address,
+            ucx_address=req.ucx_address,
+            fingerprint=req.model_fingerprint,
+            layout=req.layout,
+            pool_tokens=req.pool_tokens,
+            total_pages=req.total_pages,
+            free_pages=req.total_pages,
+            last_heartbeat=time.monotonic(),
+        )
+        previous = self._nodes.get(req.node_id)
+        if previous is not None and previous.grpc_address != node.grpc_address:
+            # Same id, new process: whatever the old one held is gone with it.
+            self._lose(previous, "re-registered at a new address")
+        self._nodes[node.node_id] = node
+        log.info(
+            "node registered",
+            node_id=node.node_id,
+            role=node.role,
+            address=node.grpc_address,
+            pool_tokens=node.pool_tokens,
+            total_pages=node.total_pages,
+        )
+        if previous is None or previous.grpc_address != node.grpc_address:
+            self._on_joined(node)
+        self._on_capacity()
+        return control_pb2.RegisterResponse(
+            accepted=True, heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000)
+        )
+
+    def _refusal(self, req: control_pb2.RegisterRequest) -> str:
+        model = self.model
+        if req.role not in ROLES:
+            return f"role {req.role!r} is not one of {', '.join(ROLES)}"
+        if not req.node_id or not req.grpc_address:
+            return "node_id and grpc_address are required"
+        if req.model_fingerprint != model.fingerprint:
+            return (
+                f"model fingerprint {req.model_fingerprint or '<empty>'} differs from the model's "
+                f"{model.fingerprint} ({model.name})"
+            )
+        if req.layout != model.layout:
+            return (
+                f"KV layout ({layout_text(req.layout)}) differs from the model's "
+                f"({layout_text(model.layout)})"
+            )
+        if req.total_pages == 0 or req.pool_tokens == 0:
+            return "a node must have a non-empty KV pool"
+        return ""
+
+    def heartbeat(self, req: control_pb2.HeartbeatRequest) -> control_pb2.HeartbeatResponse:
+        node = self._nodes.get(req.node_id)
+        if node is None:
+            return control_pb2.HeartbeatResponse(known=False)
+        grew = req.free_pages > node.free_estimate
+        node.free_pages = req.free_pages
+        node.quarantined_pages = req.quarantined_pages
+        node.queue_length = req.queue_length
+        node.reserved_since_heartbeat = 0
+        node.last_heartbeat = time.monotonic()
+        if grew:
+            self._on_capacity()
+        return control_pb2.HeartbeatResponse(known=True)
+
+    def reap(self) -> list[Node]:
+        """Drop every node silent for longer than ``node_timeout_s``; returns them."""
+        lost = [n for n in self._nodes.values() if n.heartbeat_age_s > self.node_timeout_s]
+        for node in lost:
+            self._lose(node, f"no heartbeat for {node.heartbeat_age_s:.1f} s")
+        return lost
+
+    def lose(self, node: Node, why: str) -> None:
+        """Drop a node now (e.g. it refused connections); it joins again by re-registering."""
+        self._lose(node, why)
+
+    def _lose(self, node: Node, why: str) -> None:
+        if self._nodes.get(node.node_id) is node:
+            del self._nodes[node.node_id]
+        log.warning("node lost", node_id=node.node_id, role=node.role, why=why)
+        self._on_lost(node)
+
+    async def run_reaper(self) -> None:
+        """Check liveness a few times per timeout until cancelled."""
+        period = min(self.heartbeat_interval_s, self.node_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.reap()
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def get(self, node_id: str) -> Node | None:
+        return self._nodes.get(node_id)
+
+    def nodes(self, role: str | None = None) -> list[Node]:
+        return [n for n in self._nodes.values() if role is None or n.role == role]
+
+    def admissible_limit(self) -> int:
+        """min(context window, pool tokens of every node that could serve the model)."""
+        return min([self.model.context_window, *(n.pool_tokens for n in self._nodes.values())])
+
+
+class NodeRegistryServicer(control_pb2_grpc.NodeRegistryServicer):
+    """gRPC face of :class:`Registry`."""
+
+    def __init__(self, registry: Registry, node_token: str):
+        self.registry = registry
+        self.node_token = node_token
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        # Only holders of the cluster's node token may join: a registered decode node is sent
+        # tenants' KV.
+        if not token_matches(bearer_token(context), self.node_token):
+            await abort(context, Unauthenticated("node registration needs the cluster node token"))
+
+    async def Register(
+        self, request: control_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.RegisterResponse:
+        await self._authenticate(context)
+        return self.registry.register(request)
+
+    async def Heartbeat(
+        self, request: control_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.HeartbeatResponse:
+        await self._authenticate(context)
+        return self.registry.heartbeat(request)

@@ -1,0 +1,108 @@
+"""Channels to the nodes, node choice, and the count of node RPCs (tests assert on it).
+
+Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
+(shortest first). The estimates only order and pre-filter the candidates; the node's own answer to
+Reserve / Prefill (RESOURCE_EXHAUSTED = "not now") is authoritative.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+
+from control_plane.registry import DECODE, PREFILL, Node, Registry
+from kvfence.logging import get_logger
+from kvfence.metrics import Metrics
+from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvfence.server import CHANNEL_OPTIONS
+
+log = get_logger("routing")
+RELEASE_TIMEOUT_S = 5.0
+
+
+class NodeClients:
+    """One channel per registered node; counts every RPC sent, by (node_id, method)."""
+
+    def __init__(
+        self, credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None
+    ):
+        self._credentials = credentials
+        self._metrics = metrics
+        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+        self.rpc_counts: Counter[tuple[str, str]] = Counter()
+
+    def _channel(self, node: Node) -> grpc.aio.Channel:
+        known = self._channels.get(node.node_id)
+        if known is not None and known[0] == node.grpc_address:
+            return known[1]
+        if known is not None:
+            self.drop(node.node_id)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(node.grpc_address, options=CHANNEL_OPTIONS)
+        else:
+            channel = grpc.aio.secure_channel(
+                node.grpc_address, self._credentials, options=CHANNEL_OPTIONS
+            )
+        self._channels[node.node_id] = (node.grpc_address, channel)
+        return channel
+
+    def count(self, node: Node, method: str) -> None:
+        self.rpc_counts[(node.node_id, method)] += 1
+        if self._metrics is not None:
+            self._metrics.rpcs_total.labels(method=f"client:{method}").inc()
+
+    def decode(self, node: Node) -> decode_pb2_grpc.DecodeStub:
+        return decode_pb2_grpc.DecodeStub(self._channel(node))
+
+    def prefill(self, node: Node) -> prefill_pb2_grpc.PrefillStub:
+        return prefill_pb2_grpc.PrefillStub(self._channel(node))
+
+    def total(self, method: str | None = None) -> int:
+        return sum(n for (_, m), n in self.rpc_counts.items() if method in (None, m))
+
+    def drop(self, node_id: str) -> None:
+        known = self._channels.pop(node_id, None)
+        if known is not None:
+            # Closing cancels the calls still open on the channel: the node is gone.
+            asyncio.get_running_loop().create_task(known[1].close(grace=None))
+
+    async def close(self) -> None:
+        channels = [c for _, c in self._channels.values()]
+        self._channels.clear()
+        await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
+
+    async def release(self, node: Node, request_id: str, reason: str) -> None:
+        """Release on one node; failures are logged and swallowed (the caller's status wins)."""
+        req = prefill_pb2.ReleaseRequest(request_id=request_id, reason=reason)
+        self.count(node, "Release")
+        try:
+            if node.role == DECODE:
+                await self.decode(node).Release(req, timeout=RELEASE_TIMEOUT_S)
+            else:
+                await self.prefill(node).Release(req, timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            log.warning(
+                "release failed",
+                node_id=node.node_id,
+                role=node.role,
+                code=err.code().name,
+                details=err.details(),
+            )
+
+
+def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
+    """Decode nodes that could hold ``pages`` now, most free pages first."""
+    nodes = [
+        n
+        for n in registry.nodes(DECODE)
+        if n.node_id not in skip and n.total_pages >= pages and n.free_estimate >= pages
+    ]
+    return sorted(nodes, key=lambda n: (-n.free_estimate, n.node_id))
+
+
+def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
+    """Prefill nodes, shortest queue first."""
+    nodes = [n for n in registry.nodes(PREFILL) if n.node_id not in skip]
+    return sorted(nodes, key=lambda n: (n.queue_length + n.in_flight, n.node_id))

@@ -1,0 +1,268 @@
+"""The control plane process: both listeners, the registry reaper, events, metrics, shutdown.
+
+In-process use (tests, the local stack)::
+
+    cp = ControlPlane(cfg, model_info=info)        # model_info=None loads it from cfg
+    ports = await cp.start()                        # ports.public, ports.admin
+    ...
+    await cp.stop()
+
+As a service: ``await serve(cfg, stop_event)`` runs until ``stop_event`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+
+from control_plane.admin import AdminServicer, load_admin_token
+from control_plane.admission import AdmissionQueue
+from control_plane.generation import GenerationServicer
+from control_plane.lifecycle import RequestState, RequestTable
+from control_plane.model_info import ModelAccess, ModelInfo, load_model_info
+from control_plane.pipeline import EventSink, Pipeline, PipelineDeps
+from control_plane.registry import Node, NodeRegistryServicer, Registry
+from control_plane.routing import NodeClients
+from control_plane.tenants import TenantStore
+from kvfence import tls
+from kvfence.auth import NODE_TOKEN_FILE, load_or_create_token
+from kvfence.config import ClusterConfig
+from kvfence.errors import Unavailable
+from kvfence.events import EventBus
+from kvfence.logging import get_logger
+from kvfence.metrics import Metrics
+from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, control_pb2, control_pb2_grpc
+from kvfence.server import GrpcServer
+
+log = get_logger("control_plane")
+
+PUBLIC_SERVICES = ["kvfence.v1.Generation", "kvfence.v1.NodeRegistry"]
+ADMIN_SERVICES = ["kvfence.v1.Admin"]
+TENANTS_DB = "tenants.sqlite3"
+
+
+@dataclass(frozen=True)
+class Ports:
+    public: int
+    admin: int
+    metrics: int | None = None
+
+
+class ControlPlane:
+    """Public API + node registry on ``listen``, admin API on ``admin_listen``."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        *,
+        model_info: ModelInfo | None = None,
+        events: EventSink | None = None,
+        metrics: Metrics | None = None,
+    ):
+        self.cfg = cfg
+        cp = cfg.control_plane
+        self.model = model_info or load_model_info(cfg)
+        self.metrics = metrics or Metrics("control-plane")
+        self.bus: EventBus | None = None
+        if events is None:
+            self.bus = EventBus(
+                cfg.cluster,
+                cfg.node.node_id or "control-plane",
+                cfg.events.mqtt_host,
+                cfg.events.mqtt_port,
+                cfg.events.buffer_size,
+                metrics=self.metrics,
+            )
+            events = self.bus
+        self.events: EventSink = events
+        self.tenants = TenantStore(cp.state_dir / TENANTS_DB)
+        self.admin_token = load_admin_token(cp)
+        self.node_token = load_or_create_token(
+            cp.node_token_file, Path(cp.state_dir), NODE_TOKEN_FILE, "kvfn_"
+        )
+        self.table = RequestTable()
+        self.queue = AdmissionQueue(cp.admission_queue)
+        self.access = ModelAccess()
+        self.registry = Registry(
+            self.model,
+            cp.heartbeat_interval_s,
+            cp.node_timeout_s,
+            on_joined=self._node_joined,
+            on_lost=self._node_lost,
+            on_refused=self._node_refused,
+            on_capacity=self.queue.notify,
+        )
+        self.clients = NodeClients(tls.internal_channel_credentials(cfg.tls), self.metrics)
+        self.deps = PipelineDeps(
+            model=self.model,
+            access=self.access,
+            registry=self.registry,
+            clients=self.clients,
+            queue=self.queue,
+            table=self.table,
+            events=self.events,
+            metrics=self.metrics,
+            scrub_on_free=cfg.kv.scrub_on_free,
+            poll_s=cp.heartbeat_interval_s,
+        )
+        self.generation = GenerationServicer(
+            Pipeline(self.deps),
+            self.tenants,
+            self.table,
+            self.metrics,
+            cp.default_deadline_s,
+            self.list_models,
+        )
+        self.admin = AdminServicer(
+            self.admin_token, self.tenants, self.deps, cfg.model.clamp_context, self.set_access
+        )
+        self._public: GrpcServer | None = None
+        self._admin: GrpcServer | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, listen: str | None = None, admin_listen: str | None = None) -> Ports:
+        """Start both listeners (addresses default to the config's); returns the bound ports."""
+        cp = self.cfg.control_plane
+        if self.bus is not None:
+            await self.bus.start()
+        public_creds = tls.public_server_credentials(self.cfg.tls)
+        self._public = await GrpcServer.start(
+            listen or cp.listen,
+            [
+                (client_pb2_grpc.add_GenerationServicer_to_server, self.generation),
+                (
+                    control_pb2_grpc.add_NodeRegistryServicer_to_server,
+                    NodeRegistryServicer(self.registry, self.node_token),
+                ),
+            ],
+            PUBLIC_SERVICES,
+            credentials=public_creds,
+        )
+        self._admin = await GrpcServer.start(
+            admin_listen or cp.admin_listen,
+            [(control_pb2_grpc.add_AdminServicer_to_server, self.admin)],
+            ADMIN_SERVICES,
+            credentials=public_creds,
+        )
+        self._reaper = asyncio.create_task(self.registry.run_reaper(), name="kvfence-reaper")
+        log.info(
+            "control plane started",
+            public_port=self._public.port,
+            admin_port=self._admin.port,
+            model=self.model.name,
+            context_window=self.model.context_window,
+        )
+        return Ports(self._public.port, self._admin.port)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Drain: stop taking requests, fail queued ones, give running ones ``grace`` seconds,
+        then fail the rest; every request releases what it holds before the listeners close."""
+        self.deps.draining = True
+        servers = [s for s in (self._public, self._admin) if s is not None]
+        for server in servers:  # load balancers drain first
+            for name in ["", *server.service_names]:
+                await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._interrupt_queued("the control plane is shutting down")
+        tasks = set(self.generation.tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        self.table.interrupt_all(Unavailable, "the control plane is shutting down")
+        tasks = set(self.generation.tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        if self.deps.background:
+            await asyncio.wait(set(self.deps.background), timeout=5)
+        for server in servers:
+            await server.stop(grace=1.0)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.clients.close()
+        if self.bus is not None:
+            await self.bus.stop()
+        self.tenants.close()
+        log.info("control plane stopped")
+
+    # -- model access and nodes --------------------------------------------------------------------
+
+    def set_access(self, online: bool, reason: str) -> None:
+        """The operator's switch; going offline fails queued requests at once."""
+        self.access.online = online
+        self.access.reason = "" if online else (reason or "taken offline by an operator")
+        log.warning("model access changed", model=self.model.name, online=online, reason=reason)
+        self.events.emit("model_access", model=self.model.name, online=online, reason=reason)
+        if not online:
+            self._interrupt_queued(
+                f"model {self.model.name} is offline: {self.access.reason}", "MODEL_OFFLINE"
+            )
+        self.queue.notify()
+
+    def _interrupt_queued(self, message: str, reason: str = "SHUTTING_DOWN") -> None:
+        for run in self.table.in_state(RequestState.RECEIVED, RequestState.ADMITTED):
+            run.interrupt(Unavailable(message, reason=reason))
+
+    def list_models(self) -> client_pb2.ListModelsResponse:
+        return client_pb2.ListModelsResponse(
+            models=[
+                client_pb2.ModelInfo(
+                    name=self.model.name,
+                    context_window=self.model.context_window,
+                    admissible_limit=self.registry.admissible_limit(),
+                    online=self.access.online,
+                    fingerprint=self.model.fingerprint,
+                    page_size=self.model.page_size,
+                )
+            ]
+        )
+
+    def _node_joined(self, node: Node) -> None:
+        self.events.emit(
+            "node_joined", node=node.node_id, role=node.role, pool_tokens=node.pool_tokens
+        )
+
+    def _node_refused(self, req: control_pb2.RegisterRequest, reason: str) -> None:
+        # Not one of the lifecycle kinds: a refused node never joined, and operators want to see it.
+        self.events.emit("node_refused", node=req.node_id, role=req.role, reason=reason)
+
+    def _node_lost(self, node: Node) -> None:
+        self.clients.drop(node.node_id)
+        runs = self.table.using_node(node.node_id)
+        for run in runs:
+            run.interrupt(
+                Unavailable(f"{node.role} node {node.node_id} was lost", reason="NODE_LOST")
+            )
+        self.events.emit("node_lost", node=node.node_id, role=node.role, failed_requests=len(runs))
+        self.queue.notify()
+
+    # -- test hooks --------------------------------------------------------------------------------
+
+    @property
+    def node_rpc_counts(self) -> dict[tuple[str, str], int]:
+        """RPCs this control plane sent to nodes, by (node_id, method)."""
+        return dict(self.clients.rpc_counts)
+
+    def node_rpcs(self, method: str | None = None) -> int:
+        return self.clients.total(method)
+
+
+async def serve(cfg: ClusterConfig, stop_event: asyncio.Event, **kwargs: Any) -> None:
+    """Run the control plane until ``stop_event`` is set, then shut down gracefully."""
+    cp = ControlPlane(cfg, **kwargs)
+    await cp.start()
+    metrics_port = None
+    if cfg.node.metrics_port is not None:
+        metrics_port = cp.metrics.serve(cfg.node.metrics_port)
+        log.info("metrics served", port=metrics_port)
+    try:
+        await stop_event.wait()
+    finally:
+        await cp.stop()
+        cp.metrics.stop()

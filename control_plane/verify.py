@@ -1,0 +1,129 @@
+"""Checks on what nodes answer, before any of it reaches the client.
+
+Decode verifies the KV itself (DESIGN.md "Transfer manifest"); these checks make sure the control
+plane never relays an answer that is not about the request it asked for: a reservation of the wrong
+size, a manifest of another request, tokens before verification, a first token that does not
+continue prefill's, more tokens than asked for, a stream that ends without a finish reason.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from control_plane.admission import Prompt
+from control_plane.detok import IncrementalDetokenizer
+from control_plane.lifecycle import RequestRecord
+from control_plane.registry import Node
+from kvfence.errors import IntegrityError, KvfenceError, Unavailable, from_rpc_error
+from kvfence.proto.kvfence.v1 import client_pb2, common_pb2, decode_pb2, prefill_pb2
+
+
+def check_reservation(
+    node_id: str, res: prefill_pb2.Reservation, prompt: Prompt, pages: int
+) -> None:
+    if (
+        res.prompt_tokens != len(prompt.token_ids)
+        or res.max_new_tokens != prompt.sampling.max_new_tokens
+        or len(res.pages) != pages
+    ):
+        raise KvfenceError(
+            f"decode node {node_id} returned a reservation of {len(res.pages)} pages for "
+            f"{res.prompt_tokens}+{res.max_new_tokens} tokens; expected {pages} pages for "
+            f"{len(prompt.token_ids)}+{prompt.sampling.max_new_tokens}",
+            reason="RESERVATION_MISMATCH",
+        )
+
+
+def check_manifest(rec: RequestRecord, m: common_pb2.KvManifest, prompt_tokens: int) -> None:
+    # Decode verifies the manifest fully; this catches a prefill answering for another request
+    # before its manifest goes anywhere.
+    if (
+        m.request_id != rec.request_id
+        or m.tenant_id != rec.tenant_id
+        or m.reservation_id != rec.reservation_id
+        or m.token_count != prompt_tokens
+    ):
+        raise IntegrityError(
+            f"prefill returned a manifest that does not describe this request "
+            f"(token_count {m.token_count}, expected {prompt_tokens})",
+            reason="MANIFEST_MISMATCH",
+        )
+
+
+def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
+    """A node's failed RPC as the client should see it: same code and reason, node named."""
+    base = from_rpc_error(err)
+    if err.code() == grpc.StatusCode.UNAVAILABLE and base.reason == "UNAVAILABLE":
+        base.reason = "NODE_UNREACHABLE"
+    out = type(base)(
+        f"{node.role} node {node.node_id}: {base.message}",
+        reason=base.reason,
+        metadata=base.metadata,
+    )
+    out.code = base.code
+    return out
+
+
+class DecodeStream:
+    """Checks the decode stream message by message and turns it into client responses."""
+
+    def __init__(
+        self,
+        rec: RequestRecord,
+        manifest: common_pb2.KvManifest,
+        prompt: Prompt,
+        detok: IncrementalDetokenizer,
+    ):
+        self.rec = rec
+        self.first_token = manifest.first_token
+        self.prompt = prompt
+        self.detok = detok
+        self.verified = False
+        self.finish_reason = ""
+        self.completion_tokens = 0
+
+    def accept(self, msg: decode_pb2.DecodeResponse) -> client_pb2.GenerateResponse | None:
+        if msg.verified:
+            self.verified = True
+        if self.finish_reason and (msg.token_ids or msg.finish_reason):
+            raise IntegrityError("decode sent data after its last message", reason="STREAM_ORDER")
+        if msg.token_ids and not self.verified:
+            raise IntegrityError(
+                "decode sent tokens before verifying the transferred KV", reason="UNVERIFIED"
+            )
+        if msg.finish_reason:
+            self.finish_reason = msg.finish_reason
+        if not msg.token_ids:
+            return None
+        ids = list(msg.token_ids)
+        # The manifest's first_token was sampled by prefill; decode's stream repeats it as its
+        # first token. A different one means decode is not continuing the KV prefill wrote.
+        if self.completion_tokens == 0 and ids[0] != self.first_token:
+            raise IntegrityError(
+                f"decode's first token {ids[0]} differs from prefill's {self.first_token}",
+                reason="FIRST_TOKEN_MISMATCH",
+            )
+        self.completion_tokens += len(ids)
+        limit = self.prompt.sampling.max_new_tokens
+        if self.completion_tokens > limit:
+            raise IntegrityError(
+                f"decode sent {self.completion_tokens} tokens, more than max_new_tokens {limit}",
+                reason="TOO_MANY_TOKENS",
+            )
+        return client_pb2.GenerateResponse(
+            request_id=self.rec.request_id, token_ids=ids, text=self.detok.push(ids)
+        )
+
+    def finish(self) -> client_pb2.GenerateResponse:
+        if not self.verified or not self.finish_reason:
+            raise Unavailable(
+                "the decode stream ended before the request finished", reason="STREAM_TRUNCATED"
+            )
+        return client_pb2.GenerateResponse(
+            request_id=self.rec.request_id,
+            text=self.detok.flush(),
+            usage=common_pb2.Usage(
+                prompt_tokens=len(self.prompt.token_ids), completion_tokens=self.completion_tokens
+            ),
+            finish_reason=self.finish_reason,
+        )

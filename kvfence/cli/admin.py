@@ -1,0 +1,303 @@
+"""Operator commands over the admin API: tenants, nodes, model access, requests in flight.
+
+Every command takes ``--target`` (admin HOST:PORT, env KVFENCE_ADMIN_TARGET) and
+``--admin-token`` (env KVFENCE_ADMIN_TOKEN; else ``.kvfence/admin_token`` when the default state
+dir is here). Listings render as rich tables, or as JSON with ``--json``. An unreachable target
+or a refused token is reported in one line on stderr with exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+    from kvfence.client import AdminClient
+
+EXIT_ERROR = 1
+DEFAULT_TOKEN_FILE = Path(".kvfence") / "admin_token"
+
+TARGET = typer.Option(
+    "127.0.0.1:50052", "--target", envvar="KVFENCE_ADMIN_TARGET", help="Admin API HOST:PORT."
+)
+TOKEN = typer.Option(None, "--admin-token", envvar="KVFENCE_ADMIN_TOKEN", help="Admin token.")
+JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+
+
+def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
+    tenants, model = groups["tenants"], groups["model"]
+    tenants.command("create")(tenants_create)
+    tenants.command("list")(tenants_list)
+    tenants.command("revoke-key")(tenants_revoke_key)
+    tenants.command("set-limits")(tenants_set_limits)
+    model.command("status")(model_status)
+    model.command("offline")(model_offline)
+    model.command("online")(model_online)
+    app.command("nodes")(nodes)
+    app.command("requests")(requests)
+    app.command("abort")(abort)
+
+
+# -- plumbing --------------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(EXIT_ERROR)
+
+
+@contextmanager
+def _admin(target: str, token: str | None) -> Iterator[AdminClient]:
+    """An AdminClient; any error becomes one line on stderr and exit status 1."""
+    import grpc
+
+    from kvfence.client import AdminClient
+    from kvfence.errors import KvfenceError
+
+    if token is None and DEFAULT_TOKEN_FILE.exists():
+        token = DEFAULT_TOKEN_FILE.read_text().strip()
+    if not token:
+        raise _fail("no admin token: pass --admin-token or set KVFENCE_ADMIN_TOKEN")
+    try:
+        with AdminClient(target, token, timeout=10.0) as client:
+            yield client
+    except KvfenceError as err:
+        if err.code == grpc.StatusCode.UNAVAILABLE:
+            raise _fail(f"cannot reach the admin API at {target}: {err.message}") from None
+        if err.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise _fail(f"admin token refused by {target}: {err.message}") from None
+        raise _fail(f"{err.code.name}: {err.message}") from None
+
+
+def _dict(msg: Message) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(
+        msg, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+    )
+
+
+def _print_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    # Piped output (grep, tests) gets full cell contents instead of an 80-column squeeze.
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
+
+
+def _limit(n: int) -> str:
+    return str(n) if n else "-"
+
+
+# -- tenants ---------------------------------------------------------------------------------------
+
+
+def tenants_create(
+    name: str = typer.Argument(..., help="Tenant name."),
+    max_concurrent: int = typer.Option(0, "--max-concurrent", help="0 = unlimited."),
+    max_tokens: int = typer.Option(0, "--max-tokens", help="Per request; 0 = admissible limit."),
+    scrub_on_free: bool = typer.Option(False, "--scrub-on-free", help="Zero pages on free."),
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+) -> None:
+    """Create a tenant and print its API key (shown only this once)."""
+    with _admin(target, admin_token) as admin:
+        resp = admin.create_tenant(
+            name,
+            max_concurrent_requests=max_concurrent,
+            max_tokens_per_request=max_tokens,
+            scrub_on_free=scrub_on_free,
+        )
+    if as_json:
+        _print_json({"tenant": resp.tenant.name, "api_key": resp.api_key, "key_id": resp.key_id})
+        return
+    typer.echo(f"tenant {resp.tenant.name} created; key id {resp.key_id}")
+    typer.echo(f"API key (shown once, store it now): {resp.api_key}")
+
+
+def tenants_list(
+    as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN
+) -> None:
+    """List tenants with their limits and keys."""
+    with _admin(target, admin_token) as admin:
+        tenants = admin.list_tenants()
+    if as_json:
+        _print_json([_dict(t) for t in tenants])
+        return
+    rows = []
+    for t in tenants:
+        keys = ", ".join(k.key_id + (" (revoked)" if k.revoked else "") for k in t.keys)
+        lim = t.limits
+        rows.append(
+            [
+                t.name,
+                _limit(lim.max_concurrent_requests),
+                _limit(lim.max_tokens_per_request),
+                "yes" if lim.scrub_on_free else "no",
+                keys,
+            ]
+        )
+    _table("tenants", ["name", "max concurrent", "max tokens", "scrub", "keys"], rows)
+
+
+def tenants_revoke_key(
+    key_id: str = typer.Argument(..., help="Key id (see `tenants list`)."),
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+) -> None:
+    """Revoke an API key; requests with it are refused from now on."""
+    with _admin(target, admin_token) as admin:
+        admin.revoke_key(key_id)
+    typer.echo(f"key {key_id} revoked")
+
+
+def tenants_set_limits(
+    name: str = typer.Argument(..., help="Tenant name."),
+    max_concurrent: int | None = typer.Option(None, "--max-concurrent", help="0 = unlimited."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="0 = admissible limit."),
+    scrub_on_free: bool | None = typer.Option(None, "--scrub-on-free/--no-scrub-on-free"),
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+) -> None:
+    """Change a tenant's limits; options not given keep their current value."""
+    with _admin(target, admin_token) as admin:
+        current = {t.name: t for t in admin.list_tenants()}.get(name)
+        if current is None:
+            raise _fail(f"NOT_FOUND: tenant {name!r} does not exist")
+        lim = current.limits
+        tenant = admin.set_limits(
+            name,
+            max_concurrent_requests=lim.max_concurrent_requests
+            if max_concurrent is None
+            else max_concurrent,
+            max_tokens_per_request=lim.max_tokens_per_request if max_tokens is None else max_tokens,
+            scrub_on_free=lim.scrub_on_free if scrub_on_free is None else scrub_on_free,
+        )
+    if as_json:
+        _print_json(_dict(tenant))
+        return
+    lim = tenant.limits
+    typer.echo(
+        f"tenant {tenant.name}: max concurrent {_limit(lim.max_concurrent_requests)}, "
+        f"max tokens {_limit(lim.max_tokens_per_request)}, "
+        f"scrub on free {'yes' if lim.scrub_on_free else 'no'}"
+    )
+
+
+# -- cluster ---------------------------------------------------------------------------------------
+
+
+def nodes(as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN) -> None:
+    """Registered nodes, their pools and heartbeats, and the enforced limit."""
+    with _admin(target, admin_token) as admin:
+        resp = admin.list_nodes()
+    if as_json:
+        _print_json(_dict(resp))
+        return
+    rows = [
+        [
+            n.node_id,
+            n.role,
+            n.grpc_address,
+            n.pool_tokens,
+            f"{n.free_pages}/{n.total_pages}",
+            n.quarantined_pages,
+            "yes" if n.healthy else "NO",
+            f"{n.last_heartbeat_age_s:.1f}s",
+        ]
+        for n in resp.nodes
+    ]
+    _table(
+        f"nodes (context window {resp.context_window}, admissible limit {resp.admissible_limit})",
+        ["node", "role", "address", "pool tokens", "free/total", "quarantined", "healthy", "hb"],
+        rows,
+    )
+
+
+def _print_status(status: Any, as_json: bool) -> None:
+    if as_json:
+        _print_json(_dict(status))
+        return
+    state = "online" if status.online else f"OFFLINE ({status.reason})"
+    typer.echo(
+        f"model {status.name}: {state}; context window {status.context_window}, "
+        f"admissible limit {status.admissible_limit}"
+    )
+
+
+def model_status(
+    as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN
+) -> None:
+    """Whether the model is online, and its context window and enforced limit."""
+    with _admin(target, admin_token) as admin:
+        _print_status(admin.model_status(), as_json)
+
+
+def model_offline(
+    reason: str = typer.Option("", "--reason", help="Shown to clients in the UNAVAILABLE error."),
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+) -> None:
+    """Take the model offline: new and queued requests fail with UNAVAILABLE at once."""
+    with _admin(target, admin_token) as admin:
+        _print_status(admin.set_model_access(False, reason), as_json)
+
+
+def model_online(
+    as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN
+) -> None:
+    """Put the model back online."""
+    with _admin(target, admin_token) as admin:
+        _print_status(admin.set_model_access(True), as_json)
+
+
+def requests(as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN) -> None:
+    """Requests in flight, with their state and nodes."""
+    with _admin(target, admin_token) as admin:
+        infos = admin.list_requests()
+    if as_json:
+        _print_json([_dict(r) for r in infos])
+        return
+    rows = [
+        [
+            r.request_id,
+            r.tenant_id,
+            r.state,
+            r.prefill_node or "-",
+            r.decode_node or "-",
+            f"{r.prompt_tokens}+{r.max_new_tokens}",
+            f"{r.age_s:.1f}s",
+        ]
+        for r in infos
+    ]
+    _table("requests", ["request", "tenant", "state", "prefill", "decode", "tokens", "age"], rows)
+
+
+def abort(
+    request_id: str = typer.Argument(..., help="Request id (see `kvfence requests`)."),
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+) -> None:
+    """Abort a request in flight: CANCELLED for the client, released on every node."""
+    with _admin(target, admin_token) as admin:
+        aborted = admin.abort_request(request_id)
+    typer.echo(f"request {request_id} {'aborted' if aborted else 'was already ending'}")

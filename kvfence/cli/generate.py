@@ -1,0 +1,93 @@
+"""``kvfence generate``: stream a generation from a running cluster.
+
+Text goes to stdout as it arrives; ``--json`` prints one object with the token ids, text, finish
+reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+EXIT_FAILED = 2
+
+
+def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
+    app.command("generate")(generate)
+
+
+def _parse_ids(raw: str) -> list[int]:
+    try:
+        return [int(p) for p in raw.replace(" ", "").split(",") if p]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {raw!r}") from None
+
+
+def generate(
+    prompt: str | None = typer.Argument(None, help="Prompt text (or use --prompt-ids)."),
+    target: str = typer.Option(
+        "127.0.0.1:50051", "--target", envvar="KVFENCE_TARGET", help="Public API HOST:PORT."
+    ),
+    api_key: str = typer.Option(..., "--api-key", envvar="KVFENCE_API_KEY", help="Tenant key."),
+    prompt_ids: str | None = typer.Option(
+        None, "--prompt-ids", help="Prompt as token ids, e.g. 1,2,3."
+    ),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
+    tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Deadline in seconds."),
+) -> None:
+    """Generate from PROMPT (or --prompt-ids) and stream the text."""
+    from kvfence.client import Client, GenerationChunk
+    from kvfence.errors import KvfenceError
+
+    if (prompt is None) == (prompt_ids is None):
+        raise typer.BadParameter("give exactly one of PROMPT or --prompt-ids")
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    token_ids: list[int] = []
+    text: list[str] = []
+    last: GenerationChunk | None = None
+    try:
+        with Client(target, api_key, tls_ca=tls_ca, timeout=timeout) as client:
+            for chunk in client.stream(
+                prompt,
+                prompt_ids=ids,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
+                ignore_eos=ignore_eos,
+            ):
+                token_ids.extend(chunk.token_ids)
+                text.append(chunk.text)
+                last = chunk
+                if not as_json and chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+    except KvfenceError as err:
+        if not as_json and text:
+            sys.stdout.write("\n")
+        typer.echo(f"{err.code.name}: {err.message}", err=True)
+        raise typer.Exit(EXIT_FAILED) from None
+    usage = last.usage if last is not None else None
+    if as_json:
+        out = {
+            "token_ids": token_ids,
+            "text": "".join(text),
+            "finish_reason": last.finish_reason if last is not None else "",
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens if usage else 0,
+                "completion_tokens": usage.completion_tokens if usage else len(token_ids),
+            },
+        }
+        typer.echo(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")

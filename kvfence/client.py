@@ -1,0 +1,445 @@
+"""Python clients of a kvfence cluster: ``Client`` (sync), ``AsyncClient`` and ``AdminClient``.
+
+::
+
+    with Client("127.0.0.1:50051", api_key) as c:
+        result = c.generate("Hello", max_new_tokens=16)
+        for chunk in c.stream(prompt_ids=[5, 6, 7], max_new_tokens=8):
+            print(chunk.text, end="")
+
+Failures raise the typed errors of :mod:`kvfence.errors` (``InvalidArgument``, ``Unavailable``,
+``IntegrityError`` ...), rebuilt from the gRPC status with its ErrorInfo reason. This interface is
+stable: tests and operators depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvfence.errors import from_rpc_error
+from kvfence.proto.kvfence.v1 import (
+    client_pb2,
+    client_pb2_grpc,
+    control_pb2,
+    control_pb2_grpc,
+)
+from kvfence.server import CHANNEL_OPTIONS
+from kvfence.tls import read_pem
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One streamed message: new tokens and their text; the last one has finish_reason and usage."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    context_window: int
+    admissible_limit: int  # prompt + max_new_tokens the cluster actually accepts
+    online: bool
+    fingerprint: str
+    page_size: int
+
+
+@dataclass
+class _Accumulator:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.request_id = chunk.request_id or self.request_id
+        self.token_ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def result(self) -> GenerationResult:
+        usage = self.usage or Usage(0, len(self.token_ids))
+        return GenerationResult(
+            self.token_ids, "".join(self.text), self.finish_reason, usage, self.request_id
+        )
+
+
+def build_request(
+    prompt: str | None,
+    prompt_ids: Sequence[int] | None,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    model: str = "",
+) -> client_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments; exactly one of ``prompt`` / ``prompt_ids``."""
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("pass exactly one of prompt or prompt_ids")
+    req = client_pb2.GenerateRequest(
+        model=model,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+    )
+    if prompt is not None:
+        req.text = prompt
+    else:
+        assert prompt_ids is not None
+        req.token_ids.ids.extend(prompt_ids)
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def _chunk(msg: client_pb2.GenerateResponse) -> GenerationChunk:
+    usage = None
+    if msg.HasField("usage"):
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens)
+    return GenerationChunk(msg.request_id, list(msg.token_ids), msg.text, msg.finish_reason, usage)
+
+
+def _models(resp: client_pb2.ListModelsResponse) -> list[ModelSummary]:
+    return [
+        ModelSummary(
+            m.name, m.context_window, m.admissible_limit, m.online, m.fingerprint, m.page_size
+        )
+        for m in resp.models
+    ]
+
+
+def _credentials(tls_ca: Path | str | bytes | None) -> grpc.ChannelCredentials | None:
+    if tls_ca is None:
+        return None
+    ca = tls_ca if isinstance(tls_ca, bytes) else read_pem(tls_ca, "CA")
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
+def _sync_channel(target: str, tls_ca: Path | str | bytes | None) -> grpc.Channel:
+    creds = _credentials(tls_ca)
+    if creds is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+
+
+def _auth(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+class Client:
+    """Blocking client of the public API."""
+
+    def __init__(
+        self,
+        target: str,
+        api_key: str,
+        *,
+        tls_ca: Path | str | bytes | None = None,
+        timeout: float | None = None,
+    ):
+        self.target = target
+        self.timeout = timeout
+        self._metadata = _auth(api_key)
+        self._channel = _sync_channel(target, tls_ca)
+        self._stub = client_pb2_grpc.GenerationStub(self._channel)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> Iterator[GenerationChunk]:
+        """Yield chunks as they are generated; leaving the loop early cancels the request."""
+        req = build_request(
+            prompt,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        )
+        call = self._stub.Generate(req, metadata=self._metadata, timeout=self.timeout)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()  # no-op once the call has ended
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        acc = _Accumulator()
+        for chunk in self.stream(
+            prompt,
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        ):
+            acc.add(chunk)
+        return acc.result()
+
+    def list_models(self) -> list[ModelSummary]:
+        try:
+            resp = self._stub.ListModels(
+                client_pb2.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return _models(resp)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client of the public API; the same methods as :class:`Client`, awaited."""
+
+    def __init__(
+        self,
+        target: str,
+        api_key: str,
+        *,
+        tls_ca: Path | str | bytes | None = None,
+        timeout: float | None = None,
+    ):
+        self.target = target
+        self.timeout = timeout
+        self._metadata = _auth(api_key)
+        creds = _credentials(tls_ca)
+        if creds is None:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+        self._stub = client_pb2_grpc.GenerationStub(self._channel)
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Async-iterate chunks; leaving the loop early (or cancelling) cancels the request."""
+        req = build_request(
+            prompt,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        )
+        call = self._stub.Generate(req, metadata=self._metadata, timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        acc = _Accumulator()
+        async for chunk in self.stream(
+            prompt,
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        ):
+            acc.add(chunk)
+        return acc.result()
+
+    async def list_models(self) -> list[ModelSummary]:
+        try:
+            resp = await self._stub.ListModels(
+                client_pb2.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return _models(resp)
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AdminClient:
+    """Blocking client of the operator API; returns the proto messages of ``control.proto``."""
+
+    def __init__(
+        self,
+        target: str,
+        admin_token: str,
+        *,
+        tls_ca: Path | str | bytes | None = None,
+        timeout: float | None = 10.0,
+    ):
+        self.target = target
+        self.timeout = timeout
+        self._metadata = _auth(admin_token)
+        self._channel = _sync_channel(target, tls_ca)
+        self._stub = control_pb2_grpc.AdminStub(self._channel)
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, metadata=self._metadata, timeout=self.timeout
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def create_tenant(
+        self,
+        name: str,
+        *,
+        max_concurrent_requests: int = 0,
+        max_tokens_per_request: int = 0,
+        scrub_on_free: bool = False,
+    ) -> control_pb2.CreateTenantResponse:
+        """Create a tenant with one API key; the response is the only place the key appears."""
+        limits = control_pb2.TenantLimits(
+            max_concurrent_requests=max_concurrent_requests,
+            max_tokens_per_request=max_tokens_per_request,
+            scrub_on_free=scrub_on_free,
+        )
+        return self._call("CreateTenant", control_pb2.CreateTenantRequest(name=name, limits=limits))
+
+    def list_tenants(self) -> list[control_pb2.Tenant]:
+        return list(self._call("ListTenants", control_pb2.ListTenantsRequest()).tenants)
+
+    def revoke_key(self, key_id: str) -> bool:
+        return bool(self._call("RevokeKey", control_pb2.RevokeKeyRequest(key_id=key_id)).revoked)
+
+    def set_limits(
+        self,
+        name: str,
+        *,
+        max_concurrent_requests: int = 0,
+        max_tokens_per_request: int = 0,
+        scrub_on_free: bool = False,
+    ) -> control_pb2.Tenant:
+        limits = control_pb2.TenantLimits(
+            max_concurrent_requests=max_concurrent_requests,
+            max_tokens_per_request=max_tokens_per_request,
+            scrub_on_free=scrub_on_free,
+        )
+        return self._call("SetLimits", control_pb2.SetLimitsRequest(name=name, limits=limits))
+
+    def list_nodes(self) -> control_pb2.ListNodesResponse:
+        return self._call("ListNodes", control_pb2.ListNodesRequest())
+
+    def model_status(self) -> control_pb2.ModelStatus:
+        return self._call("GetModelStatus", control_pb2.ModelStatusRequest())
+
+    def set_model_access(self, online: bool, reason: str = "") -> control_pb2.ModelStatus:
+        return self._call(
+            "SetModelAccess", control_pb2.SetModelAccessRequest(online=online, reason=reason)
+        )
+
+    def list_requests(self) -> list[control_pb2.RequestInfo]:
+        return list(self._call("ListRequests", control_pb2.ListRequestsRequest()).requests)
+
+    def abort_request(self, request_id: str) -> bool:
+        resp = self._call("AbortRequest", control_pb2.AbortRequestRequest(request_id=request_id))
+        return bool(resp.aborted)
+
+    def check_config(self) -> control_pb2.CheckConfigResponse:
+        """Every registered node's pool against the context window and the enforced limit."""
+        return self._call("CheckConfig", control_pb2.CheckConfigRequest())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

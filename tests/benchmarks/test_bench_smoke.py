@@ -1,0 +1,147 @@
+"""Every benchmark script runs with ``--quick``, prints exactly one JSON object of its documented
+shape, draws its PNG, and leaves no stack process behind. Shapes only: never a speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+pytestmark = pytest.mark.slow
+
+
+def _bench_processes() -> set[int]:
+    """Processes of a benchmark's stack (their state dirs carry this prefix)."""
+    found = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any("kvfence-bench-" in part for part in p.info["cmdline"] or []):
+                found.add(p.info["pid"])
+        except psutil.Error:
+            pass
+    return found
+
+
+def run_quick(name: str, tmp_path: Path, timeout: float = 150) -> dict[str, Any]:
+    before = _bench_processes()
+    png = tmp_path / f"{name}.png"
+    args = ["--png", str(png)] if HAS_MPL else []
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"expected one JSON line, got {len(lines)}"
+    result = json.loads(lines[0])
+    assert result["benchmark"] == name and result["quick"] is True
+    machine = result["machine"]
+    assert isinstance(machine["nproc"], int) and isinstance(machine["cpu"], str)
+    assert machine["note"] == "shared, noisy"
+    assert png.exists() == HAS_MPL
+    assert _bench_processes() - before == set(), "the benchmark left stack processes running"
+    return result
+
+
+def assert_latency(summary: dict[str, Any]) -> None:
+    assert set(summary) == {"n", "p50_ms", "p99_ms", "mean_ms"}
+    assert isinstance(summary["n"], int) and summary["n"] > 0
+    assert all(isinstance(summary[k], float) for k in ("p50_ms", "p99_ms", "mean_ms"))
+
+
+def test_admission_quick(tmp_path):
+    result = run_quick("admission", tmp_path)
+    assert isinstance(result["admissible_limit"], int)
+    assert result["requests"] == 40 and sum(result["errors"].values()) == 40
+    assert isinstance(result["all_invalid_argument"], bool)
+    assert_latency(result["rejection_latency"])
+    assert set(result["rejection_latency_by_shape"]) == {"long_prompt", "long_generation"}
+    assert isinstance(result["node_rpcs_from_rejections"], int)
+    assert isinstance(result["control"]["node_rpcs"], int)
+    assert isinstance(result["control_moved_counters"], bool)
+    assert result["goal"]["node_rpcs_from_rejections"] == 0
+    assert isinstance(result["goal"]["met"], bool)
+
+
+def test_transfer_quick(tmp_path):
+    result = run_quick("transfer", tmp_path)
+    methods = {"kvfence", "raw_ucxx", "raw_ucxx_new_endpoint", "grpc_stream", "memcpy"}
+    assert [(s["layout"], s["pages"]) for s in result["sizes"]] == [
+        ("tiny", 1),
+        ("tiny", 8),
+        ("big", 4),
+    ]
+    for size in result["sizes"]:
+        assert set(size["gb_per_s"]) == methods and set(size["median_ms"]) == methods
+        assert size["bytes"] == size["pages"] * size["page_bytes"]
+        assert isinstance(size["kvfence_vs_raw_ucxx"], float)
+        assert isinstance(size["kvfence_vs_grpc_stream"], float)
+        assert isinstance(size["goal_vs_raw_met"], bool)
+        assert isinstance(size["goal_vs_grpc_met"], bool)
+    goal = result["goal"]
+    assert goal["kvfence_vs_raw_ucxx"] == 0.8 and goal["kvfence_vs_grpc_stream"] == 3.0
+    for key in ("vs_raw_met_at_largest", "vs_grpc_met_at_largest", "vs_raw_met_all_sizes"):
+        assert isinstance(goal[key], bool)
+
+
+def test_isolation_overhead_quick(tmp_path):
+    result = run_quick("isolation_overhead", tmp_path)
+    assert set(result["tag_check"]) == {"1", "8"}
+    for tag in result["tag_check"].values():
+        assert set(tag["attention_us"]) == {"on", "off"}
+        assert set(tag["decode_step_itl"]) == {"on", "off"}
+        assert_latency(tag["decode_step_itl"]["on"])
+        assert isinstance(tag["decode_step_overhead_fraction"], float)
+    per_req = result["per_request_us"]
+    for key in ("verify", "prefill_checksum", "tail_scrub", "ops_transfer", "ops_decode_step"):
+        assert isinstance(per_req[key], float)
+    assert set(result["colocated_e2e_on_off"]["tokens_per_s"]) == {"on", "off"}
+    for conc in ("1", "8"):
+        stack = result["stack_e2e_protections_on"][conc]
+        assert isinstance(stack["tokens_per_s"], float)
+        assert_latency(stack["inter_token_latency"])
+    for view in ("latency_view", "throughput_view"):
+        est = result["estimate"][view]
+        assert set(est["per_request_us"]) == {
+            "tag_check",
+            "manifest_verify",
+            "prefill_checksum",
+            "tail_scrub",
+            "deferred_release_ops",
+        }
+        assert isinstance(est["fraction_of_e2e"], float)
+    assert result["goal"]["max_fraction"] == 0.01
+    assert isinstance(result["goal"]["met"], bool)
+
+
+def test_e2e_quick(tmp_path):
+    result = run_quick("e2e", tmp_path)
+    levels = result["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    for lv in levels:
+        for backend in ("disaggregated", "colocated", "transformers"):
+            assert isinstance(lv[backend]["tokens_per_s"], float)
+            assert_latency(lv[backend]["ttft"])
+        assert isinstance(lv["disaggregated_vs_colocated"], float)
+        assert isinstance(lv["colocated_vs_transformers"], float)
+    rss = result["rss_mb"]["peak_by_concurrency"]
+    assert set(rss) == {"idle", "1", "4"}
+    assert set(rss["4"]) == {"control-plane", "prefill", "decode"}
+    goal = result["goal"]
+    assert goal["disaggregated_vs_colocated"] == 0.9 and goal["at_concurrency_at_least"] == 16
+    assert goal["disaggregated_vs_colocated_met"] is None  # quick never reaches 16
+    assert isinstance(goal["colocated_vs_transformers_met"], bool)
+    assert isinstance(goal["decode_rss_met"], bool)

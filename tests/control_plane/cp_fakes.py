@@ -1,0 +1,264 @@
+"""Fake prefill and decode nodes: real gRPC servers that record every call and follow a script.
+
+They register with the control plane's real NodeRegistry and heartbeat like real nodes, so the
+control plane cannot tell them apart; a test scripts errors, holds and token streams, then asserts
+on ``calls`` (exact method names and order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from control_plane.model_info import ByteTokenizer, ModelInfo
+from kvfence.errors import KvfenceError
+from kvfence.proto.kvfence.v1 import (
+    common_pb2,
+    control_pb2,
+    control_pb2_grpc,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from kvfence.server import abort
+
+FINGERPRINT = "sha256:test-model"
+TEXT = "héllo wörld ✓ kvfence"  # multi-byte characters on purpose
+
+
+def make_layout(**overrides: Any) -> common_pb2.KvLayout:
+    fields = dict(page_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=32)
+    fields.update(overrides)
+    return common_pb2.KvLayout(**fields)
+
+
+def make_model_info(context_window: int = 256) -> ModelInfo:
+    return ModelInfo(
+        name="test-model",
+        context_window=context_window,
+        fingerprint=FINGERPRINT,
+        layout=make_layout(),
+        vocab_size=384,
+        tokenizer=ByteTokenizer(),
+        eos_ids=frozenset({2}),
+    )
+
+
+def script_tokens() -> list[int]:
+    """What the fake nodes 'generate': the bytes of TEXT, repeated as needed."""
+    return ByteTokenizer().encode(TEXT)
+
+
+@dataclass
+class Script:
+    """Shared by a test and its fake nodes: what to answer and when to wait."""
+
+    tokens: list[int] = field(default_factory=script_tokens)
+    finish_reason: str = "length"
+    reserve_error: KvfenceError | None = None
+    prefill_error: KvfenceError | None = None
+    decode_error: KvfenceError | None = None  # sent after verified=true
+    first_token_override: int | None = None  # prefill claims another first token
+    prefill_hold: asyncio.Event | None = None
+    decode_hold: asyncio.Event | None = None  # decode waits after verified=true
+
+    def generated(self, n: int) -> list[int]:
+        return [self.tokens[i % len(self.tokens)] for i in range(n)]
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, node_id: str, script: Script, page_size: int):
+        self.node_id = node_id
+        self.script = script
+        self.page_size = page_size
+        self.calls: list[tuple[str, Any]] = []
+        self.entered = asyncio.Event()  # a Decode or Reserve call arrived
+
+    def methods(self) -> list[str]:
+        return [m for m, _ in self.calls]
+
+    async def Reserve(self, request: Any, context: Any) -> prefill_pb2.Reservation:
+        self.calls.append(("Reserve", request))
+        self.entered.set()
+        if self.script.reserve_error is not None:
+            await abort(context, self.script.reserve_error)
+        pages = math.ceil((request.prompt_tokens + request.max_new_tokens) / self.page_size)
+        return prefill_pb2.Reservation(
+            reservation_id=f"res-{request.request_id}",
+            decode_node_id=self.node_id,
+            decode_ucx_address="127.0.0.1:1",
+            pages=[common_pb2.PageRef(page_id=i, generation=1) for i in range(pages)],
+            secret=b"secret",
+            prompt_tokens=request.prompt_tokens,
+            max_new_tokens=request.max_new_tokens,
+        )
+
+    async def Decode(self, request: Any, context: Any) -> Any:
+        self.calls.append(("Decode", request))
+        self.entered.set()
+        yield decode_pb2.DecodeResponse(verified=True)
+        if self.script.decode_hold is not None:
+            await self.script.decode_hold.wait()
+        if self.script.decode_error is not None:
+            await abort(context, self.script.decode_error)
+        tokens = self.script.generated(request.sampling.max_new_tokens)
+        for i in range(0, len(tokens), 3):
+            yield decode_pb2.DecodeResponse(token_ids=tokens[i : i + 3])
+        yield decode_pb2.DecodeResponse(finish_reason=self.script.finish_reason)
+
+    async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:
+        self.calls.append(("Release", request))
+        return prefill_pb2.ReleaseResponse(held=True)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, node_id: str, script: Script):
+        self.node_id = node_id
+        self.script = script
+        self.calls: list[tuple[str, Any]] = []
+        self.entered = asyncio.Event()
+
+    def methods(self) -> list[str]:
+        return [m for m, _ in self.calls]
+
+    async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
+        self.calls.append(("Prefill", request))
+        self.entered.set()
+        if self.script.prefill_hold is not None:
+            await self.script.prefill_hold.wait()
+        if self.script.prefill_error is not None:
+            await abort(context, self.script.prefill_error)
+        first = self.script.first_token_override
+        if first is None:
+            first = self.script.tokens[0]
+        res = request.reservation
+        manifest = common_pb2.KvManifest(
+            request_id=request.request_id,
+            tenant_id=request.tenant_id,
+            reservation_id=res.reservation_id,
+            model_fingerprint=FINGERPRINT,
+            layout=make_layout(),
+            token_count=len(request.prompt_token_ids),
+            first_token=first,
+        )
+        return prefill_pb2.PrefillResponse(manifest=manifest, pages_sent=1, bytes_sent=64)
+
+    async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:
+        self.calls.append(("Release", request))
+        return prefill_pb2.ReleaseResponse(held=True)
+
+
+class FakeNode:
+    """A fake node's gRPC server plus its registration and heartbeats."""
+
+    def __init__(
+        self,
+        role: str,
+        node_id: str,
+        script: Script,
+        *,
+        pool_tokens: int = 4096,
+        page_size: int = 16,
+        fingerprint: str = FINGERPRINT,
+        layout: common_pb2.KvLayout | None = None,
+        heartbeat_s: float = 0.05,
+    ):
+        self.role = role
+        self.node_id = node_id
+        self.pool_tokens = pool_tokens
+        self.total_pages = pool_tokens // page_size
+        self.free_pages = self.total_pages
+        self.fingerprint = fingerprint
+        self.layout = layout or make_layout(page_size=page_size)
+        self.heartbeat_s = heartbeat_s
+        self.servicer: FakeDecode | FakePrefill
+        if role == "decode":
+            self.servicer = FakeDecode(node_id, script, page_size)
+        else:
+            self.servicer = FakePrefill(node_id, script)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._beats: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def calls(self) -> list[tuple[str, Any]]:
+        return self.servicer.calls
+
+    def methods(self) -> list[str]:
+        return self.servicer.methods()
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        if self.role == "decode":
+            decode_pb2_grpc.add_DecodeServicer_to_server(self.servicer, self.server)
+        else:
+            prefill_pb2_grpc.add_PrefillServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+
+    async def register(self, cp_port: int, node_token: str) -> control_pb2.RegisterResponse:
+        self._metadata = [("authorization", f"Bearer {node_token}")]
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{cp_port}")
+        stub = control_pb2_grpc.NodeRegistryStub(self._channel)
+        resp = await stub.Register(
+            control_pb2.RegisterRequest(
+                node_id=self.node_id,
+                role=self.role,
+                grpc_address=f"127.0.0.1:{self.port}",
+                ucx_address="127.0.0.1:1" if self.role == "decode" else "",
+                model_fingerprint=self.fingerprint,
+                layout=self.layout,
+                pool_tokens=self.pool_tokens,
+                total_pages=self.total_pages,
+            ),
+            metadata=self._metadata,
+        )
+        if resp.accepted:
+            self._beats = asyncio.create_task(self._heartbeat(stub))
+        return resp
+
+    async def _heartbeat(self, stub: control_pb2_grpc.NodeRegistryStub) -> None:
+        while True:
+            await stub.Heartbeat(
+                control_pb2.HeartbeatRequest(node_id=self.node_id, free_pages=self.free_pages),
+                metadata=self._metadata,
+            )
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def stop_heartbeats(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await self._beats
+            self._beats = None
+
+    async def stop(self) -> None:
+        await self.stop_heartbeats()
+        if self._channel is not None:
+            await self._channel.close(None)
+        if self.server is not None:
+            await self.server.stop(0)
+
+
+class EventRecorder:
+    """Stands in for the EventBus: keeps every event emitted."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, kind: str, **payload: Any) -> int:
+        self.events.append({"kind": kind, **payload})
+        return len(self.events)
+
+    def kinds(self) -> list[str]:
+        return [e["kind"] for e in self.events]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]

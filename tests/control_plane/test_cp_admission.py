@@ -1,0 +1,183 @@
+"""Admission: the admissible limit, parameters, tenant limits and the wait queue.
+
+Every refusal here must happen before any node RPC; each negative test counts the RPCs the fake
+nodes received, and the at-limit control shows the same request shape does reach them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from cp_harness import Cluster, make_cluster
+
+from control_plane.tenants import TenantLimits
+from kvfence.errors import InvalidArgument, KvfenceError, ResourceExhausted, Unavailable
+
+PROMPT = list(range(10, 110))  # 100 tokens
+
+
+@pytest.fixture
+async def small_pools(tmp_path: Path):
+    """Context window 256, decode pool 200 tokens, prefill pool 160: limit = 160."""
+    c = await make_cluster(tmp_path, decode_pool=208, prefill_pool=160)
+    yield c
+    await c.close()
+
+
+async def test_list_models_reports_the_enforced_limit(small_pools: Cluster) -> None:
+    [model] = await small_pools.client().list_models()
+    assert (model.context_window, model.admissible_limit, model.page_size) == (256, 160, 16)
+    assert model.online and model.fingerprint == small_pools.cp.model.fingerprint
+
+
+@pytest.mark.parametrize("max_new", [59, 60])
+async def test_at_or_under_limit_reaches_the_nodes(small_pools: Cluster, max_new: int) -> None:
+    result = await small_pools.client().generate(prompt_ids=PROMPT, max_new_tokens=max_new)
+    assert result.usage.completion_tokens == max_new
+    assert small_pools.decode[0].methods()[:2] == ["Reserve", "Decode"]
+    assert small_pools.prefill[0].methods()[0] == "Prefill"
+
+
+@pytest.mark.parametrize("max_new", [61, 10_000])
+async def test_over_limit_is_refused_before_any_node_rpc(
+    small_pools: Cluster, max_new: int
+) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await small_pools.client().generate(prompt_ids=PROMPT, max_new_tokens=max_new)
+    total = 100 + max_new
+    assert err.value.reason == "OVER_ADMISSIBLE_LIMIT"
+    assert f"= {total} exceeds the admissible limit of 160" in err.value.message
+    assert err.value.metadata["admissible_limit"] == "160"
+    assert small_pools.node_calls() == 0
+    assert small_pools.cp.node_rpcs() == 0
+    [event] = small_pools.events.of("admission_rejected")
+    assert (event["reason"], event["prompt_tokens"], event["max_new_tokens"]) == (
+        "OVER_ADMISSIBLE_LIMIT",
+        100,
+        max_new,
+    )
+    assert not small_pools.cp.table  # REJECTED requests leave nothing in flight
+
+
+async def test_context_window_bounds_the_limit_when_pools_are_larger(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, context_window=128)
+    try:
+        with pytest.raises(InvalidArgument, match="admissible limit of 128"):
+            await c.client().generate(prompt_ids=PROMPT, max_new_tokens=29)
+        assert c.node_calls() == 0
+        await c.client().generate(prompt_ids=PROMPT, max_new_tokens=28)
+        assert c.node_calls() > 0
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt_ids": []}, "prompt is empty"),
+        ({"prompt_ids": [1], "max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"prompt_ids": [1], "temperature": -0.5}, "temperature must be >= 0"),
+        ({"prompt_ids": [1], "top_p": 1.5}, "top_p must be in [0, 1]"),
+        ({"prompt_ids": [1, 384]}, ">= the vocabulary size 384"),
+        ({"prompt_ids": [1], "stop": [""]}, "stop strings"),
+    ],
+)
+async def test_bad_parameters_are_invalid_argument(
+    cluster: Cluster, kwargs: dict, fragment: str
+) -> None:
+    kwargs.setdefault("max_new_tokens", 4)
+    with pytest.raises(InvalidArgument) as err:
+        await cluster.client().generate(**kwargs)
+    assert fragment in err.value.message
+    assert cluster.node_calls() == 0
+    # Paired control: the same call with valid parameters goes through.
+    await cluster.client().generate(prompt_ids=[1, 383], max_new_tokens=4, top_p=1.0)
+    assert cluster.node_calls() > 0
+
+
+async def test_tenant_token_limit(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, limits=TenantLimits(max_tokens_per_request=20))
+    try:
+        with pytest.raises(InvalidArgument) as err:
+            await c.client().generate(prompt_ids=list(range(10, 20)), max_new_tokens=11)
+        assert err.value.reason == "OVER_TENANT_TOKEN_LIMIT"
+        assert c.node_calls() == 0
+        await c.client().generate(prompt_ids=list(range(10, 20)), max_new_tokens=10)
+        assert c.node_calls() > 0
+    finally:
+        await c.close()
+
+
+async def test_tenant_concurrency_limit(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, limits=TenantLimits(max_concurrent_requests=1))
+    try:
+        c.script.decode_hold = asyncio.Event()
+        first = asyncio.create_task(c.client().generate(prompt_ids=[10], max_new_tokens=2))
+        await c.decode[0].servicer.entered.wait()
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert err.value.reason == "TENANT_CONCURRENCY"
+        c.script.decode_hold.set()
+        await first  # the held request completes normally
+        await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+    finally:
+        await c.close()
+
+
+async def test_no_nodes_is_unavailable(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, decode_nodes=0)
+    try:
+        with pytest.raises(Unavailable, match="no decode node"):
+            await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert c.node_calls() == 0
+    finally:
+        await c.close()
+
+
+async def test_no_capacity_waits_until_the_deadline_then_resource_exhausted(
+    cluster: Cluster,
+) -> None:
+    cluster.script.reserve_error = ResourceExhausted("pool full")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(ResourceExhausted) as err:
+        await cluster.client(timeout=0.8).generate(prompt_ids=[10], max_new_tokens=2)
+    waited = loop.time() - started
+    assert err.value.reason == "NO_CAPACITY"
+    assert 0.5 < waited < 0.8
+    assert cluster.decode[0].methods().count("Reserve") >= 2  # retried while waiting
+    assert "Prefill" not in cluster.prefill[0].methods()
+    # Control: once the node has room the same request succeeds.
+    cluster.script.reserve_error = None
+    await cluster.client(timeout=2).generate(prompt_ids=[10], max_new_tokens=2)
+
+
+async def test_full_queue_refuses_at_once(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, admission_queue=1)
+    try:
+        c.script.reserve_error = ResourceExhausted("pool full")
+        waiting = asyncio.create_task(
+            c.client(timeout=3).generate(prompt_ids=[10], max_new_tokens=2)
+        )
+        while c.cp.queue.waiting == 0:
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client(timeout=3).generate(prompt_ids=[10], max_new_tokens=2)
+        assert err.value.reason == "QUEUE_FULL"
+        assert loop.time() - started < 0.5
+        c.script.reserve_error = None  # the queued one gets through once there is room
+        assert (await waiting).usage.completion_tokens == 2
+    finally:
+        await c.close()
+
+
+async def test_errors_carry_grpc_codes(cluster: Cluster) -> None:
+    with pytest.raises(KvfenceError) as err:
+        await cluster.client().generate(prompt_ids=[1], max_new_tokens=1000)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,163 @@
+"""Tenant API keys, the admin token, the tenant store across restarts, and the admin API."""
+
+from __future__ import annotations
+
+import hashlib
+import stat
+from pathlib import Path
+
+import grpc
+import pytest
+from cp_fakes import make_model_info
+from cp_harness import Cluster, make_cfg
+
+from control_plane.service import ControlPlane
+from control_plane.tenants import TenantLimits
+from kvfence.client import AsyncClient
+from kvfence.errors import Unauthenticated
+from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, control_pb2
+
+
+async def test_missing_bad_and_revoked_keys_are_refused(cluster: Cluster) -> None:
+    # Control first: the valid key works.
+    assert (await cluster.client().generate(prompt_ids=[10], max_new_tokens=1)).token_ids
+    calls = cluster.node_calls()
+    channel = grpc.aio.insecure_channel(cluster.target)
+    stub = client_pb2_grpc.GenerationStub(channel)
+    request = client_pb2.GenerateRequest(token_ids=client_pb2.TokenIds(ids=[10]), max_new_tokens=1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(request):
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    await channel.close()
+    with pytest.raises(Unauthenticated, match="not valid or has been revoked"):
+        await cluster.client(api_key="kvf_wrong").generate(prompt_ids=[10], max_new_tokens=1)
+    with pytest.raises(Unauthenticated):
+        await cluster.client(api_key="kvf_wrong").list_models()
+
+    admin, auth = cluster.admin()
+    [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=auth)).tenants
+    [key] = tenant.keys
+    assert not key.revoked
+    resp = await admin.RevokeKey(control_pb2.RevokeKeyRequest(key_id=key.key_id), metadata=auth)
+    assert resp.revoked
+    with pytest.raises(Unauthenticated):
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=1)
+    assert cluster.node_calls() == calls
+
+
+@pytest.mark.parametrize(
+    ("token", "code"),
+    [
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+        ("tenant-key", grpc.StatusCode.PERMISSION_DENIED),
+    ],
+)
+async def test_admin_token_required(cluster: Cluster, token: str | None, code) -> None:
+    admin, auth = cluster.admin(cluster.api_key if token == "tenant-key" else token or "")
+    metadata = [] if token is None else auth
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=metadata)
+    assert err.value.code() == code
+    good, good_auth = cluster.admin()  # control: the real token works
+    assert (await good.ListTenants(control_pb2.ListTenantsRequest(), metadata=good_auth)).tenants
+
+
+async def test_tenants_survive_restart_and_keys_are_stored_hashed(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    first = ControlPlane(cfg, model_info=make_model_info())
+    await first.start()
+    admin_token = first.admin_token
+    _, api_key, key_id = first.tenants.create_tenant("globex", TenantLimits(3, 100, True))
+    await first.stop(grace=0)
+
+    db = (tmp_path / "tenants.sqlite3").read_bytes() + b"".join(
+        p.read_bytes() for p in tmp_path.glob("tenants.sqlite3-*")
+    )
+    assert api_key.encode() not in db
+    assert hashlib.sha256(api_key.encode()).hexdigest().encode() in db
+    token_file = tmp_path / "admin_token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+
+    second = ControlPlane(cfg, model_info=make_model_info())
+    ports = await second.start()
+    try:
+        assert second.admin_token == admin_token
+        tenant = second.tenants.authenticate(api_key)
+        assert tenant is not None and tenant.limits == TenantLimits(3, 100, True)
+        assert [k.key_id for k in tenant.keys] == [key_id]
+        async with AsyncClient(f"127.0.0.1:{ports.public}", api_key) as client:
+            [model] = await client.list_models()
+            assert model.name == "test-model"
+    finally:
+        await second.stop(grace=0)
+
+
+async def test_admin_token_file_is_used_when_configured(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("operator-secret\n")
+    cp = ControlPlane(
+        make_cfg(tmp_path / "state", admin_token_file=str(token_file)),
+        model_info=make_model_info(),
+    )
+    assert cp.admin_token == "operator-secret"
+    assert not (tmp_path / "state" / "admin_token").exists()
+    cp.tenants.close()
+
+
+async def test_admin_tenant_crud(cluster: Cluster) -> None:
+    admin, auth = cluster.admin()
+    created = await admin.CreateTenant(
+        control_pb2.CreateTenantRequest(
+            name="initech", limits=control_pb2.TenantLimits(max_concurrent_requests=2)
+        ),
+        metadata=auth,
+    )
+    assert created.api_key.startswith("kvf_") and len(created.api_key) >= 40
+    assert created.tenant.keys[0].key_id == created.key_id
+    result = await cluster.client(api_key=created.api_key).generate(
+        prompt_ids=[10], max_new_tokens=1
+    )
+    assert cluster.decode[0].calls[0][1].tenant_id == "initech"
+    assert result.usage.completion_tokens == 1
+
+    tenant = await admin.SetLimits(
+        control_pb2.SetLimitsRequest(
+            name="initech", limits=control_pb2.TenantLimits(scrub_on_free=True)
+        ),
+        metadata=auth,
+    )
+    assert tenant.limits.scrub_on_free and tenant.limits.max_concurrent_requests == 0
+    await cluster.client(api_key=created.api_key).generate(prompt_ids=[10], max_new_tokens=1)
+    reserves = [r for m, r in cluster.decode[0].calls if m == "Reserve"]
+    assert [r.scrub_on_free for r in reserves] == [False, True]
+
+    for bad in (
+        admin.CreateTenant(control_pb2.CreateTenantRequest(name="initech"), metadata=auth),
+        admin.CreateTenant(control_pb2.CreateTenantRequest(name="bad name!"), metadata=auth),
+        admin.SetLimits(control_pb2.SetLimitsRequest(name="nobody"), metadata=auth),
+        admin.RevokeKey(control_pb2.RevokeKeyRequest(key_id="key_nope"), metadata=auth),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await bad
+        assert err.value.code() in (
+            grpc.StatusCode.ALREADY_EXISTS,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,
+        )
+
+
+async def test_list_nodes_model_status_and_check_config(cluster: Cluster) -> None:
+    admin, auth = cluster.admin()
+    nodes = await admin.ListNodes(control_pb2.ListNodesRequest(), metadata=auth)
+    assert [(n.node_id, n.role, n.pool_tokens) for n in nodes.nodes] == [
+        ("decode-0", "decode", 4096),
+        ("prefill-0", "prefill", 4096),
+    ]
+    assert all(n.healthy for n in nodes.nodes)
+    assert (nodes.context_window, nodes.admissible_limit) == (256, 256)
+    status = await admin.GetModelStatus(control_pb2.ModelStatusRequest(), metadata=auth)
+    assert (status.name, status.online, status.admissible_limit) == ("test-model", True, 256)
+    check = await admin.CheckConfig(control_pb2.CheckConfigRequest(), metadata=auth)
+    assert check.ok and not check.clamped and len(check.pools) == 2

@@ -1,0 +1,183 @@
+"""Failure paths: node errors keep their status, lost nodes, cancellation, offline, abort, deadline.
+
+Each test checks the status the client sees and the Release calls every node that held something
+received, which is what keeps pages from leaking (or being read) after a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from cp_harness import Cluster, eventually
+
+from control_plane.lifecycle import RequestState
+from kvfence.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+    KvfenceError,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvfence.proto.kvfence.v1 import control_pb2
+
+
+def released(node) -> bool:
+    return "Release" in node.methods()
+
+
+async def test_data_loss_from_decode_keeps_code_and_reason(cluster: Cluster) -> None:
+    cluster.script.decode_error = IntegrityError("checksum of page 3", reason="CHECKSUM_MISMATCH")
+    with pytest.raises(IntegrityError) as err:
+        await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=4)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS
+    assert err.value.reason == "CHECKSUM_MISMATCH"
+    assert "checksum of page 3" in err.value.message
+    await eventually(lambda: released(cluster.decode[0]) and released(cluster.prefill[0]))
+    [failed] = cluster.events.of("request_failed")
+    assert (failed["code"], failed["reason"]) == ("DATA_LOSS", "CHECKSUM_MISMATCH")
+
+
+async def test_prefill_error_keeps_its_code_and_releases_decode(cluster: Cluster) -> None:
+    cluster.script.prefill_error = InvalidArgument("bad prompt", reason="PREFILL_SAYS_NO")
+    with pytest.raises(InvalidArgument) as err:
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=4)
+    assert err.value.reason == "PREFILL_SAYS_NO"
+    assert "Decode" not in cluster.decode[0].methods()
+    await eventually(lambda: released(cluster.decode[0]) and released(cluster.prefill[0]))
+
+
+async def test_node_lost_mid_request_is_unavailable_and_releases_the_other(
+    cluster: Cluster,
+) -> None:
+    cluster.script.prefill_hold = asyncio.Event()
+    call = asyncio.create_task(cluster.client().generate(prompt_ids=[10], max_new_tokens=4))
+    await cluster.prefill[0].servicer.entered.wait()
+    await cluster.prefill[0].stop_heartbeats()  # the prefill node goes silent mid-request
+    with pytest.raises(Unavailable) as err:
+        await asyncio.wait_for(call, 3)
+    assert err.value.reason == "NODE_LOST"
+    assert "prefill node prefill-0 was lost" in err.value.message
+    # The decode node held a reservation: it is released; the lost node is not called again.
+    assert cluster.decode[0].methods() == ["Reserve", "Release"]
+    assert cluster.prefill[0].methods() == ["Prefill"]
+    assert [e["node"] for e in cluster.events.of("node_lost")] == ["prefill-0"]
+    cluster.script.prefill_hold.set()
+
+
+async def test_decode_lost_while_streaming(cluster: Cluster) -> None:
+    cluster.script.decode_hold = asyncio.Event()
+    call = asyncio.create_task(cluster.client().generate(prompt_ids=[10], max_new_tokens=4))
+    await cluster.decode[0].servicer.entered.wait()
+    await eventually(lambda: "Decode" in cluster.decode[0].methods())
+    await cluster.decode[0].stop_heartbeats()
+    with pytest.raises(Unavailable, match="decode node decode-0 was lost"):
+        await asyncio.wait_for(call, 3)
+    await eventually(lambda: released(cluster.prefill[0]))
+    cluster.script.decode_hold.set()
+
+
+async def test_client_cancel_releases_every_node(cluster: Cluster) -> None:
+    cluster.script.prefill_hold = asyncio.Event()
+    client = cluster.client()
+    call = asyncio.create_task(client.generate(prompt_ids=[10], max_new_tokens=4))
+    await cluster.prefill[0].servicer.entered.wait()
+    call.cancel()
+    await eventually(lambda: released(cluster.decode[0]) and released(cluster.prefill[0]))
+    assert cluster.decode[0].calls[-1][1].reason.startswith("CANCELLED")
+    await eventually(lambda: not cluster.cp.table)
+    cluster.script.prefill_hold.set()
+
+
+async def test_deadline_while_decoding_releases(cluster: Cluster) -> None:
+    cluster.script.decode_hold = asyncio.Event()
+    with pytest.raises(DeadlineExceeded):
+        await cluster.client(timeout=0.5).generate(prompt_ids=[10], max_new_tokens=4)
+    await eventually(lambda: released(cluster.decode[0]) and released(cluster.prefill[0]))
+    # The deadline reached the node as the RPC timeout, not only as our own timer.
+    cluster.script.decode_hold.set()
+
+
+async def test_offline_refuses_new_and_queued_requests_and_online_restores(
+    cluster: Cluster,
+) -> None:
+    admin, auth = cluster.admin()
+    cluster.script.reserve_error = ResourceExhausted("full")
+    queued = asyncio.create_task(
+        cluster.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+    )
+    await eventually(lambda: cluster.cp.queue.waiting == 1)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    status = await admin.SetModelAccess(
+        control_pb2.SetModelAccessRequest(online=False, reason="incident 42"), metadata=auth
+    )
+    assert not status.online and status.reason == "incident 42"
+    with pytest.raises(Unavailable) as err:
+        await queued
+    assert loop.time() - started < 1.0
+    assert err.value.message == "model test-model is offline: incident 42"
+    calls_before = cluster.node_calls()
+    with pytest.raises(Unavailable, match="offline: incident 42"):
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)
+    assert cluster.node_calls() == calls_before
+    assert [e["online"] for e in cluster.events.of("model_access")] == [False]
+
+    cluster.script.reserve_error = None
+    await admin.SetModelAccess(control_pb2.SetModelAccessRequest(online=True), metadata=auth)
+    result = await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)
+    assert result.usage.completion_tokens == 2
+
+
+async def test_admin_abort_cancels_and_releases(cluster: Cluster) -> None:
+    admin, auth = cluster.admin()
+    cluster.script.decode_hold = asyncio.Event()
+    call = asyncio.create_task(cluster.client().generate(prompt_ids=[10], max_new_tokens=4))
+    await eventually(lambda: "Decode" in cluster.decode[0].methods())
+    [info] = (await admin.ListRequests(control_pb2.ListRequestsRequest(), metadata=auth)).requests
+    assert (info.state, info.decode_node, info.tenant_id) == ("DECODING", "decode-0", "acme")
+    resp = await admin.AbortRequest(
+        control_pb2.AbortRequestRequest(request_id=info.request_id), metadata=auth
+    )
+    assert resp.aborted
+    with pytest.raises(Cancelled, match="aborted by an operator"):
+        await call
+    await eventually(lambda: released(cluster.decode[0]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await admin.AbortRequest(
+            control_pb2.AbortRequestRequest(request_id=info.request_id), metadata=auth
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    cluster.script.decode_hold.set()
+
+
+async def test_states_seen_by_a_finished_request(cluster: Cluster) -> None:
+    seen: list[RequestState] = []
+    original = cluster.cp.table.remove
+
+    def remove(run) -> None:
+        seen.extend([s for s, _ in run.record.history] + [run.record.state])
+        original(run)
+
+    cluster.cp.table.remove = remove  # type: ignore[method-assign]
+    await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)
+    await eventually(lambda: bool(seen))
+    assert seen == [
+        RequestState.RECEIVED,
+        RequestState.ADMITTED,
+        RequestState.RESERVED,
+        RequestState.PREFILLING,
+        RequestState.KV_VERIFIED,
+        RequestState.DECODING,
+        RequestState.FINISHED,
+    ]
+
+
+async def test_unexpected_stream_end_is_never_ok(cluster: Cluster) -> None:
+    cluster.script.finish_reason = ""  # decode ends the stream without saying why
+    with pytest.raises(KvfenceError) as err:
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)
+    assert err.value.reason == "STREAM_TRUNCATED"

@@ -1,0 +1,93 @@
+"""Node registration: fingerprint and layout must match the model; heartbeats; pool checks."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from cp_fakes import FINGERPRINT, FakeNode, Script, make_layout
+from cp_harness import Cluster, make_cluster
+
+from kvfence.proto.kvfence.v1 import control_pb2, control_pb2_grpc
+
+
+async def test_node_with_other_fingerprint_is_refused(cluster: Cluster) -> None:
+    node = FakeNode("decode", "rogue", Script(), fingerprint="sha256:other")
+    resp = await cluster.add_node(node)
+    assert not resp.accepted
+    assert "sha256:other" in resp.reason and FINGERPRINT in resp.reason
+    # Control: same node with the right fingerprint is accepted.
+    good = FakeNode("decode", "good", Script())
+    assert (await cluster.add_node(good)).accepted
+    ids = [n.node_id for n in cluster.cp.registry.nodes()]
+    assert "rogue" not in ids and "good" in ids
+    [refused] = cluster.events.of("node_refused")
+    assert refused["node"] == "rogue"
+
+
+async def test_node_with_other_layout_is_refused(cluster: Cluster) -> None:
+    node = FakeNode("prefill", "odd", Script(), layout=make_layout(head_dim=64))
+    resp = await cluster.add_node(node)
+    assert not resp.accepted
+    assert "head_dim=64" in resp.reason and "head_dim=32" in resp.reason
+    assert (await cluster.add_node(FakeNode("prefill", "even", Script()))).accepted
+
+
+async def test_heartbeat_from_unknown_node_asks_it_to_register(cluster: Cluster) -> None:
+    auth = [("authorization", f"Bearer {cluster.cp.node_token}")]
+    async with grpc.aio.insecure_channel(cluster.target) as channel:
+        stub = control_pb2_grpc.NodeRegistryStub(channel)
+        resp = await stub.Heartbeat(control_pb2.HeartbeatRequest(node_id="ghost"), metadata=auth)
+        assert not resp.known
+        resp = await stub.Heartbeat(control_pb2.HeartbeatRequest(node_id="decode-0"), metadata=auth)
+        assert resp.known
+
+
+async def test_registration_needs_the_node_token(cluster: Cluster) -> None:
+    """A process without the cluster's node token cannot join (and be sent tenants' KV)."""
+    node = FakeNode("decode", "intruder", Script())
+    await node.start()
+    try:
+        for token in ("", "kvfn_wrong"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await node.register(cluster.ports.public, token)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ids = {n.node_id for n in cluster.cp.registry.nodes()}
+        assert "intruder" not in ids
+        # control: the same node with the token is accepted
+        assert (await node.register(cluster.ports.public, cluster.cp.node_token)).accepted
+        assert "intruder" in {n.node_id for n in cluster.cp.registry.nodes()}
+    finally:
+        await node.stop()
+
+
+async def test_lost_node_leaves_the_registry_and_the_limit(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, prefill_pool=128)
+    try:
+        assert c.cp.registry.admissible_limit() == 128
+        small = c.prefill[0]
+        big = FakeNode("prefill", "prefill-big", c.script, pool_tokens=4096)
+        assert (await c.add_node(big)).accepted
+        await small.stop_heartbeats()
+        while c.cp.registry.get(small.node_id) is not None:
+            await asyncio.sleep(0.05)
+        assert c.cp.registry.admissible_limit() == 256
+        assert [e["node"] for e in c.events.of("node_lost")] == [small.node_id]
+    finally:
+        await c.close()
+
+
+async def test_check_config_flags_a_pool_smaller_than_the_window(tmp_path: Path) -> None:
+    c = await make_cluster(tmp_path, prefill_pool=128)
+    try:
+        admin, auth = c.admin()
+        check = await admin.CheckConfig(control_pb2.CheckConfigRequest(), metadata=auth)
+        assert not check.ok and check.clamped
+        assert (check.context_window, check.admissible_limit) == (256, 128)
+        by_node = {p.node_id: p for p in check.pools}
+        assert by_node["decode-0"].ok and not by_node["prefill-0"].ok
+        assert "smaller than the context window of 256" in by_node["prefill-0"].message
+    finally:
+        await c.close()

@@ -1,0 +1,191 @@
+"""kvfence.client (sync, async, admin) and the generate / admin CLI against an in-process cluster.
+
+The blocking clients and the CLI run in a worker thread (``asyncio.to_thread``) because the control
+plane and the fake nodes run on this test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import structlog
+import typer
+from typer.testing import CliRunner
+
+# The fake nodes and the cluster harness live with the control-plane tests.
+sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
+from cp_fakes import TEXT, script_tokens
+from cp_harness import Cluster, make_cluster
+
+from kvfence.cli import admin as admin_cli
+from kvfence.cli import generate as generate_cli
+from kvfence.client import AdminClient, Client, GenerationResult, Usage
+from kvfence.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+
+FOUR_TOKENS_TEXT = "hél"  # 4 byte tokens: h, the two bytes of é, l
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    # A test elsewhere that ran the CLI in-process may have left structlog printing to a closed
+    # CliRunner stream; the in-process cluster must log somewhere that exists.
+    structlog.reset_defaults()
+    c = await make_cluster(tmp_path)
+    yield c
+    await c.close()
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer()
+    groups = {"tenants": typer.Typer(), "model": typer.Typer()}
+    for name, group in groups.items():
+        app.add_typer(group, name=name)
+    admin_cli.register(app, groups)
+    generate_cli.register(app, groups)
+    return app
+
+
+@pytest.fixture
+def quiet_logs() -> Iterator[None]:
+    """The in-process cluster logs through structlog, which prints to whatever sys.stdout is; while
+    CliRunner captures stdout that would mix server logs into the command's output."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=io.StringIO()))
+    yield
+    structlog.reset_defaults()
+
+
+async def run_cli(*args: str) -> tuple[int, str, str]:
+    runner = CliRunner()
+    result = await asyncio.to_thread(runner.invoke, make_app(), list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+async def test_sync_client_generate_stream_and_models(cluster: Cluster) -> None:
+    n = len(script_tokens())
+
+    def work() -> tuple[GenerationResult, list[str], list]:
+        with Client(cluster.target, cluster.api_key, timeout=5) as c:
+            result = c.generate(prompt_ids=[10, 11], max_new_tokens=n)
+            pieces = [ch.text for ch in c.stream("hi", max_new_tokens=4)]
+            return result, pieces, c.list_models()
+
+    result, pieces, models = await asyncio.to_thread(work)
+    assert result.token_ids == script_tokens() and result.text == TEXT
+    assert result.usage == Usage(2, n) and result.finish_reason == "length"
+    assert "".join(pieces) == FOUR_TOKENS_TEXT
+    assert [(m.name, m.admissible_limit) for m in models] == [("test-model", 256)]
+
+
+async def test_sync_client_raises_typed_errors(cluster: Cluster) -> None:
+    def over_limit() -> None:
+        with Client(cluster.target, cluster.api_key) as c:
+            c.generate(prompt_ids=[1], max_new_tokens=1000)
+
+    with pytest.raises(InvalidArgument) as err:
+        await asyncio.to_thread(over_limit)
+    assert err.value.reason == "OVER_ADMISSIBLE_LIMIT"
+
+    def bad_key() -> None:
+        with Client(cluster.target, "kvf_nope") as c:
+            c.list_models()
+
+    with pytest.raises(Unauthenticated):
+        await asyncio.to_thread(bad_key)
+    with pytest.raises(ValueError):
+        Client(cluster.target, "k").generate(max_new_tokens=1)  # neither prompt nor ids
+
+
+async def test_async_client_stream(cluster: Cluster) -> None:
+    chunks = [c async for c in cluster.client().stream(prompt_ids=[10], max_new_tokens=5)]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage == Usage(1, 5)
+    assert [t for c in chunks for t in c.token_ids] == script_tokens()[:5]
+    assert len({c.request_id for c in chunks}) == 1
+
+
+async def test_admin_client(cluster: Cluster) -> None:
+    def work() -> None:
+        with AdminClient(cluster.admin_target, cluster.cp.admin_token) as admin:
+            created = admin.create_tenant("globex", max_tokens_per_request=50)
+            assert created.api_key and created.key_id
+            names = [t.name for t in admin.list_tenants()]
+            assert names == ["acme", "globex"]
+            tenant = admin.set_limits("globex", max_concurrent_requests=3)
+            assert tenant.limits.max_concurrent_requests == 3
+            assert admin.revoke_key(created.key_id)
+            with pytest.raises(NotFound):
+                admin.revoke_key("key_missing")
+            assert [n.node_id for n in admin.list_nodes().nodes] == ["decode-0", "prefill-0"]
+            assert not admin.set_model_access(False, "maintenance").online
+            assert admin.model_status().reason == "maintenance"
+            assert admin.set_model_access(True).online
+            assert admin.list_requests() == []
+            check = admin.check_config()
+            assert check.ok and check.admissible_limit == 256
+        with AdminClient(cluster.admin_target, "wrong") as admin, pytest.raises(Unauthenticated):
+            admin.list_tenants()
+
+    await asyncio.to_thread(work)
+
+
+async def test_cli_generate_json_and_text(cluster: Cluster, quiet_logs: None) -> None:
+    base = ["generate", "--target", cluster.target, "--api-key", cluster.api_key]
+    code, out, _ = await run_cli(*base, "--prompt-ids", "10,11,12", "-n", "4", "--json")
+    assert code == 0
+    assert json.loads(out) == {
+        "token_ids": script_tokens()[:4],
+        "text": FOUR_TOKENS_TEXT,
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+    }
+    code, out, _ = await run_cli(*base, "hello", "-n", "4")
+    assert code == 0 and out == FOUR_TOKENS_TEXT + "\n"
+    code, _, err = await run_cli(*base, "--prompt-ids", "1", "-n", "1000")
+    assert code == 2 and err.startswith("INVALID_ARGUMENT: prompt_tokens (1) + max_new_tokens")
+
+
+async def test_cli_admin_commands(cluster: Cluster, quiet_logs: None) -> None:
+    auth = ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    code, out, _ = await run_cli(
+        "tenants", "create", "initech", "--max-tokens", "64", "--json", *auth
+    )
+    assert code == 0
+    created = json.loads(out)
+    assert created["tenant"] == "initech" and created["api_key"].startswith("kvf_")
+    code, out, _ = await run_cli("tenants", "list", "--json", *auth)
+    tenants = {t["name"]: t for t in json.loads(out)}
+    assert tenants["initech"]["limits"]["max_tokens_per_request"] == 64
+    code, out, _ = await run_cli("tenants", "set-limits", "initech", "--max-concurrent", "2", *auth)
+    assert code == 0 and "max concurrent 2, max tokens 64" in out
+    code, out, _ = await run_cli("tenants", "revoke-key", created["key_id"], *auth)
+    assert code == 0
+    code, out, _ = await run_cli("nodes", "--json", *auth)
+    assert [n["node_id"] for n in json.loads(out)["nodes"]] == ["decode-0", "prefill-0"]
+    code, out, _ = await run_cli("nodes", *auth)
+    assert code == 0 and "decode-0" in out
+    code, out, _ = await run_cli("model", "offline", "--reason", "drill", *auth)
+    assert code == 0 and "OFFLINE (drill)" in out
+    with pytest.raises(Unavailable, match="offline: drill"):
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=1)
+    code, out, _ = await run_cli("model", "online", "--json", *auth)
+    assert json.loads(out)["online"] is True
+    code, out, _ = await run_cli("requests", "--json", *auth)
+    assert json.loads(out) == []
+    code, _, err = await run_cli("abort", "req-missing", *auth)
+    assert code == 1 and err.startswith("NOT_FOUND")
+
+
+async def test_cli_admin_errors_are_one_line(cluster: Cluster, quiet_logs: None) -> None:
+    code, _, err = await run_cli(
+        "nodes", "--target", cluster.admin_target, "--admin-token", "wrong"
+    )
+    assert code == 1 and err.count("\n") == 1 and "admin token refused" in err
+    code, _, err = await run_cli("nodes", "--target", "127.0.0.1:1", "--admin-token", "x")
+    assert code == 1 and err.count("\n") == 1 and "cannot reach the admin API" in err
+    assert grpc  # imported for the status names used by the CLI
