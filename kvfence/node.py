@@ -91,12 +91,17 @@ class NodeAgent:
         load: Callable[[], control_pb2.HeartbeatRequest],
         interval_s: float = 1.0,
         token_path: Path | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
         self.control_plane = control_plane
         self.register_request = register
         self.load = load
         self.interval_s = interval_s
-        self._channel = grpc.aio.insecure_channel(control_plane, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.insecure_channel(control_plane, options=CHANNEL_OPTIONS)
+            if credentials is None
+            else grpc.aio.secure_channel(control_plane, credentials, options=CHANNEL_OPTIONS)
+        )
         self._stub = control_pb2_grpc.NodeRegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.token_path = token_path

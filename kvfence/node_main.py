@@ -1,5 +1,10 @@
 """Process entry points for prefill and decode nodes: ``kvfence serve prefill|decode``.
 
+With ``tls.internal_*`` set, a node's gRPC server requires client certificates signed by the
+internal CA (mutual TLS: only the control plane calls nodes), and the node reaches the control
+plane's registry over TLS trusting the internal CA (sign the public certificate with it, or serve
+the public endpoint without TLS inside the cluster).
+
 Start-up order: load the model and pool, start the gRPC server (health, reflection), the UCX
 listener (decode), the metrics endpoint and the event bus, then register with the control plane.
 Shutdown (SIGTERM/SIGINT or ``stop``): health NOT_SERVING, stop accepting, finish in-flight RPCs
@@ -21,6 +26,7 @@ from kvfence.metrics import Metrics
 from kvfence.node import NodeAgent, NodeRuntime, model_dir
 from kvfence.proto.kvfence.v1 import control_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from kvfence.server import GrpcServer, host_of
+from kvfence.tls import internal_server_credentials, registry_channel_credentials
 
 log = kvlog.get_logger("node")
 
@@ -89,6 +95,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             cfg.node.listen,
             [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
             ["kvfence.v1.Decode"],
+            credentials=internal_server_credentials(cfg.tls),
         )
     else:
         from prefill_svc.service import PrefillServicer
@@ -98,6 +105,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             cfg.node.listen,
             [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
             ["kvfence.v1.Prefill"],
+            credentials=internal_server_credentials(cfg.tls),
         )
     servicer.start()
     node = RunningNode(rt, server, servicer, None, bus, metrics, receiver)
@@ -130,6 +138,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             load,
             cfg.control_plane.heartbeat_interval_s,
             token_path=token,
+            credentials=registry_channel_credentials(cfg.tls),
         )
         try:
             await agent.register()

@@ -97,3 +97,13 @@ def internal_channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | No
         return None
     ca, cert, key = files
     return channel_credentials(ca, cert, key)
+
+
+def registry_channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
+    """How a node reaches the control plane's registry: TLS trusting the internal CA when the
+    public endpoint has TLS (with the node's own certificate when one is set), else plaintext."""
+    if tls.public_cert is None:
+        return None
+    if tls.internal_ca is None:
+        raise TlsError("tls.public_cert is set: nodes need tls.internal_ca to verify it")
+    return channel_credentials(tls.internal_ca, tls.internal_cert, tls.internal_key)

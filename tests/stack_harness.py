@@ -102,11 +102,13 @@ class Stack:
     def target(self) -> str:
         return str(self.up["target"])
 
+    tls_ca: Path | None = None  # CA of the control plane's certificate, when it serves TLS
+
     def admin(self) -> AdminClient:
-        return AdminClient(self.up["admin_target"], self.up["admin_token"])
+        return AdminClient(self.up["admin_target"], self.up["admin_token"], tls_ca=self.tls_ca)
 
     def client(self, api_key: str | None = None) -> Client:
-        return Client(self.target, api_key or self.up["api_keys"]["demo"])
+        return Client(self.target, api_key or self.up["api_keys"]["demo"], tls_ca=self.tls_ca)
 
     def create_tenant(self, name: str, **limits: Any) -> str:
         with self.admin() as admin:
@@ -262,6 +264,7 @@ class Cluster:
         self.procs.clear()
 
     # the same client helpers as Stack
+    tls_ca: Path | None = None
     target = Stack.target
     admin = Stack.admin
     create_tenant = Stack.create_tenant
@@ -269,7 +272,7 @@ class Cluster:
     wait_pools_free = Stack.wait_pools_free
 
     def client(self, api_key: str) -> Client:
-        return Client(self.target, api_key)
+        return Client(self.target, api_key, tls_ca=self.tls_ca)
 
 
 STOP_TIMEOUT_S = 20.0

@@ -187,7 +187,7 @@ def test_buffer_full_of_security_events() -> None:
     assert list(bus._buffer.events) == security and bus.dropped == 1
     newest = bus.emit("integrity_violation", check="mac")  # only then the oldest security event
     assert list(bus._buffer.events) == [*security[1:], newest] and bus.dropped == 2
-    assert {"transfer_failed", "integrity_violation"} == SECURITY_KINDS
+    assert {"transfer_failed", "integrity_violation", "node_refused"} == SECURITY_KINDS
 
 
 async def test_buffered_before_start_then_delivered() -> None:

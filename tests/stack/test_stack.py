@@ -44,8 +44,10 @@ def prompt(n: int, salt: int) -> list[int]:
 
 
 def test_two_by_two_equals_colocated_for_two_tenants(stack, reference):
-    cases = [(t, n, max_new) for t in ("tenant-a", "tenant-b") for n, max_new in
-             [(15, 9), (16, 8), (17, 12), (33, 5), (47, 20)]]  # fmt: skip
+    # 16 requests, 10 of them 8-9 pages: more than one decode pool (48 pages) holds, so both decode
+    # nodes must serve; prompts end before, on and after page boundaries.
+    sizes = [(15, 9), (16, 8), (17, 12), (115, 9), (116, 12), (117, 12), (133, 5), (47, 80)]
+    cases = [(t, n, max_new) for t in ("tenant-a", "tenant-b") for n, max_new in sizes]
 
     def run(case):
         tenant, n, max_new = case
