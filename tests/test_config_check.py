@@ -304,10 +304,12 @@ def test_cli_live_mode_needs_target_and_token() -> None:
     assert "not implemented" not in result.stderr
 
 
-def test_cli_live_mode_is_not_implemented_yet() -> None:
-    result = run_cli("--target", "127.0.0.1:50052", "--admin-token", "t")
+def test_cli_live_mode_unreachable_target_is_one_line() -> None:
+    from stack_harness import free_port_pair
+
+    result = run_cli("--target", f"127.0.0.1:{free_port_pair()}", "--admin-token", "t")
     assert result.exit_code == 2
-    assert "live check-config is not implemented yet" in result.stderr
+    assert "UNAVAILABLE" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_cli_static_and_target_together_is_a_usage_error(tmp_path: Path) -> None:

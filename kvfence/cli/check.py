@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvfence.config import ConfigError, load_config
-from kvfence.config_check import CheckReport, static_check
+from kvfence.config import ConfigError, Role, load_config
+from kvfence.config_check import CheckReport, PoolSample, evaluate, static_check
 
 EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
 
@@ -58,19 +58,42 @@ def _static_report(path: Path) -> CheckReport:
 
 
 def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
-    """Hook for the live check: pools as the running nodes report them, through the admin API.
-
-    To implement: fetch the model (name, dtype, shape, context window, clamp) and each registered
-    node's pool (role, node id, pages, page size) from the admin API at ``target``, then build the
-    report with :func:`kvfence.config_check.evaluate` and one ``PoolSample`` per node.
-    """
+    """Pools as the running nodes report them, through the admin API at ``target``."""
     if not target or not admin_token:
         _die(
             "check-config without --static checks a running cluster and needs --target HOST:PORT "
             "(the admin port) and --admin-token TOKEN (or KVFENCE_ADMIN_TOKEN); "
             "to check a config file use --static FILE"
         )
-    _die("live check-config is not implemented yet")
+    from kvfence.client import AdminClient
+    from kvfence.errors import KvfenceError
+
+    try:
+        with AdminClient(target, admin_token) as admin:
+            resp = admin.check_config()
+            status = admin.model_status()
+            nodes = {n.node_id: n for n in admin.list_nodes().nodes}
+    except KvfenceError as err:
+        _die(f"check-config: {target}: {err.code.name}: {err.message}")
+    if not resp.pools:
+        _die(f"check-config: no node is registered at {target}")
+    first = next(iter(nodes.values()))
+    page_size = first.pool_tokens // max(first.total_pages, 1)
+    fits = all(p.pool_tokens >= resp.context_window for p in resp.pools)
+    return evaluate(
+        source=target,
+        model=status.name,
+        shape_source="registered nodes",
+        context_window=resp.context_window,
+        context_source="control plane",
+        dtype="as served",
+        page_size=page_size,
+        page_bytes=0,  # not reported by nodes; pages and tokens are
+        clamp_context=resp.ok and not fits,  # the cluster accepts small pools only when clamped
+        pools=[
+            PoolSample(Role(p.role), p.pool_tokens // page_size, p.node_id) for p in resp.pools
+        ],
+    )
 
 
 def _die(message: str) -> NoReturn:
