@@ -316,6 +316,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.bus.emit(kind, **payload)
 
     # ---- release -----------------------------------------------------------------------------
+    def release_all(self) -> None:
+        """Drop every reservation (the control plane has failed every request on this node)."""
+        for rid in list(self.reservations):
+            self._release(rid, "forgotten by the control plane")
+
     def _release(self, rid: str, reason: str) -> bool:
         """Cancel the transfer, leave the batch and give the pages back (deferred while any
         receive or write may still land in them). Idempotent."""
@@ -339,7 +344,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await asyncio.sleep(min(timeout / 4, 1.0))
             now = time.monotonic()
             for rid, res in list(self.reservations.items()):
-                if res.state == ResState.RESERVED and now - res.created > timeout:
+                if res.state != ResState.RESERVED:
+                    continue
+                if res.transfer.state in (InboundState.FAILED, InboundState.CANCELLED):
+                    # A failed transfer can never be verified: give the pages back now (they
+                    # stay quarantined until the cancelled receives have settled).
+                    self.pool.quarantine(rid)
+                    self._release(rid, f"transfer {res.transfer.state.value}: {res.transfer.error}")
+                elif now - res.created > timeout:
                     self._release(rid, "reservation timeout")
             self._publish_pages()
 

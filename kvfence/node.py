@@ -92,6 +92,7 @@ class NodeAgent:
         interval_s: float = 1.0,
         token_path: Path | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        on_forgotten: Callable[[], None] | None = None,
     ):
         self.control_plane = control_plane
         self.register_request = register
@@ -105,6 +106,9 @@ class NodeAgent:
         self._stub = control_pb2_grpc.NodeRegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.token_path = token_path
+        # Called when the control plane no longer knows this node: it has failed every request
+        # that used the node, so whatever the node still holds for them must go.
+        self.on_forgotten = on_forgotten
 
     def _metadata(self) -> list[tuple[str, str]]:
         if self.token_path is None or not self.token_path.exists():
@@ -147,6 +151,9 @@ class NodeAgent:
                     self.load(), timeout=max(self.interval_s, 1.0), metadata=self._metadata()
                 )
                 if not resp.known:
+                    log.warning("control plane forgot this node; releasing and re-registering")
+                    if self.on_forgotten is not None:
+                        self.on_forgotten()
                     await self.register()
             except RegistrationRefused as err:
                 log.error("re-registration refused", reason=str(err))

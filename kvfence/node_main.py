@@ -139,6 +139,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             cfg.control_plane.heartbeat_interval_s,
             token_path=token,
             credentials=registry_channel_credentials(cfg.tls),
+            on_forgotten=servicer.release_all,
         )
         try:
             await agent.register()

@@ -77,10 +77,54 @@ def page_buffer(t: torch.Tensor) -> Any:
     return flat if flat.is_cuda else flat.numpy()
 
 
+async def _within(ep: Any, aws: list[Any], timeout: float | None) -> list[Any]:
+    """Await UCX operations with a timeout, never abandoning one that is still posted.
+
+    A UCX request writes into (or reads from) its buffer until it completes. Cancelling only the
+    asyncio side would let the buffer be freed while the transfer can still land in it, so on a
+    timeout, an error or our own cancellation the endpoint is aborted first (which completes every
+    posted request) and the requests are awaited before their buffers can go away.
+    """
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        if pending:
+            raise TransferError("timed out", "TIMEOUT", timeout=True)
+        return [t.result() for t in tasks]
+    finally:
+        await _settle(ep, tasks)
+
+
+async def _settle(ep: Any, tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Abort the endpoint if any operation is pending or failed, then wait until every one has
+    completed, even if we are cancelled meanwhile (re-raised afterwards)."""
+    if any(not t.done() or (not t.cancelled() and t.exception()) for t in tasks):
+        with contextlib.suppress(Exception):
+            ep.abort()
+    cancelled = False
+    while not all(t.done() for t in tasks):
+        try:
+            await asyncio.shield(asyncio.wait(tasks))
+        except asyncio.CancelledError:
+            cancelled = True
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()  # retrieved: the caller sees the first error only
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 async def _send_json(ep: Any, obj: dict[str, Any], *, reply: bool = False) -> None:
     body = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    await ep.send(np.array([body.size], dtype=np.int64), tag=REPLY_LEN_TAG if reply else LEN_TAG)
-    await ep.send(body, tag=REPLY_BODY_TAG if reply else BODY_TAG)
+    size = np.array([body.size], dtype=np.int64)
+    await _within(
+        ep,
+        [
+            ep.send(size, tag=REPLY_LEN_TAG if reply else LEN_TAG),
+            ep.send(body, tag=REPLY_BODY_TAG if reply else BODY_TAG),
+        ],
+        None,
+    )
 
 
 async def _recv_json(ep: Any, *, reply: bool = False) -> dict[str, Any]:
@@ -205,7 +249,7 @@ class KvReceiver:
 
     async def _serve(self, ep: Any) -> None:
         try:
-            hello = await asyncio.wait_for(_recv_json(ep), self.batch_timeout_s)
+            [hello] = await _within(ep, [_recv_json(ep)], self.batch_timeout_s)
         except Exception as err:
             self.report("transfer_failed", {"reason": "BAD_HELLO", "error": type(err).__name__})
             return
@@ -256,14 +300,14 @@ class KvReceiver:
         sender reads the reason instead of a connection reset. Page bytes it still sends match no
         posted receive and never reach a page."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                ep.recv(np.empty(1, np.uint8), tag=LINGER_TAG), self.batch_timeout_s
+            await _within(
+                ep, [ep.recv(np.empty(1, np.uint8), tag=LINGER_TAG)], self.batch_timeout_s
             )
 
     async def _receive_batches(self, ep: Any, t: InboundTransfer) -> None:
         page_bytes = self.pool.page_bytes
         while True:
-            header = await asyncio.wait_for(_recv_json(ep), self.batch_timeout_s)
+            [header] = await _within(ep, [_recv_json(ep)], self.batch_timeout_s)
             if header.get("done"):
                 return
             indices = header.get("indices")
@@ -284,27 +328,22 @@ class KvReceiver:
     async def _receive_pages(self, ep: Any, t: InboundTransfer, indices: list[int]) -> None:
         pids = [t.pages[i].page_id for i in indices]
         self.pool.begin_ops(pids)
-        tasks = [
-            asyncio.ensure_future(ep.recv(page_buffer(self.pool.kv[pid]), tag=PAGE_TAG + k))
-            for k, pid in enumerate(pids)
-        ]
         try:
-            done, pending = await asyncio.wait(tasks, timeout=self.batch_timeout_s)
-            if pending:
-                raise TransferError("page batch timed out", reason="TIMEOUT", timeout=True)
-            for task in done:
-                if task.exception() is not None:
-                    raise TransferError(f"page receive failed: {task.exception()!r}")
+            # Every receive lands straight in a reserved page; on any failure the endpoint is
+            # aborted and every receive has completed before the operations end.
+            await _within(
+                ep,
+                [
+                    ep.recv(page_buffer(self.pool.kv[pid]), tag=PAGE_TAG + k)
+                    for k, pid in enumerate(pids)
+                ],
+                self.batch_timeout_s,
+            )
+        except TransferError as err:
+            raise TransferError("page batch timed out", "TIMEOUT", timeout=True) from err
+        except Exception as err:
+            raise TransferError(f"page receive failed: {err!r}") from err
         finally:
-            if any(not task.done() for task in tasks):
-                # Cancel at the UCX level: aborting the endpoint completes every posted receive,
-                # after which no byte can land in these pages.
-                with contextlib.suppress(Exception):
-                    ep.abort()
-                await asyncio.wait(tasks)
-            for task in tasks:
-                if not task.cancelled():
-                    task.exception()  # mark retrieved
             self.pool.end_ops(pids)
 
 
@@ -330,23 +369,27 @@ async def send_pages(
     stall_after_hello_s: float = 0.0,
 ) -> float:
     """Send ``pages`` to decode; returns seconds taken. Raises TransferError on the first error."""
-    import ucxx
 
     host, _, port = address.rpartition(":")
     start = time.perf_counter()
     per_batch = max(1, max_batch_bytes // page_bytes)
+    hello = {
+        "reservation_id": reservation_id,
+        "request_id": request_id,
+        "auth": auth_override or authenticator(secret, reservation_id),
+    }
+    # The handshake (UCX's own peer-info exchange, then our hello and decode's answer) is never
+    # cut short, even when we are cancelled: tearing an endpoint down mid-handshake crashed ucxx
+    # on the listening side. A cancellation takes effect once decode has answered the hello.
+    opening = asyncio.ensure_future(_open(host, int(port), hello, batch_timeout_s))
     try:
-        ep = await asyncio.wait_for(ucxx.create_endpoint(host, int(port)), batch_timeout_s)
-    except Exception as err:
-        raise TransferError(f"cannot reach decode at {address}: {err!r}", "UNREACHABLE") from err
+        ep = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            opened = await asyncio.wait_for(asyncio.shield(opening), 2 * batch_timeout_s)
+            opened.abort()
+        raise
     try:
-        hello = {
-            "reservation_id": reservation_id,
-            "request_id": request_id,
-            "auth": auth_override or authenticator(secret, reservation_id),
-        }
-        await _send_json(ep, hello)
-        await _expect_ok(ep, batch_timeout_s)
         if stall_after_hello_s:  # fault hook only: a sender that stalls mid-transfer
             await asyncio.sleep(stall_after_hello_s)
         for b in range(0, len(pages), per_batch):
@@ -355,8 +398,6 @@ async def send_pages(
             await _send_batch(ep, batch, batch_timeout_s)
         await _send_json(ep, {"done": True})
         await _expect_ok(ep, batch_timeout_s)
-    except TimeoutError as err:
-        raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True) from err
     except TransferError:
         raise
     except Exception as err:
@@ -367,33 +408,50 @@ async def send_pages(
     return time.perf_counter() - start
 
 
+async def _open(host: str, port: int, hello: dict[str, Any], timeout: float) -> Any:
+    """Connect to decode's listener and pass the hello; the endpoint is aborted on failure."""
+    import ucxx
+
+    try:
+        ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
+    except Exception as err:
+        raise TransferError(
+            f"cannot reach decode at {host}:{port}: {err!r}", "UNREACHABLE"
+        ) from err
+    try:
+        await _send_json(ep, hello)
+        await _expect_ok(ep, timeout)
+    except BaseException as err:
+        with contextlib.suppress(Exception):
+            ep.abort()
+        if isinstance(err, TransferError | asyncio.CancelledError):
+            raise
+        raise TransferError(f"transfer failed: {err!r}") from err
+    return ep
+
+
 async def _send_batch(ep: Any, batch: Sequence[OutboundPage], timeout: float) -> None:
     """Send one batch and wait for decode's verdict. A refusal can arrive while page sends are
     still pending (decode never posts receives for a bad batch), so wait for either."""
-    sends = asyncio.ensure_future(
-        asyncio.gather(*[ep.send(p.data, tag=PAGE_TAG + k) for k, p in enumerate(batch)])
-    )
+    sends = [asyncio.ensure_future(ep.send(p.data, tag=PAGE_TAG + k)) for k, p in enumerate(batch)]
     reply = asyncio.ensure_future(_recv_json(ep, reply=True))
     try:
         done, _ = await asyncio.wait(
-            {sends, reply}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            {*sends, reply}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
         if reply in done:
             _check_reply(reply.result())
         if not done:
             raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
-        await asyncio.wait_for(asyncio.shield(sends), timeout)
-        _check_reply(await asyncio.wait_for(asyncio.shield(reply), timeout))
+        results = await _within(ep, [*sends, reply], timeout)
+        _check_reply(results[-1])
     finally:
-        for task in (sends, reply):
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled():
-                task.exception()  # retrieved: the caller sees the first error only
+        await _settle(ep, [*sends, reply])
 
 
 async def _expect_ok(ep: Any, timeout: float) -> None:
-    _check_reply(await asyncio.wait_for(_recv_json(ep, reply=True), timeout))
+    [reply] = await _within(ep, [_recv_json(ep, reply=True)], timeout)
+    _check_reply(reply)
 
 
 def _check_reply(reply: dict[str, Any]) -> None:

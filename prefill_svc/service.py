@@ -280,6 +280,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
 
     # ---- release -----------------------------------------------------------------------------
+    def release_all(self) -> None:
+        """Drop every held request (the control plane has failed them all)."""
+        for request_id in list(self.held):
+            self._release(request_id)
+
     def _release(self, request_id: str) -> bool:
         held = self.held.pop(request_id, None)
         if held is None:

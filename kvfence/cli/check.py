@@ -90,9 +90,7 @@ def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
         page_size=page_size,
         page_bytes=0,  # not reported by nodes; pages and tokens are
         clamp_context=resp.ok and not fits,  # the cluster accepts small pools only when clamped
-        pools=[
-            PoolSample(Role(p.role), p.pool_tokens // page_size, p.node_id) for p in resp.pools
-        ],
+        pools=[PoolSample(Role(p.role), p.pool_tokens // page_size, p.node_id) for p in resp.pools],
     )
 
 
