@@ -404,8 +404,29 @@ def test_tls_needs_material_and_switches_probes_to_tcp(helm_home: Path) -> None:
 
 def test_existing_admin_token_secret_is_used(helm_home: Path) -> None:
     docs = render(helm_home, sets=["adminToken.existingSecret=ops-admin", "adminToken.key=tok"])
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    # only the node token's Secret is rendered; the admin token comes from the existing one
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [
+        f"{FULLNAME}-node-token"
+    ]
     spec = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
     secret = next(v["secret"] for v in spec["volumes"] if v["name"] == "admin-token")
     assert (secret["secretName"], secret["items"]) == ("ops-admin", [{"key": "tok", "path": "tok"}])
     assert "admin_token_file: /etc/kvfence/admin/tok" in hook_config(docs)
+
+
+def test_node_token_reaches_control_plane_and_every_node(helm_home: Path) -> None:
+    docs = render(helm_home)
+    assert "node_token_file: /etc/kvfence/node/token" in hook_config(docs)
+    for name in ("control-plane", "prefill", "decode"):
+        spec = find(docs, "Deployment", f"{FULLNAME}-{name}")["spec"]["template"]["spec"]
+        secret = next(v["secret"] for v in spec["volumes"] if v["name"] == "node-token")
+        assert secret["secretName"] == f"{FULLNAME}-node-token"
+        mounts = spec["containers"][0]["volumeMounts"]
+        assert {"name": "node-token", "mountPath": "/etc/kvfence/node", "readOnly": True} in mounts
+    # control: an existing Secret replaces the generated one
+    docs = render(helm_home, sets=["nodeToken.existingSecret=ops-node"])
+    assert f"{FULLNAME}-node-token" not in [d["metadata"]["name"] for d in docs]
+    spec = find(docs, "Deployment", f"{FULLNAME}-decode")["spec"]["template"]["spec"]
+    assert next(v for v in spec["volumes"] if v["name"] == "node-token")["secret"][
+        "secretName"
+    ] == ("ops-node")

@@ -49,6 +49,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-admin-token" (include "kvfence.fullname" .)) .Values.adminToken.existingSecret }}
 {{- end }}
 
+{{- define "kvfence.nodeSecretName" -}}
+{{- default (printf "%s-node-token" (include "kvfence.fullname" .)) .Values.nodeToken.existingSecret }}
+{{- end }}
+
+{{- define "kvfence.nodeTokenVolume" -}}
+- name: node-token
+  secret:
+    secretName: {{ include "kvfence.nodeSecretName" . }}
+    defaultMode: 0400
+    items:
+      - key: {{ .Values.nodeToken.key }}
+        path: {{ .Values.nodeToken.key }}
+{{- end }}
+
+{{- define "kvfence.nodeTokenMount" -}}
+- name: node-token
+  mountPath: /etc/kvfence/node
+  readOnly: true
+{{- end }}
+
 {{- define "kvfence.tlsSecretName" -}}
 {{- default (printf "%s-tls" (include "kvfence.fullname" .)) .Values.tls.existingSecret }}
 {{- end }}
@@ -150,6 +170,7 @@ control_plane:
   heartbeat_interval_s: {{ $cp.heartbeatIntervalS }}
   node_timeout_s: {{ $cp.nodeTimeoutS }}
   admin_token_file: /etc/kvfence/admin/{{ .Values.adminToken.key }}
+  node_token_file: /etc/kvfence/node/{{ .Values.nodeToken.key }}
 events:
   {{- with include "kvfence.mqttHostPort" . }}
   mqtt_host: {{ (split ":" .)._0 | quote }}

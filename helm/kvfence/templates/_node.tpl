@@ -105,6 +105,7 @@ spec:
             {{- toYaml $resources | nindent 12 }}
           volumeMounts:
             {{- include "kvfence.commonMounts" $root | nindent 12 }}
+            {{- include "kvfence.nodeTokenMount" $root | nindent 12 }}
             - name: shm
               mountPath: /dev/shm
             {{- if $root.Values.model.volume }}
@@ -114,6 +115,7 @@ spec:
             {{- end }}
       volumes:
         {{- include "kvfence.commonVolumes" $root | nindent 8 }}
+        {{- include "kvfence.nodeTokenVolume" $root | nindent 8 }}
         - name: shm
           emptyDir:
             medium: Memory
