@@ -38,7 +38,7 @@ from kvfence.errors import (
 )
 from kvfence.events import EventBus
 from kvfence.kv.pool import PageRef, PageState
-from kvfence.metrics import Metrics
+from kvfence.metrics import Metrics, publish_pool
 from kvfence.node import NodeRuntime, sampling_from_proto
 from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from kvfence.server import abort
@@ -356,7 +356,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._publish_pages()
 
     def _publish_pages(self) -> None:
-        s = self.pool.stats()
-        self.metrics.pages.labels(state="free").set(s.free)
-        self.metrics.pages.labels(state="held").set(s.held)
-        self.metrics.pages.labels(state="quarantined").set(s.quarantined)
+        publish_pool(self.metrics, self.pool)

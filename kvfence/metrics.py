@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +21,10 @@ NAMESPACE = "kvfence"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
+
+
+if TYPE_CHECKING:
+    from kvfence.kv.pool import PagePool
 
 
 class _ConstLabels(Collector):
@@ -142,3 +147,11 @@ class Metrics:
             server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+
+def publish_pool(metrics: Metrics, pool: PagePool) -> None:
+    """Set the ``pages`` gauge from a pool's current free / held / quarantined counts."""
+    s = pool.stats()
+    metrics.pages.labels(state="free").set(s.free)
+    metrics.pages.labels(state="held").set(s.held)
+    metrics.pages.labels(state="quarantined").set(s.quarantined)

@@ -36,7 +36,7 @@ from kvfence.errors import (
 from kvfence.events import EventBus
 from kvfence.faults import Fault, FaultHook
 from kvfence.kv.pool import PageRef, PageState
-from kvfence.metrics import Metrics
+from kvfence.metrics import Metrics, publish_pool
 from kvfence.model.sampling import sample_one
 from kvfence.node import NodeRuntime, sampling_from_proto
 from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -304,10 +304,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     self._release(request_id)
 
     def _publish_pages(self) -> None:
-        s = self.pool.stats()
-        self.metrics.pages.labels(state="free").set(s.free)
-        self.metrics.pages.labels(state="held").set(s.held)
-        self.metrics.pages.labels(state="quarantined").set(s.quarantined)
+        publish_pool(self.metrics, self.pool)
 
 
 def transfer_status(err: TransferError) -> KvfenceError:
