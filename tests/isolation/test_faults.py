@@ -267,3 +267,46 @@ def test_prefill_killed_mid_transfer(cluster, reference):
     assert got.token_ids == ref.token_ids
     stats = cluster.wait_pools_free(timeout=30)
     assert all(s.free_pages == s.total_pages for s in stats.values()), stats
+
+
+@pytest.mark.parametrize("when", ["transfer", "decode"])
+def test_client_cancel(cluster, reference, when):
+    """Tenant B gives up mid-transfer (deadline) or mid-decode (closes the stream): the request
+    ends CANCELLED / DEADLINE_EXCEEDED with an event, A is unaffected, every page comes back."""
+    if when == "transfer":
+        cluster.fault_file.write_text(json.dumps([{"kind": "delay", "tenant_id": "tenant-b",
+                                                   "seconds": 2.0}]))  # fmt: skip
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(run_a, cluster)
+            with cluster.client(cluster.keys["tenant-b"]) as c:
+                if when == "transfer":
+                    c.timeout = 1.0
+                    with pytest.raises(KvfenceError) as err:
+                        c.generate(prompt_ids=prompt(45, 3), max_new_tokens=4)
+                    code = err.value.code.name
+                    assert code in ("DEADLINE_EXCEEDED", "CANCELLED")
+                else:
+                    stream = c.stream(prompt_ids=prompt(45, 3), max_new_tokens=300, ignore_eos=True)
+                    assert next(stream).token_ids  # decoding now
+                    stream.close()  # the client goes away mid-decode
+                    code = "CANCELLED"
+            a_outputs = a.result(timeout=60)
+    finally:
+        cluster.fault_file.write_text("[]")
+    refs = reference.generate(
+        [GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
+         for n, m, s in A_CASES]
+    )  # fmt: skip
+    assert a_outputs == [r.token_ids for r in refs]
+    event = cluster.events.wait_for(
+        lambda e: (
+            e.get("kind") == "request_failed"
+            and e.get("tenant_id") == "tenant-b"
+            and e.get("code") in ("CANCELLED", "DEADLINE_EXCEEDED")
+            and e.get("state_before") == ("PREFILLING" if when == "transfer" else "DECODING")
+        )
+    )
+    assert event is not None, f"no request_failed event for a cancel during {when} ({code})"
+    stats = cluster.wait_pools_free(timeout=30)
+    assert all(s.free_pages == s.total_pages for s in stats.values()), stats
