@@ -8,6 +8,7 @@ here, with the numbers, instead of being truncated or replaced by a placeholder 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,35 +125,46 @@ def check_tenant(tenant: Tenant, prompt: Prompt, active_requests: int) -> None:
 
 
 class AdmissionQueue:
-    """Requests waiting for capacity: bounded, woken whenever capacity or model access changes.
+    """Requests waiting for decode capacity: bounded, first come first served.
 
-    Waiters are not served in strict FIFO order: every change wakes all of them and each retries;
-    with a handful of nodes that is simpler and as fair as the nodes' own answers allow.
+    Only the request at the head of the queue may try to reserve, and a newcomer queues behind
+    anyone already waiting. Without that, a stream of small requests can keep taking the pages a
+    large one waits for until its deadline passes (starvation). Every change of capacity or model
+    access wakes the waiters; the head retries, the others check whether they are now the head.
     """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.waiting = 0
+        self._order: collections.deque[object] = collections.deque()
         self._changed = asyncio.Event()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._order)
 
     def notify(self) -> None:
         """Wake every waiter (pages freed, node joined, model access changed)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def may_try(self, ticket: object) -> bool:
+        """True when ``ticket`` may try to reserve now: nobody waits, or it heads the queue."""
+        return not self._order or self._order[0] is ticket
+
     @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
+    def slot(self, ticket: object) -> Iterator[None]:
         """Hold a queue place for the block; ResourceExhausted at once when the queue is full."""
-        if self.waiting >= self.capacity:
+        if len(self._order) >= self.capacity:
             raise ResourceExhausted(
-                f"admission queue is full ({self.waiting} requests waiting for capacity)",
+                f"admission queue is full ({len(self._order)} requests waiting for capacity)",
                 reason=QUEUE_FULL,
             )
-        self.waiting += 1
+        self._order.append(ticket)
         try:
             yield
         finally:
-            self.waiting -= 1
+            self._order.remove(ticket)
+            self.notify()  # the next request may now head the queue
 
     async def changed(self, timeout: float) -> None:
         """Return at the next notify() or after ``timeout`` seconds, whichever comes first."""

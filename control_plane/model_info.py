@@ -7,10 +7,8 @@ inject a :class:`ModelInfo` of their own; services call :func:`load_model_info`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from kvfence.config import ClusterConfig
@@ -70,21 +68,15 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
     """
     # Imported here: they pull in torch, which tests that inject a ModelInfo never need.
     from kvfence.model.llama import ModelArgs
-    from kvfence.model.loader import fingerprint, read_config
-    from kvfence.node import model_dir
+    from kvfence.model.loader import fingerprint, generation_eos, read_config
+    from kvfence.node import kv_layout, model_dir
     from kvfence.tokenizer import load_tokenizer
 
     path = model_dir(cfg)
     hf = read_config(path)
     args = ModelArgs.from_hf_config(hf)
     shape = args.shape
-    layout = common_pb2.KvLayout(
-        page_size=cfg.kv.page_size,
-        dtype=cfg.model.dtype,
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-    )
+    layout = kv_layout(cfg, shape)
     return ModelInfo(
         name=cfg.model.name,
         context_window=cfg.model.context_window or shape.context_window,
@@ -92,19 +84,8 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
         layout=layout,
         vocab_size=args.vocab_size,
         tokenizer=load_tokenizer(path),
-        eos_ids=frozenset(_eos_ids(path) or args.eos_token_ids),
+        eos_ids=frozenset(generation_eos(path) or args.eos_token_ids),
     )
-
-
-def _eos_ids(path: Path) -> tuple[int, ...]:
-    # generation_config.json overrides config.json, as in transformers and the nodes' loader.
-    gen = path / "generation_config.json"
-    if not gen.exists():
-        return ()
-    value = json.loads(gen.read_text()).get("eos_token_id")
-    if value is None:
-        return ()
-    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 @dataclass

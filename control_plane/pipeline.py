@@ -205,6 +205,7 @@ class Pipeline:
         give_up = deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
         started = loop.time()
         in_queue = False
+        ticket = object()  # this request's place in the first-come-first-served queue
         with contextlib.ExitStack() as queued:
             try:
                 while True:
@@ -212,10 +213,13 @@ class Pipeline:
                     self._check_serving()  # an operator's offline reaches queued requests here
                     if not self.d.registry.nodes(DECODE):
                         raise Unavailable("no decode node is registered", reason=NO_NODES)
-                    for node in decode_candidates(self.d.registry, pages, skip=set()):
-                        res = await self._try_reserve(run, node, prompt, tenant, pages, deadline)
-                        if res is not None:
-                            return node, res
+                    if self.d.queue.may_try(ticket):
+                        for node in decode_candidates(self.d.registry, pages, skip=set()):
+                            res = await self._try_reserve(
+                                run, node, prompt, tenant, pages, deadline
+                            )
+                            if res is not None:
+                                return node, res
                     now = loop.time()
                     if now >= give_up:
                         raise ResourceExhausted(
@@ -224,8 +228,9 @@ class Pipeline:
                             reason=admission.NO_CAPACITY,
                         )
                     if not in_queue:  # first wait: take a place in the queue (or fail if full)
-                        queued.enter_context(self.d.queue.slot())
+                        queued.enter_context(self.d.queue.slot(ticket))
                         in_queue = True
+                        continue  # heading an empty queue: try again at once
                     await run.guard(self.d.queue.changed(min(give_up - now, self.d.poll_s)))
             except ResourceExhausted as err:
                 if err.reason in (admission.NO_CAPACITY, admission.QUEUE_FULL):

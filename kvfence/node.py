@@ -18,7 +18,7 @@ import grpc
 
 from kvfence import logging as kvlog
 from kvfence.auth import read_token
-from kvfence.config import ClusterConfig, Role
+from kvfence.config import ClusterConfig, ModelShape, Role
 from kvfence.kv.pool import PagePool
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
 from kvfence.server import CHANNEL_OPTIONS
@@ -33,6 +33,17 @@ def model_dir(cfg: ClusterConfig) -> Path:
     from kvfence.model.tiny import ensure_tiny_model
 
     return ensure_tiny_model(cfg.control_plane.state_dir / "models" / "tiny-llama")
+
+
+def kv_layout(cfg: ClusterConfig, shape: ModelShape) -> common_pb2.KvLayout:
+    """The KV layout every node of the cluster must share (manifest check 6, registration)."""
+    return common_pb2.KvLayout(
+        page_size=cfg.kv.page_size,
+        dtype=cfg.model.dtype,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+    )
 
 
 @dataclass
@@ -65,13 +76,7 @@ class NodeRuntime:
             dtype=cfg.model.dtype,
             scrub_on_free=cfg.kv.scrub_on_free,
         )
-        layout = common_pb2.KvLayout(
-            page_size=cfg.kv.page_size,
-            dtype=cfg.model.dtype,
-            num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-        )
+        layout = kv_layout(cfg, shape)
         node_id = cfg.node.node_id or f"{role.value}-{os.getpid()}"
         engine = Engine(loaded.model, pool)
         return cls(role, node_id, loaded.fingerprint, layout, pool, engine, loaded)

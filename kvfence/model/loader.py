@@ -121,7 +121,8 @@ class LoadedModel:
         return {v: k for k, v in TORCH_DTYPES.items()}[self.model.dtype]
 
 
-def _generation_eos(path: Path) -> tuple[int, ...]:
+def generation_eos(path: Path) -> tuple[int, ...]:
+    """EOS ids from ``generation_config.json`` (which overrides config.json, as in transformers)."""
     gen = path / "generation_config.json"
     if not gen.exists():
         return ()
@@ -168,5 +169,5 @@ def load_model(
     model.inv_freq = inv_freq.to(device)
     model.tie_weights()
     model.eval().requires_grad_(False)
-    eos = _generation_eos(path) or args.eos_token_ids
+    eos = generation_eos(path) or args.eos_token_ids
     return LoadedModel(path, args, model, cfg, fingerprint(path), eos)

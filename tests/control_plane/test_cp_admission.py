@@ -181,3 +181,20 @@ async def test_errors_carry_grpc_codes(cluster: Cluster) -> None:
     with pytest.raises(KvfenceError) as err:
         await cluster.client().generate(prompt_ids=[1], max_new_tokens=1000)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_admission_queue_is_first_come_first_served() -> None:
+    """A newcomer never overtakes a waiting request (no starvation of large requests)."""
+    from control_plane.admission import AdmissionQueue
+
+    q = AdmissionQueue(capacity=2)
+    big, small, late = object(), object(), object()
+    assert q.may_try(small)  # control: with nobody waiting anyone may try
+    with q.slot(big):
+        assert q.may_try(big) and not q.may_try(late)
+        with q.slot(small):
+            assert not q.may_try(small)  # behind big
+            with pytest.raises(ResourceExhausted), q.slot(late):
+                pass
+        assert q.may_try(big)
+    assert q.waiting == 0 and q.may_try(late)
