@@ -120,6 +120,19 @@ def prompt(n: int, salt: int) -> list[int]:
 A_CASES = [(37, 10, 1), (20, 12, 2)]
 
 
+def a_expected(reference) -> list[list[int]]:
+    """Tenant A's outputs from the colocated reference engine."""
+    return [
+        out.token_ids
+        for out in reference.generate(
+            [
+                GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
+                for n, m, s in A_CASES
+            ]
+        )
+    ]
+
+
 def run_a(cluster) -> list[list[int]]:
     with cluster.client(cluster.keys["tenant-a"]) as c:
         return [
@@ -146,11 +159,7 @@ def test_fault_fails_only_the_faulty_request(cluster, reference, fault):
         cluster.fault_file.write_text("[]")
     assert err.value.code.name in FAULTS[fault], (fault, err.value)
     assert got == []  # not one token of a request whose KV could not be trusted
-    refs = reference.generate(
-        [GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
-         for n, m, s in A_CASES]
-    )  # fmt: skip
-    assert a_outputs == [r.token_ids for r in refs]
+    assert a_outputs == a_expected(reference)
     failed = cluster.events.wait_for(
         lambda e: (
             e.get("kind") == "request_failed"
@@ -204,11 +213,7 @@ def test_abort_storm_returns_every_page(cluster, reference):
         a = pool.submit(run_a, cluster)
         list(pool.map(cancel_after_first, range(16)))
         a_outputs = a.result(timeout=120)
-    refs = reference.generate(
-        [GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
-         for n, m, s in A_CASES]
-    )  # fmt: skip
-    assert a_outputs == [r.token_ids for r in refs]
+    assert a_outputs == a_expected(reference)
     stats = cluster.wait_pools_free(timeout=30)
     assert all(s.free_pages == s.total_pages for s in stats.values()), stats
 
@@ -294,11 +299,7 @@ def test_client_cancel(cluster, reference, when):
             a_outputs = a.result(timeout=60)
     finally:
         cluster.fault_file.write_text("[]")
-    refs = reference.generate(
-        [GenerationRequest(prompt(n, s), SamplingParams(max_new_tokens=m, ignore_eos=True))
-         for n, m, s in A_CASES]
-    )  # fmt: skip
-    assert a_outputs == [r.token_ids for r in refs]
+    assert a_outputs == a_expected(reference)
     event = cluster.events.wait_for(
         lambda e: (
             e.get("kind") == "request_failed"
