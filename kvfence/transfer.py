@@ -279,7 +279,11 @@ class KvReceiver:
             await _send_json(ep, {"ok": True}, reply=True)
             await self._receive_batches(ep, t)
             t.state = InboundState.COMPLETE
+            t.done.set()
             await _send_json(ep, {"ok": True, "received": len(t.received)}, reply=True)
+            # The sender closes first: closing here could cancel the final answer in flight,
+            # and prefill would report a complete transfer as failed.
+            await self._linger(ep)
         except Exception as err:
             if t.state == InboundState.RECEIVING:
                 t.state = InboundState.FAILED
@@ -296,9 +300,9 @@ class KvReceiver:
             t.done.set()
 
     async def _linger(self, ep: Any) -> None:
-        """Keep a failed endpoint open until the sender closes it (or a batch timeout), so the
-        sender reads the reason instead of a connection reset. Page bytes it still sends match no
-        posted receive and never reach a page."""
+        """Keep the endpoint open until the sender closes it (or a batch timeout), so the sender
+        reads decode's last answer (success, or the reason of a failure) instead of a connection
+        reset. Page bytes a failed sender still sends match no posted receive and reach no page."""
         with contextlib.suppress(Exception):
             await _within(
                 ep, [ep.recv(np.empty(1, np.uint8), tag=LINGER_TAG)], self.batch_timeout_s
