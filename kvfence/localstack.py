@@ -1,0 +1,196 @@
+"""A local kvfence stack as a subprocess: ``kvfence up`` on loopback, for tests, benchmarks and
+scripts that need the real thing (separate processes, real gRPC and UCX).
+
+``LocalStack`` starts ``python -m kvfence up`` on free ports with its own state directory, waits for
+``up.json``, and offers clients for tenants, the admin API and each node's Stats. ``stop()`` sends
+SIGTERM, waits, and kills whatever is left, the services included, so a failed run leaves no
+process behind. (``psutil`` comes with the ``test`` extra; it is imported only when a stack starts.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from kvfence.client import AdminClient, Client
+from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (public and admin listeners)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port >= 65535:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+class LocalStack:
+    """``kvfence up`` as a subprocess (see module docstring)."""
+
+    tls_ca: Path | None = None  # CA of the control plane's certificate, when it serves TLS
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        prefill: int = 1,
+        decode: int = 1,
+        config: dict[str, Any] | None = None,
+        args: list[str] | None = None,
+    ):
+        self.state_dir = state_dir
+        self.prefill = prefill
+        self.decode = decode
+        self.config = config or {}
+        self.args = args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.up: dict[str, Any] = {}
+        self.children: list[Any] = []  # psutil.Process of every service `up` started
+
+    def start(self, timeout: float = 180.0) -> LocalStack:
+        import psutil
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "kvfence", "up",
+            "--port", str(free_port_pair()),
+            "--state-dir", str(self.state_dir),
+            "--prefill", str(self.prefill),
+            "--decode", str(self.decode),
+            *self.args,
+        ]  # fmt: skip
+        if self.config:
+            base = self.state_dir / "base-config.yaml"
+            base.write_text(yaml.safe_dump(self.config))
+            cmd += ["--config", str(base)]
+        env = {**os.environ, "UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        self._log = (self.state_dir / "up.out").open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        up_json = self.state_dir / "up.json"
+        deadline = time.monotonic() + timeout
+        while not up_json.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvfence up failed:\n{self.output()}")
+            time.sleep(0.1)
+        self.up = json.loads(up_json.read_text())
+        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        return self
+
+    def output(self) -> str:
+        """The tail of ``up``'s output and of every service log."""
+        out = (self.state_dir / "up.out").read_text(errors="replace")[-4000:]
+        for log in sorted((self.state_dir / "logs").glob("*.log")):
+            out += f"\n--- {log.name}\n" + log.read_text(errors="replace")[-3000:]
+        return out
+
+    @property
+    def target(self) -> str:
+        return str(self.up["target"])
+
+    @property
+    def api_key(self) -> str:
+        """The demo tenant's key that ``kvfence up`` created."""
+        return str(self.up["api_keys"]["demo"])
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.up["admin_target"], self.up["admin_token"], tls_ca=self.tls_ca)
+
+    def client(self, api_key: str | None = None) -> Client:
+        return Client(self.target, api_key or self.api_key, tls_ca=self.tls_ca)
+
+    def create_tenant(self, name: str, **limits: Any) -> str:
+        with self.admin() as admin:
+            return str(admin.create_tenant(name, **limits).api_key)
+
+    def node_stats(self) -> dict[str, prefill_pb2.NodeStats]:
+        """Stats of every registered node, by node id."""
+        with self.admin() as admin:
+            nodes = admin.list_nodes().nodes
+        stats = {}
+        for node in nodes:
+            with grpc.insecure_channel(node.grpc_address) as ch:
+                stub: Any = (
+                    prefill_pb2_grpc.PrefillStub(ch)
+                    if node.role == "prefill"
+                    else decode_pb2_grpc.DecodeStub(ch)
+                )
+                stats[node.node_id] = stub.Stats(prefill_pb2.StatsRequest(), timeout=5)
+        return stats
+
+    def node_rpc_counts(self) -> dict[str, int]:
+        """Request-carrying RPCs each node has served, by node id."""
+        return {node_id: int(s.rpc_count) for node_id, s in self.node_stats().items()}
+
+    def wait_pools_free(self, timeout: float = 20.0) -> dict[str, prefill_pb2.NodeStats]:
+        """Poll until every node's pool is entirely free; returns the last stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.node_stats()
+            if all(s.free_pages == s.total_pages for s in stats.values()):
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def services(self) -> dict[str, Any]:
+        """The service processes (psutil) by role: ``control-plane``, ``prefill``, ``decode``."""
+        import psutil
+
+        out = {}
+        for p in self.children:
+            try:
+                cmd = p.cmdline()
+            except psutil.Error:
+                continue
+            if "serve" in cmd:
+                role = cmd[cmd.index("serve") + 1]
+                out[role if role not in out else f"{role}-{p.pid}"] = p
+        return out
+
+    def stop(self, timeout: float = 30.0) -> None:
+        import psutil
+
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for child in self.children:
+            try:
+                child.wait(timeout=10)
+            except psutil.TimeoutExpired:
+                child.kill()
+            except psutil.Error:
+                pass
+        self._log.close()
+        self.proc = None
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
