@@ -14,9 +14,8 @@ finish for ``grace`` seconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -24,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvfence.errors import KvfenceError, Unauthenticated
+from kvfence.errors import KvfenceError
 
 Registrar = Callable[[Any, grpc.aio.Server], None]
 
@@ -94,13 +93,6 @@ def bearer_token(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def require_bearer(context: grpc.aio.ServicerContext) -> str:
-    token = bearer_token(context)
-    if token is None:
-        raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
-    return token
-
-
 async def abort(context: grpc.aio.ServicerContext, err: KvfenceError) -> NoReturn:
     """End the RPC with ``err``'s status code, message and ErrorInfo."""
     await context.abort_with_status(err.to_status())  # type: ignore[attr-defined]
@@ -112,11 +104,3 @@ def install_shutdown_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-
-async def run_until_stopped(stop: asyncio.Event, *cleanups: Callable[[], Awaitable[None]]) -> None:
-    """Wait for ``stop``, then run each cleanup in order (each guarded so all of them run)."""
-    await stop.wait()
-    for cleanup in cleanups:
-        with contextlib.suppress(Exception):  # shutdown must go on
-            await cleanup()

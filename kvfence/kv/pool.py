@@ -123,16 +123,6 @@ class PagePool:
     ) -> int:
         return num_layers * 2 * page_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 
-    @classmethod
-    def from_budget(cls, memory_bytes: int, **shape: object) -> PagePool:
-        """A pool with as many pages as fit in ``memory_bytes``."""
-        dims = {k: shape[k] for k in ("num_layers", "page_size", "num_kv_heads", "head_dim")}
-        page_bytes = cls.page_bytes_for(dtype=str(shape.get("dtype", "float32")), **dims)  # type: ignore[arg-type]
-        pages = memory_bytes // page_bytes
-        if pages <= 0:
-            raise ValueError(f"memory budget {memory_bytes} B holds no page of {page_bytes} B")
-        return cls(pages, **shape)  # type: ignore[arg-type]
-
     # ---- sizes -------------------------------------------------------------------------------
     @property
     def page_bytes(self) -> int:
@@ -161,9 +151,6 @@ class PagePool:
             )
 
     # ---- allocation --------------------------------------------------------------------------
-    def can_allocate(self, n: int) -> bool:
-        return 0 < n <= len(self._free)
-
     def allocate(self, n: int, owner: str) -> list[PageRef] | None:
         """Take ``n`` pages for ``owner`` (state RESERVED); None when there is no room now."""
         if n <= 0 or n > self.num_pages:
