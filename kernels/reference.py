@@ -135,24 +135,25 @@ def write_kv_pages(
 # Words per chunk: big enough to amortise op dispatch and use both threads of torch's pool, small
 # enough that the int64 working buffer (1 MiB) stays in cache between the passes over it.
 _CHUNK_WORDS = 1 << 17
-_POS_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+_POSITION_MULT = _signed64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, odd
+_KEY_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _position_keys(words: int, device: torch.device) -> torch.Tensor:
-    """``i << 32`` for every word index of a page, cached per page size. (W,) int64."""
+    """``j * 0x9E3779B97F4A7C15 mod 2**64`` for every word index of a page, cached. (W,) int64."""
     key = (words, device)
-    if key not in _POS_CACHE:
-        _POS_CACHE[key] = torch.arange(words, dtype=torch.int64, device=device) << 32
-    return _POS_CACHE[key]
+    if key not in _KEY_CACHE:
+        _KEY_CACHE[key] = torch.arange(words, dtype=torch.int64, device=device) * _POSITION_MULT
+    return _KEY_CACHE[key]
 
 
 def page_words(kv_pages: torch.Tensor) -> torch.Tensor:
-    """The pool as 32-bit words, one row per page: (P, W) int32, a view of the pool's memory."""
+    """The pool as 64-bit words, one row per page: (P, W) int64, a view of the pool's memory."""
     _checks.check_pool(kv_pages)
     flat = kv_pages.view(kv_pages.shape[0], -1)  # (P, elements per page)
-    if flat.shape[1] * flat.element_size() % 4:
-        raise ValueError("a page must be a whole number of 32-bit words")
-    return flat.view(torch.int32)
+    if flat.shape[1] * flat.element_size() % 8:
+        raise ValueError("a page must be a whole number of 64-bit words")
+    return flat.view(torch.int64)
 
 
 def page_checksum(
@@ -165,9 +166,10 @@ def page_checksum(
     if seeds.shape != page_ids.shape:
         raise ValueError(f"seeds shape {tuple(seeds.shape)} differs from page_ids {page_ids.shape}")
     _checks.check_page_ids_in_range(page_ids, kv_pages.shape[0])
-    # The lo ^= hi step below reads an int64 as two int32 halves, low half first.
+    # Words are read little-endian and the x ^= x >>> 32 step reads an int64 as two int32 halves,
+    # low half first.
     assert sys.byteorder == "little", "the checksum reference assumes a little-endian host"
-    words = page_words(kv_pages)  # (P, W) int32
+    words = page_words(kv_pages)  # (P, W) int64
     num_words = words.shape[1]
     n = page_ids.shape[0]
     out = torch.zeros(n, dtype=torch.int64, device=kv_pages.device)
@@ -176,11 +178,12 @@ def page_checksum(
     mult = torch.tensor(
         [seed_multiplier(s) for s in seeds.tolist()], dtype=torch.int64, device=kv_pages.device
     )  # (N,)
-    pos = _position_keys(num_words, kv_pages.device)  # (W,)
+    keys = _position_keys(num_words, kv_pages.device)  # (W,)
     cols = min(num_words, _CHUNK_WORDS)
     rows = max(1, _CHUNK_WORDS // num_words)  # small pages: several per pass
     buf = torch.empty(rows, cols, dtype=torch.int64, device=kv_pages.device)
     id_list = page_ids.tolist()
+    # Four passes over the 1 MiB buffer (xor, multiply, fold, sum); the first reads the pool.
     for r0 in range(0, n, rows):
         ids = page_ids[r0 : r0 + rows]
         m = mult[r0 : r0 + rows, None]  # (R, 1)
@@ -189,8 +192,7 @@ def page_checksum(
             x = buf[: ids.shape[0], : c1 - c0]  # (R, C) int64
             # One big page at a time reads a view; several small ones need a gather.
             src = words[id_list[r0], None, c0:c1] if rows == 1 else words[ids, c0:c1]
-            x.copy_(src)  # sign-extends each word
-            x.bitwise_xor_(pos[c0:c1])  # word index into the high half
+            torch.bitwise_xor(src, keys[c0:c1], out=x)  # word ^ its position key
             x.mul_(m)  # wraps mod 2**64
             halves = x.view(torch.int32).unflatten(-1, (-1, 2))  # (R, C, 2): [lo, hi]
             halves[..., 0].bitwise_xor_(halves[..., 1])  # x ^= x >>> 32

@@ -277,7 +277,7 @@ def _fmix64(x):
 
 @triton.jit
 def _page_checksum_kernel(
-    words_ptr,  # (P, W) int32: the pool's raw bytes as 32-bit words, one row per page
+    words_ptr,  # (P, W) int64: the pool's raw bytes as 64-bit words, one row per page
     page_ids_ptr,  # (N,) int32/int64 pages to hash
     seeds_ptr,  # (N,) int64 one seed per page
     partial_ptr,  # (N, SPLITS) int64 out: wrapping sum of this split's terms
@@ -302,10 +302,9 @@ def _page_checksum_kernel(
     for w0 in range(start, stop, BLOCK):
         idx = w0 + tl.arange(0, BLOCK)
         m = idx < stop
-        word = tl.load(base + idx, mask=m, other=0)
-        # Sign-extend the word, put its index in the high half, multiply by the seed, fold.
-        x = word.to(tl.int64).to(tl.uint64, bitcast=True) ^ (idx.to(tl.uint64) << 32)
-        x = x * mult
+        word = tl.load(base + idx, mask=m, other=0).to(tl.uint64, bitcast=True)
+        # Xor the word with its position key, multiply by the seed's multiplier, fold.
+        x = (word ^ (idx.to(tl.uint64) * 0x9E3779B97F4A7C15)) * mult
         x = x ^ (x >> 32)
         acc += tl.where(m, x, 0)
     total = tl.sum(acc, axis=0)
@@ -325,7 +324,7 @@ def page_checksum(
     _checks.check_page_ids_in_range(page_ids, kv_pages.shape[0])
     from kernels.reference import page_words
 
-    words = page_words(kv_pages)  # (P, W) int32 view
+    words = page_words(kv_pages)  # (P, W) int64 view
     n, num_words = page_ids.shape[0], words.shape[1]
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=kv_pages.device)

@@ -19,18 +19,18 @@ U64 = (1 << 64) - 1
 def python_checksum(page: torch.Tensor, seed: int) -> int:
     """CHECKSUM_ALGO on one page with Python integers: the spec, written as plainly as possible."""
     raw = page.contiguous().view(torch.uint8).numpy().tobytes()
-    words = struct.unpack(f"<{len(raw) // 4}i", raw)
+    words = struct.unpack(f"<{len(raw) // 8}Q", raw)
     mult = reference.fmix64(seed) | 1
     total = 0
-    for i, w in enumerate(words):
-        x = (((w & U64) ^ (i << 32)) * mult) & U64
+    for j, u in enumerate(words):
+        x = ((u ^ ((j * 0x9E3779B97F4A7C15) & U64)) * mult) & U64
         total += x ^ (x >> 32)
     return total & U64
 
 
 def make_pages(dtype=torch.float32, num_pages=4, seed=0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(num_pages, 2, 2, 16, 2, 32, generator=gen).to(dtype)  # 4096 words fp32
+    return torch.randn(num_pages, 2, 2, 16, 2, 32, generator=gen).to(dtype)  # 16 KiB pages (fp32)
 
 
 def one(kv: torch.Tensor, page: int, seed: int) -> int:
@@ -58,7 +58,7 @@ def test_matches_the_python_spec_on_any_bits(words, seed):
 
 
 def test_many_small_pages_in_one_pass_match_one_at_a_time():
-    kv = make_pages(num_pages=40)  # 40 pages of 4096 words: several pages per chunk
+    kv = make_pages(num_pages=40)  # 40 pages of 2048 words: several pages per chunk
     ids = torch.randperm(40)
     seeds = torch.arange(40, dtype=torch.int64) * 1_000_003 - 7
     batched = kernels.page_checksum(kv, ids, seeds).tolist()
@@ -139,4 +139,22 @@ def test_checksum_seed_is_a_stable_signed_int64():
 
 
 def test_algo_name_is_versioned():
-    assert re.fullmatch(r"[a-z0-9-]+-v1", kernels.CHECKSUM_ALGO)
+    assert re.fullmatch(r"[a-z0-9-]+-v[0-9]+", kernels.CHECKSUM_ALGO)
+
+
+def test_swapping_the_32_bit_halves_of_a_64_bit_word_changes_it():
+    kv = make_pages()
+    before = one(kv, 2, 5)
+    words = kv.view(4, -1).view(torch.int32)
+    words[2, [8, 9]] = words[2, [9, 8]]  # one 64-bit word, its halves swapped
+    assert one(kv, 2, 5) != before
+    words[2, [8, 9]] = words[2, [9, 8]]  # control: swapping back restores it
+    assert one(kv, 2, 5) == before
+
+
+def test_a_page_that_is_not_whole_64_bit_words_is_refused():
+    odd = torch.zeros(2, 1, 2, 1, 1, 1, dtype=torch.float16)  # 4 bytes per page
+    with pytest.raises(ValueError, match="64-bit words"):
+        kernels.page_checksum(odd, torch.tensor([0]), torch.tensor([1]))
+    even = torch.zeros(2, 1, 2, 2, 1, 1, dtype=torch.float16)  # control: 8 bytes per page
+    assert kernels.page_checksum(even, torch.tensor([0]), torch.tensor([1])).shape == (1,)
