@@ -54,6 +54,83 @@ def paged_decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``kernels.paged_decode_attention`` (same contract)."""
     _checks.check_attention_args(q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens)
+    fast = _attention_all_pages_current(
+        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens, scale
+    )
+    if fast is not None:
+        return fast
+    return _attention_flagging(
+        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens, scale
+    )
+
+
+def _attention_all_pages_current(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The common case in few tensor ops: every page read is in the pool and current.
+
+    Returns None, having read no K/V, when any row needs the flagging path: a seq_len <= 0 or
+    beyond the table, a page id outside the pool, or a stale generation. On a CPU with a small
+    model the per-op dispatch cost, not arithmetic, is what the check costs, so the check here is
+    one gather, one compare and one reduction; the rest is the attention itself.
+    """
+    batch, num_heads, head_dim = q.shape
+    if batch == 0:
+        return None
+    num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    lo, hi = (int(x) for x in torch.aminmax(seq_lens))
+    n_read = (hi + page_size - 1) // page_size
+    if lo <= 0 or n_read > block_tables.shape[1]:
+        return None
+    table = block_tables[:, :n_read]
+    expected = expected_gen[:, :n_read]
+    seq = seq_lens.to(torch.int64)
+    if lo != hi:  # shorter rows: their table entries past their last page may hold any value
+        n_pages = (seq + page_size - 1) // page_size
+        read = torch.arange(n_read, device=q.device)[None, :] < n_pages[:, None]
+        table = torch.where(read, table, 0)
+        expected = torch.where(read, expected, page_gen[0])
+    table = table.to(torch.int64)
+    if int(table.min()) < 0 or int(table.max()) >= num_pages:
+        return None
+    if bool((page_gen[table] != expected).any()):
+        return None
+    group = num_heads // num_kv_heads
+    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view
+    k = layer_kv[table, 0].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
+    v = layer_kv[table, 1].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
+    valid = torch.arange(n_read * page_size, device=q.device)[None, :] < seq[:, None]  # (B, T)
+    keep = valid[:, :, None, None]
+    # Slots past seq_len hold whatever was there before (even NaN): zero them (see below).
+    k = torch.where(keep, k.float(), 0.0)
+    v = torch.where(keep, v.float(), 0.0)
+    qf = q.float().reshape(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,btkd->bkgt", qf, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # every row has >= 1 valid slot (lo >= 1)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, v)
+    flags = torch.zeros(batch, dtype=torch.bool, device=q.device)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype), flags
+
+
+def _attention_flagging(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any batch, with per-row flags: a flagged row reads no K/V and outputs zeros."""
     batch, num_heads, head_dim = q.shape
     num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
     max_pages = block_tables.shape[1]

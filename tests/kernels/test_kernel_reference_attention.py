@@ -97,3 +97,35 @@ def test_rejects_bad_arguments(make_pool, make_batch):
         reference.paged_decode_attention(batch.q.half(), *args[1:])
     with pytest.raises(ValueError, match="not a multiple"):
         reference.paged_decode_attention(batch.q[:, :3], *args[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_short_path_equals_the_flagging_path_bit_for_bit(make_pool, make_batch, dtype):
+    # The reference takes a few-op path when every page read is current and falls back to the
+    # per-row flagging path otherwise; on a clean batch both must give the same bits.
+    pool = make_pool(dtype=dtype)
+    batch = make_batch(pool, [1, 16, 17, 40])
+    batch.block_tables[0, 1:] = 10**6  # unread entries may hold anything
+    batch.expected_gen[1, 1:] = -5
+    args = batch.args(pool, layer=1)
+    short = reference._attention_all_pages_current(*args)
+    assert short is not None
+    full = reference._attention_flagging(*args)
+    assert torch.equal(short[0], full[0]) and torch.equal(short[1], full[1])
+    assert short[1].tolist() == [False] * 4
+
+
+def test_the_short_path_declines_every_case_that_needs_a_flag(make_pool, make_batch):
+    pool = make_pool()
+
+    def short(edit) -> object:
+        batch = make_batch(pool, [20, 33], max_pages=4)
+        edit(batch)
+        return reference._attention_all_pages_current(*batch.args(pool, layer=0))
+
+    assert short(lambda b: None) is not None  # control: a clean batch takes it
+    assert short(lambda b: b.expected_gen[1, 2].sub_(1)) is None  # stale page
+    assert short(lambda b: b.block_tables[0, 1].fill_(-1)) is None  # id below the pool
+    assert short(lambda b: b.block_tables[1, 0].fill_(pool.kv.shape[0])) is None  # above it
+    assert short(lambda b: b.seq_lens[0].fill_(0)) is None  # nothing to attend to
+    assert short(lambda b: b.seq_lens[1].fill_(65)) is None  # beyond the table
