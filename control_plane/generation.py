@@ -32,6 +32,35 @@ from kvfence.server import abort, bearer_token
 _DONE = object()
 
 
+def coalesce_tokens(
+    first: client_pb2.GenerateResponse, out: asyncio.Queue[object]
+) -> tuple[client_pb2.GenerateResponse, object | None]:
+    """``first`` with the token messages already waiting behind it appended, in order.
+
+    When the client reads slower than decode produces (many streams, one event loop), one write
+    per token is what limits throughput; merging what is already queued costs nothing when the
+    client keeps up (the queue is empty then). Returns the message to write and the next item
+    taken from the queue that could not be merged (a final message, an error, the end), or None.
+    """
+    if first.HasField("usage") or first.finish_reason:
+        return first, None
+    merged: client_pb2.GenerateResponse | None = None
+    while not out.empty():
+        nxt = out.get_nowait()
+        plain = isinstance(nxt, client_pb2.GenerateResponse) and not (
+            nxt.HasField("usage") or nxt.finish_reason
+        )
+        if not plain:
+            return merged or first, nxt
+        assert isinstance(nxt, client_pb2.GenerateResponse)
+        if merged is None:
+            merged = client_pb2.GenerateResponse()
+            merged.CopyFrom(first)
+        merged.token_ids.extend(nxt.token_ids)
+        merged.text += nxt.text
+    return merged or first, None
+
+
 def authenticate(context: grpc.aio.ServicerContext, tenants: TenantStore) -> Tenant:
     """The tenant of the call's API key; Unauthenticated when missing, unknown or revoked."""
     key = bearer_token(context)
@@ -84,11 +113,15 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
-            while (item := await out.get()) is not _DONE:
+            item = await out.get()
+            while item is not _DONE:
                 if isinstance(item, KvfenceError):
                     await abort(context, item)
                 assert isinstance(item, client_pb2.GenerateResponse)
-                await context.write(item)
+                merged, item = coalesce_tokens(item, out)
+                await context.write(merged)
+                if item is None:
+                    item = await out.get()
         except asyncio.CancelledError:
             if loop.time() >= deadline - 0.01:
                 run.interrupt(DeadlineExceeded("the client's deadline passed"))
