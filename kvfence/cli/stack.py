@@ -163,6 +163,12 @@ def _spawn(
     )
 
 
+def local_threads(n_nodes: int) -> int:
+    """Torch threads per node process when ``n_nodes`` share this machine's cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, n_nodes))
+
+
 def run_stack(
     cfg_path: Path, cfg: dict[str, Any], state_dir: Path, n_prefill: int, n_decode: int
 ) -> int:
@@ -173,6 +179,10 @@ def run_stack(
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self")}
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # Every node process would otherwise start one torch thread per core, and on one machine
+    # those threads spin against each other (and the control plane) for the same cores: share
+    # the cores out instead. An operator's own OMP_NUM_THREADS wins.
+    env.setdefault("OMP_NUM_THREADS", str(local_threads(n_prefill + n_decode)))
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     stopping = False
 
