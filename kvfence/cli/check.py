@@ -67,6 +67,7 @@ def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
         )
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
+    from kvfence.kv.pool import PagePool
 
     try:
         with AdminClient(target, admin_token) as admin:
@@ -77,8 +78,8 @@ def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
         _die(f"check-config: {target}: {err.code.name}: {err.message}")
     if not resp.pools:
         _die(f"check-config: no node is registered at {target}")
-    first = next(iter(nodes.values()))
-    page_size = first.pool_tokens // max(first.total_pages, 1)
+    layout = next(iter(nodes.values())).layout  # every registered node has the model's layout
+    page_size = layout.page_size
     fits = all(p.pool_tokens >= resp.context_window for p in resp.pools)
     return evaluate(
         source=target,
@@ -86,9 +87,15 @@ def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
         shape_source="registered nodes",
         context_window=resp.context_window,
         context_source="control plane",
-        dtype="as served",
+        dtype=layout.dtype,
         page_size=page_size,
-        page_bytes=0,  # not reported by nodes; pages and tokens are
+        page_bytes=PagePool.page_bytes_for(
+            num_layers=layout.num_layers,
+            page_size=layout.page_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype,
+        ),
         clamp_context=resp.ok and not fits,  # the cluster accepts small pools only when clamped
         pools=[PoolSample(Role(p.role), p.pool_tokens // page_size, p.node_id) for p in resp.pools],
     )

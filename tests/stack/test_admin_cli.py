@@ -95,6 +95,18 @@ def test_check_config_live_passes_on_a_sound_cluster(tmp_path):
     try:
         out = kvfence(sound, "check-config", "--json")
         assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout)["admissible_limit"] == 2048
+        live = json.loads(out.stdout)
+        assert live["admissible_limit"] == 2048
+        # The live report's page size, dtype and bytes come from the nodes' registered layout and
+        # must equal what the static check computes from the same config file.
+        static = subprocess.run(
+            [sys.executable, "-m", "kvfence", "check-config", "--static",
+             str(sound.state_dir / "up-config.yaml"), "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        want = json.loads(static.stdout)
+        assert want["page_bytes"] > 0
+        for key in ("page_size", "dtype", "page_bytes"):
+            assert live[key] == want[key], key
     finally:
         sound.stop()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfence.proto.kvfence.v1 import common_pb2 as kvfence_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfence/v1/control.proto\x12\nkvfence.v1\x1a\x17kvfence/v1/common.proto\"\xc6\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.kvfence.v1.KvLayout\x12\x13\n\x0bpool_tokens\x18\x07 \x01(\r\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\"S\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"h\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nfree_pages\x18\x02 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x03 \x01(\r\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"f\n\x0cTenantLimits\x12\x1f\n\x17max_concurrent_requests\x18\x01 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x02 \x01(\r\x12\x15\n\rscrub_on_free\x18\x03 \x01(\x08\"A\n\nApiKeyInfo\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\t\"f\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\x12$\n\x04keys\x18\x03 \x03(\x0b\x32\x16.kvfence.v1.ApiKeyInfo\"M\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"[\n\x14\x43reateTenantResponse\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvfence.v1.Tenant\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\x14\n\x12ListTenantsRequest\":\n\x13ListTenantsResponse\x12#\n\x07tenants\x18\x01 \x03(\x0b\x32\x12.kvfence.v1.Tenant\"\"\n\x10RevokeKeyRequest\x12\x0e\n\x06key_id\x18\x01 \x01(\t\"$\n\x11RevokeKeyResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\"J\n\x10SetLimitsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"\xdc\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nfree_pages\x18\x07 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x08 \x01(\r\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\n \x01(\x01\"\x12\n\x10ListNodesRequest\"j\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvfence.v1.NodeInfo\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\"\x14\n\x12ModelStatusRequest\"m\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x05 \x01(\r\"7\n\x15SetModelAccessRequest\x12\x0e\n\x06online\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xac\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cprefill_node\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x15\n\x13ListRequestsRequest\"A\n\x14ListRequestsResponse\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvfence.v1.RequestInfo\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x14\x41\x62ortRequestResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x14\n\x12\x43heckConfigRequest\"\\\n\tPoolCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x03 \x01(\r\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x8a\x01\n\x13\x43heckConfigResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\x12\x0f\n\x07\x63lamped\x18\x04 \x01(\x08\x12$\n\x05pools\x18\x05 \x03(\x0b\x32\x15.kvfence.v1.PoolCheck2\x9f\x01\n\x0cNodeRegistry\x12\x45\n\x08Register\x12\x1b.kvfence.v1.RegisterRequest\x1a\x1c.kvfence.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvfence.v1.HeartbeatRequest\x1a\x1d.kvfence.v1.HeartbeatResponse2\x8c\x06\n\x05\x41\x64min\x12Q\n\x0c\x43reateTenant\x12\x1f.kvfence.v1.CreateTenantRequest\x1a .kvfence.v1.CreateTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvfence.v1.ListTenantsRequest\x1a\x1f.kvfence.v1.ListTenantsResponse\x12H\n\tRevokeKey\x12\x1c.kvfence.v1.RevokeKeyRequest\x1a\x1d.kvfence.v1.RevokeKeyResponse\x12=\n\tSetLimits\x12\x1c.kvfence.v1.SetLimitsRequest\x1a\x12.kvfence.v1.Tenant\x12H\n\tListNodes\x12\x1c.kvfence.v1.ListNodesRequest\x1a\x1d.kvfence.v1.ListNodesResponse\x12I\n\x0eGetModelStatus\x12\x1e.kvfence.v1.ModelStatusRequest\x1a\x17.kvfence.v1.ModelStatus\x12L\n\x0eSetModelAccess\x12!.kvfence.v1.SetModelAccessRequest\x1a\x17.kvfence.v1.ModelStatus\x12Q\n\x0cListRequests\x12\x1f.kvfence.v1.ListRequestsRequest\x1a .kvfence.v1.ListRequestsResponse\x12Q\n\x0c\x41\x62ortRequest\x12\x1f.kvfence.v1.AbortRequestRequest\x1a .kvfence.v1.AbortRequestResponse\x12N\n\x0b\x43heckConfig\x12\x1e.kvfence.v1.CheckConfigRequest\x1a\x1f.kvfence.v1.CheckConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfence/v1/control.proto\x12\nkvfence.v1\x1a\x17kvfence/v1/common.proto\"\xc6\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.kvfence.v1.KvLayout\x12\x13\n\x0bpool_tokens\x18\x07 \x01(\r\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\"S\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"h\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nfree_pages\x18\x02 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x03 \x01(\r\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"f\n\x0cTenantLimits\x12\x1f\n\x17max_concurrent_requests\x18\x01 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x02 \x01(\r\x12\x15\n\rscrub_on_free\x18\x03 \x01(\x08\"A\n\nApiKeyInfo\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\t\"f\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\x12$\n\x04keys\x18\x03 \x03(\x0b\x32\x16.kvfence.v1.ApiKeyInfo\"M\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"[\n\x14\x43reateTenantResponse\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvfence.v1.Tenant\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\x14\n\x12ListTenantsRequest\":\n\x13ListTenantsResponse\x12#\n\x07tenants\x18\x01 \x03(\x0b\x32\x12.kvfence.v1.Tenant\"\"\n\x10RevokeKeyRequest\x12\x0e\n\x06key_id\x18\x01 \x01(\t\"$\n\x11RevokeKeyResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\"J\n\x10SetLimitsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"\x82\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nfree_pages\x18\x07 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x08 \x01(\r\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\n \x01(\x01\x12$\n\x06layout\x18\x0b \x01(\x0b\x32\x14.kvfence.v1.KvLayout\"\x12\n\x10ListNodesRequest\"j\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvfence.v1.NodeInfo\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\"\x14\n\x12ModelStatusRequest\"m\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x05 \x01(\r\"7\n\x15SetModelAccessRequest\x12\x0e\n\x06online\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xac\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cprefill_node\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x15\n\x13ListRequestsRequest\"A\n\x14ListRequestsResponse\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvfence.v1.RequestInfo\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x14\x41\x62ortRequestResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x14\n\x12\x43heckConfigRequest\"\\\n\tPoolCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x03 \x01(\r\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x8a\x01\n\x13\x43heckConfigResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\x12\x0f\n\x07\x63lamped\x18\x04 \x01(\x08\x12$\n\x05pools\x18\x05 \x03(\x0b\x32\x15.kvfence.v1.PoolCheck2\x9f\x01\n\x0cNodeRegistry\x12\x45\n\x08Register\x12\x1b.kvfence.v1.RegisterRequest\x1a\x1c.kvfence.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvfence.v1.HeartbeatRequest\x1a\x1d.kvfence.v1.HeartbeatResponse2\x8c\x06\n\x05\x41\x64min\x12Q\n\x0c\x43reateTenant\x12\x1f.kvfence.v1.CreateTenantRequest\x1a .kvfence.v1.CreateTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvfence.v1.ListTenantsRequest\x1a\x1f.kvfence.v1.ListTenantsResponse\x12H\n\tRevokeKey\x12\x1c.kvfence.v1.RevokeKeyRequest\x1a\x1d.kvfence.v1.RevokeKeyResponse\x12=\n\tSetLimits\x12\x1c.kvfence.v1.SetLimitsRequest\x1a\x12.kvfence.v1.Tenant\x12H\n\tListNodes\x12\x1c.kvfence.v1.ListNodesRequest\x1a\x1d.kvfence.v1.ListNodesResponse\x12I\n\x0eGetModelStatus\x12\x1e.kvfence.v1.ModelStatusRequest\x1a\x17.kvfence.v1.ModelStatus\x12L\n\x0eSetModelAccess\x12!.kvfence.v1.SetModelAccessRequest\x1a\x17.kvfence.v1.ModelStatus\x12Q\n\x0cListRequests\x12\x1f.kvfence.v1.ListRequestsRequest\x1a .kvfence.v1.ListRequestsResponse\x12Q\n\x0c\x41\x62ortRequest\x12\x1f.kvfence.v1.AbortRequestRequest\x1a .kvfence.v1.AbortRequestResponse\x12N\n\x0b\x43heckConfig\x12\x1e.kvfence.v1.CheckConfigRequest\x1a\x1f.kvfence.v1.CheckConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -61,35 +61,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETLIMITSREQUEST']._serialized_start=1096
   _globals['_SETLIMITSREQUEST']._serialized_end=1170
   _globals['_NODEINFO']._serialized_start=1173
-  _globals['_NODEINFO']._serialized_end=1393
-  _globals['_LISTNODESREQUEST']._serialized_start=1395
-  _globals['_LISTNODESREQUEST']._serialized_end=1413
-  _globals['_LISTNODESRESPONSE']._serialized_start=1415
-  _globals['_LISTNODESRESPONSE']._serialized_end=1521
-  _globals['_MODELSTATUSREQUEST']._serialized_start=1523
-  _globals['_MODELSTATUSREQUEST']._serialized_end=1543
-  _globals['_MODELSTATUS']._serialized_start=1545
-  _globals['_MODELSTATUS']._serialized_end=1654
-  _globals['_SETMODELACCESSREQUEST']._serialized_start=1656
-  _globals['_SETMODELACCESSREQUEST']._serialized_end=1711
-  _globals['_REQUESTINFO']._serialized_start=1714
-  _globals['_REQUESTINFO']._serialized_end=1886
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=1888
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=1909
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1911
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=1976
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=1978
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=2019
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=2021
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=2060
-  _globals['_CHECKCONFIGREQUEST']._serialized_start=2062
-  _globals['_CHECKCONFIGREQUEST']._serialized_end=2082
-  _globals['_POOLCHECK']._serialized_start=2084
-  _globals['_POOLCHECK']._serialized_end=2176
-  _globals['_CHECKCONFIGRESPONSE']._serialized_start=2179
-  _globals['_CHECKCONFIGRESPONSE']._serialized_end=2317
-  _globals['_NODEREGISTRY']._serialized_start=2320
-  _globals['_NODEREGISTRY']._serialized_end=2479
-  _globals['_ADMIN']._serialized_start=2482
-  _globals['_ADMIN']._serialized_end=3262
+  _globals['_NODEINFO']._serialized_end=1431
+  _globals['_LISTNODESREQUEST']._serialized_start=1433
+  _globals['_LISTNODESREQUEST']._serialized_end=1451
+  _globals['_LISTNODESRESPONSE']._serialized_start=1453
+  _globals['_LISTNODESRESPONSE']._serialized_end=1559
+  _globals['_MODELSTATUSREQUEST']._serialized_start=1561
+  _globals['_MODELSTATUSREQUEST']._serialized_end=1581
+  _globals['_MODELSTATUS']._serialized_start=1583
+  _globals['_MODELSTATUS']._serialized_end=1692
+  _globals['_SETMODELACCESSREQUEST']._serialized_start=1694
+  _globals['_SETMODELACCESSREQUEST']._serialized_end=1749
+  _globals['_REQUESTINFO']._serialized_start=1752
+  _globals['_REQUESTINFO']._serialized_end=1924
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=1926
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=1947
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1949
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2014
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=2016
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=2057
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=2059
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=2098
+  _globals['_CHECKCONFIGREQUEST']._serialized_start=2100
+  _globals['_CHECKCONFIGREQUEST']._serialized_end=2120
+  _globals['_POOLCHECK']._serialized_start=2122
+  _globals['_POOLCHECK']._serialized_end=2214
+  _globals['_CHECKCONFIGRESPONSE']._serialized_start=2217
+  _globals['_CHECKCONFIGRESPONSE']._serialized_end=2355
+  _globals['_NODEREGISTRY']._serialized_start=2358
+  _globals['_NODEREGISTRY']._serialized_end=2517
+  _globals['_ADMIN']._serialized_start=2520
+  _globals['_ADMIN']._serialized_end=3300
 # @@protoc_insertion_point(module_scope)

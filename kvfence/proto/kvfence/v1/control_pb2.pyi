@@ -134,7 +134,7 @@ class SetLimitsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., limits: _Optional[_Union[TenantLimits, _Mapping]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s")
+    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s", "layout")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class NodeInfo(_message.Message):
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -155,7 +156,8 @@ class NodeInfo(_message.Message):
     quarantined_pages: int
     healthy: bool
     last_heartbeat_age_s: float
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    layout: _common_pb2.KvLayout
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
