@@ -15,6 +15,12 @@ Isolation rules this module keeps:
   into another owner's page;
 * every page that decode attention reads is tag-checked *inside* ``kernels.paged_decode_attention``;
   a flagged row must never produce a token (the caller fails it with IntegrityError).
+
+With a small model a decode step is dominated by per-step host work, not arithmetic, so the hot path
+keeps it small: :class:`DecodeBatch` holds the block tables and expected generations as tensors that
+change only when a sequence joins or leaves the batch, the write slots and target-page checks are
+computed from them with a few tensor ops, and :meth:`Engine.prefill_many` prefills every admitted
+prompt in one forward pass.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from kvfence.errors import IntegrityError
 from kvfence.kv.pool import TORCH_DTYPES, PagePool, PageRef
 from kvfence.model.llama import Transformer, causal_attend
+from kvfence.model.sampling import SamplingParams, sample
 
 # Expected generation for block-table padding: no page ever has it, so a kernel that read past a
 # row's pages would flag the row instead of returning another owner's data.
@@ -80,46 +88,109 @@ class Engine:
         """Run the prompt, write every position's K/V (all layers) into ``pages``; return the last
         position's logits (vocab,) float32. Raises IntegrityError if a page is not at the generation
         in ``pages`` (nothing is written then)."""
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("empty prompt")
-        self._check_tokens(token_ids)
-        needed = -(-n // self.page_size)
-        if len(pages) < needed:
-            raise ValueError(f"{n} tokens need {needed} pages, got {len(pages)}")
-        used = pages[:needed]
-        ids = torch.tensor([p.page_id for p in used], device=self.device)
-        want = torch.tensor([p.generation for p in used], device=self.device)
-        if not torch.equal(self.pool.page_gen[ids], want):
-            raise IntegrityError(
-                "prefill target page is not at the generation this request holds",
-                reason="PAGE_GENERATION",
+        logits, errors = self.prefill_many([token_ids], [pages])
+        if errors[0] is not None:
+            raise errors[0]
+        return logits[0]
+
+    @torch.inference_mode()
+    def prefill_many(
+        self, prompts: Sequence[Sequence[int]], pages: Sequence[Sequence[PageRef]]
+    ) -> tuple[torch.Tensor, list[IntegrityError | None]]:
+        """:meth:`prefill` for several prompts in one forward pass.
+
+        Returns (logits (N, vocab) float32, one row per prompt, and errors): ``errors[i]`` is an
+        IntegrityError when a page of prompt ``i`` is not at the generation in ``pages[i]``; that
+        prompt is left out of the pass (nothing is written for it) and its logits row is
+        meaningless. Raises ValueError (before anything runs) for an empty prompt, a token outside
+        the vocabulary or too few pages.
+
+        Tokens are laid out flat; attention stays causal *within* each prompt (SDPA per group of
+        equal-length prompts, the same call a single prefill makes), so a prompt never attends to
+        another one's tokens.
+        """
+        if len(prompts) != len(pages):
+            raise ValueError("one page list per prompt")
+        ps, dev = self.page_size, self.device
+        used: list[list[PageRef]] = []
+        for toks, refs in zip(prompts, pages, strict=True):
+            n = len(toks)
+            if n == 0:
+                raise ValueError("empty prompt")
+            self._check_tokens(toks)
+            needed = -(-n // ps)
+            if len(refs) < needed:
+                raise ValueError(f"{n} tokens need {needed} pages, got {len(refs)}")
+            used.append(list(refs[:needed]))
+        flat = [r for refs in used for r in refs]
+        ids = torch.tensor([r.page_id for r in flat], device=dev)
+        want = torch.tensor([r.generation for r in flat], device=dev)
+        current = (self.pool.page_gen[ids] == want).tolist()
+        errors: list[IntegrityError | None] = []
+        k = 0
+        for refs in used:
+            ok = all(current[k : k + len(refs)])
+            k += len(refs)
+            errors.append(
+                None
+                if ok
+                else IntegrityError(
+                    "prefill target page is not at the generation this request holds",
+                    reason="PAGE_GENERATION",
+                )
             )
-        pos = torch.arange(n, device=self.device)
-        slots = ids[pos // self.page_size] * self.page_size + pos % self.page_size  # (T,)
-        causal = causal_attend(self.scale)
+        logits = torch.zeros(
+            (len(prompts), self.vocab_size), dtype=torch.float32, device=dev
+        )  # rows of failed prompts stay zero
+        # Run the good prompts grouped by length (stable), so each group of equal-length prompts
+        # is one contiguous (n, T) block of the flat layout.
+        run = sorted((i for i, e in enumerate(errors) if e is None), key=lambda i: len(prompts[i]))
+        if not run:
+            return logits, errors
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        groups: list[tuple[int, int, int]] = []  # (start token, prompts, length)
+        for i in run:
+            toks, n = prompts[i], len(prompts[i])
+            if groups and groups[-1][2] == n:
+                start, count, _ = groups[-1]
+                groups[-1] = (start, count + 1, n)
+            else:
+                groups.append((len(tokens), 1, n))
+            tokens.extend(toks)
+            positions.extend(range(n))
+            refs = used[i]
+            slots.extend(refs[p // ps].page_id * ps + p % ps for p in range(n))
+            last.append(len(tokens) - 1)
+        tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)  # (T,) every token, own pages
+        scale = self.scale
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kernels.write_kv_pages(k, v, self.pool.kv, layer, slots)
-            return causal(layer, q, k, v)
+            kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_t)
+            return _grouped_causal(q, k, v, groups, scale)
 
-        tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        hidden = self.model(tokens, pos, attend)  # (T, D)
-        return self.model.logits(hidden[-1:])[0]
+        hidden = self.model(tok_t, pos_t, attend)  # (T, D)
+        out = self.model.logits(hidden[torch.tensor(last, device=dev)])  # (len(run), vocab)
+        logits[torch.tensor(run, device=dev)] = out
+        return logits, errors
 
     @torch.inference_mode()
     def decode_step(self, batch: Sequence[DecodeItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for each item: (logits (B, vocab) float32, error_flags (B,) bool).
 
-        A flagged row's logits are meaningless; the caller must fail that sequence."""
+        A flagged row's logits are meaningless; the caller must fail that sequence. (A loop that
+        decodes the same sequences step after step should use :class:`DecodeBatch`, which keeps
+        the block tables between steps.)"""
         if not batch:
             raise ValueError("empty decode batch")
-        self._check_tokens([it.token_id for it in batch])
         ps, dev = self.page_size, self.device
         max_pages = max(len(it.pages) for it in batch)
         table = [[0] * max_pages for _ in batch]
         gens = [[_PAD_GEN] * max_pages for _ in batch]
-        target_page, target_gen, slot = [], [], []
         for i, it in enumerate(batch):
             if not 0 <= it.position < len(it.pages) * ps:
                 raise ValueError(
@@ -127,20 +198,35 @@ class Engine:
                 )
             for j, ref in enumerate(it.pages):
                 table[i][j], gens[i][j] = ref.page_id, ref.generation
-            ref = it.pages[it.position // ps]
-            target_page.append(ref.page_id)
-            target_gen.append(ref.generation)
-            slot.append(ref.page_id * ps + it.position % ps)
-        # Host lists go to the device in one transfer each; nothing below synchronises.
         block_tables = torch.tensor(table, dtype=torch.int32, device=dev)  # (B, P)
         expected_gen = torch.tensor(gens, dtype=torch.int64, device=dev)  # (B, P)
-        positions = torch.tensor([it.position for it in batch], dtype=torch.long, device=dev)
-        seq_lens = (positions + 1).to(torch.int32)  # (B,) tokens incl. the current one
-        tokens = torch.tensor([it.token_id for it in batch], dtype=torch.long, device=dev)
-        page_ok = self.pool.page_gen[torch.tensor(target_page, device=dev)] == torch.tensor(
-            target_gen, device=dev
+        return self.decode_rows(
+            [it.token_id for it in batch], [it.position for it in batch], block_tables, expected_gen
         )
-        slot_mapping = torch.where(page_ok, torch.tensor(slot, device=dev), -1)  # (B,) int64
+
+    @torch.inference_mode()
+    def decode_rows(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        block_tables: torch.Tensor,
+        expected_gen: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode_step` on prepared inputs: row ``i`` feeds ``token_ids[i]`` at
+        ``positions[i]`` (which the caller has checked lies inside the row's pages) with block
+        table ``block_tables[i]`` (int32 (B, P)) and generations ``expected_gen[i]`` (int64 (B,
+        P), padding entries ``_PAD_GEN``)."""
+        self._check_tokens(token_ids)
+        ps, dev = self.page_size, self.device
+        # Host lists go to the device in one transfer; nothing below synchronises.
+        inputs = torch.tensor([token_ids, positions], dtype=torch.long, device=dev)  # (2, B)
+        tokens, pos = inputs[0], inputs[1]
+        seq_lens = (pos + 1).to(torch.int32)  # (B,) tokens incl. the current one
+        col = (pos // ps).unsqueeze(1)  # (B, 1) the table entry of the page the token goes to
+        target = block_tables.gather(1, col).squeeze(1).long()  # (B,)
+        page_ok = self.pool.page_gen[target] == expected_gen.gather(1, col).squeeze(1)
+        # A stale target page is never written (slot -1) and the row is flagged.
+        slot_mapping = torch.where(page_ok, target * ps + pos % ps, -1)  # (B,) int64
         flags = ~page_ok
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -153,5 +239,134 @@ class Engine:
             flags = flags | bad
             return out
 
-        hidden = self.model(tokens, positions, attend)  # (B, D)
+        hidden = self.model(tokens, pos, attend)  # (B, D)
         return self.model.logits(hidden), flags
+
+
+def _grouped_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: Sequence[tuple[int, int, int]],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each prompt of a flat layout: ``groups`` lists (start, count,
+    length) blocks of ``count`` consecutive prompts of ``length`` tokens each. One SDPA call per
+    block, laid out as :func:`causal_attend` lays out a single prompt (bit-identical results)."""
+    if len(groups) == 1 and groups[0][1] == 1:
+        return causal_attend(scale)(0, q, k, v)
+    _, heads, hd = q.shape
+    rep = heads // k.shape[1]
+    if rep > 1:  # KV heads repeated for GQA, as the reference SDPA path does
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    outs = []
+    for start, count, length in groups:
+        end = start + count * length
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            return x[start:end].view(count, length, heads, hd).transpose(1, 2)  # noqa: B023
+
+        out = F.scaled_dot_product_attention(
+            block(q), block(k), block(v), is_causal=True, scale=scale
+        )  # (count, H, length, hd)
+        outs.append(out.transpose(1, 2).reshape(count * length, heads, hd))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class DecodeBatch:
+    """The decode inputs of a set of sequences that changes a little between steps.
+
+    A row is identified by its page list *object* (a sequence's block table, which must not change
+    while the row is in the batch): :meth:`sync` keeps the rows whose list is still there, in order,
+    and appends the new ones, so the block-table and generation tensors are touched only when the
+    set changes. Padding entries carry a generation no page ever has.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._rows: list[Sequence[PageRef]] = []
+        self._limits: list[int] = []  # row i's positions must stay below this
+        dev = engine.device
+        self.block_tables = torch.zeros((0, 1), dtype=torch.int32, device=dev)
+        self.expected_gen = torch.full((0, 1), _PAD_GEN, dtype=torch.int64, device=dev)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def sync(self, rows: Sequence[Sequence[PageRef]]) -> None:
+        """Make the batch's rows ``rows`` (page lists, in order)."""
+        old = self._rows
+        if len(old) == len(rows) and all(a is b for a, b in zip(old, rows, strict=True)):
+            return
+        where = {id(r): i for i, r in enumerate(old)}
+        kept = [where[id(r)] for r in rows if id(r) in where]
+        n = len(kept)
+        if kept != sorted(kept) or any(id(r) not in where for r in rows[:n]):
+            kept, n = [], 0  # not "old rows in order, then new ones": rebuild
+        if kept != list(range(len(old))):
+            idx = torch.tensor(kept, dtype=torch.long, device=self.engine.device)
+            self.block_tables = self.block_tables.index_select(0, idx)
+            self.expected_gen = self.expected_gen.index_select(0, idx)
+        new = rows[n:]
+        if new:
+            width = max(self.block_tables.shape[1], *(len(r) for r in new))
+            table = [[r.page_id for r in refs] + [0] * (width - len(refs)) for refs in new]
+            gens = [[r.generation for r in refs] + [_PAD_GEN] * (width - len(refs)) for refs in new]
+            dev = self.engine.device
+            tables = [
+                self._widen(self.block_tables, width, 0),
+                torch.tensor(table, dtype=torch.int32, device=dev),
+            ]
+            gen_t = [
+                self._widen(self.expected_gen, width, _PAD_GEN),
+                torch.tensor(gens, dtype=torch.int64, device=dev),
+            ]
+            self.block_tables = torch.cat(tables)
+            self.expected_gen = torch.cat(gen_t)
+        ps = self.engine.page_size
+        self._rows = list(rows)
+        self._limits = [self._limits[i] for i in kept] + [len(r) * ps for r in new]
+
+    @staticmethod
+    def _widen(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+        if t.shape[1] >= width:
+            return t
+        pad = torch.full((t.shape[0], width - t.shape[1]), fill, dtype=t.dtype, device=t.device)
+        return torch.cat([t, pad], dim=1)
+
+    def step(
+        self, token_ids: Sequence[int], positions: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Engine.decode_step` for the current rows: (logits (B, vocab), flags (B,))."""
+        if not self._rows:
+            raise ValueError("empty decode batch")
+        if len(token_ids) != len(self._rows) or len(positions) != len(self._rows):
+            raise ValueError("one token and one position per row")
+        for i, (p, limit) in enumerate(zip(positions, self._limits, strict=True)):
+            if not 0 <= p < limit:
+                raise ValueError(
+                    f"batch item {i}: position {p} is outside its {len(self._rows[i])} pages"
+                )
+        return self.engine.decode_rows(token_ids, positions, self.block_tables, self.expected_gen)
+
+    def step_and_sample(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        params: Sequence[SamplingParams],
+        draws: Sequence[int],
+    ) -> list[int | None]:
+        """One decode step and one sampled token per row (``draws[i]`` is row i's draw index);
+        None for a row whose tag check failed: it produced no token and must be failed."""
+        logits, flags = self.step(token_ids, positions)
+        bad = flags.tolist()
+        if not any(bad):
+            return list(sample(logits, params, draws))
+        good = [i for i, b in enumerate(bad) if not b]
+        out: list[int | None] = [None] * len(bad)
+        if good:
+            picked = sample(logits[good], [params[i] for i in good], [draws[i] for i in good])
+            for i, tok in zip(good, picked, strict=True):
+                out[i] = tok
+        return out

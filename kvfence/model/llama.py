@@ -116,6 +116,10 @@ class ModelArgs:
         )
 
 
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -124,10 +128,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the weight dtype, as the reference implementation does.
+        # (The casts are skipped, not changed, when x already is float32: same arithmetic.)
         dtype = x.dtype
-        h = x.float()
+        h = x if dtype == torch.float32 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * (h if dtype == torch.float32 else h.to(dtype))
 
 
 class Attention(nn.Module):
@@ -150,13 +155,15 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
+        # Linear layers are called through F.linear, not Module.__call__: with a small model the
+        # per-call hook bookkeeping costs as much as the matmul. Same ops, same arithmetic.
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, H, hd)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, hd)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, hd)
+        q = _linear(self.q_proj, x).view(t, self.num_heads, self.head_dim)  # (T, H, hd)
+        k = _linear(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, hd)
+        v = _linear(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(self.layer, q, k, v)  # (T, H, hd)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return _linear(self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -170,7 +177,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = _linear(self.gate_proj, x), _linear(self.up_proj, x)
+        return _linear(self.down_proj, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -184,8 +192,9 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Submodules' forward called directly (no hooks are ever registered on them).
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, attend)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class Decoder(nn.Module):
@@ -225,15 +234,16 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
         """Hidden states (T, D) after the final norm for ``tokens`` (T,) at ``positions`` (T,)."""
-        x = self.model.embed_tokens(tokens)  # (T, D)
+        x = F.embedding(tokens, self.model.embed_tokens.weight)  # (T, D)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)  # (T, hd)
         for block in self.model.layers:
-            x = block(x, cos, sin, attend)
-        return self.model.norm(x)
+            x = block.forward(x, cos, sin, attend)
+        return self.model.norm.forward(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(T, D) -> (T, vocab) float32: sampling always runs in float32."""
-        return self.lm_head(hidden).float()
+        out = _linear(self.lm_head, hidden)
+        return out if out.dtype == torch.float32 else out.float()
 
 
 def causal_attend(scale: float) -> AttendFn:

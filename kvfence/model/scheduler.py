@@ -31,7 +31,7 @@ from enum import IntEnum
 
 from kvfence.errors import IntegrityError
 from kvfence.kv.pool import PageRef
-from kvfence.model.engine import DecodeItem, Engine
+from kvfence.model.engine import DecodeBatch, Engine
 from kvfence.model.sampling import SamplingParams, find_stop, sample, stream_safe_len
 from kvfence.tokenizer import Tokenizer
 
@@ -103,16 +103,27 @@ class Scheduler:
         *,
         eos_token_ids: abc.Sequence[int] = (),
         max_batch_size: int = 64,
+        max_prefill_tokens: int = 4096,
+        stream_text: bool = True,
         on_output: abc.Callable[[StepOutput], None] | None = None,
     ):
+        """``max_prefill_tokens`` bounds the prompt tokens prefilled in one forward pass (a longer
+        prompt runs alone). With ``stream_text=False`` running outputs carry no ``text_delta`` and
+        the text is rendered only where it is needed (stop strings, the final output), not at
+        every step; ids and final outputs are the same."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
         self.engine = engine
         self.pool = engine.pool
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.stream_text = stream_text
         self.on_output = on_output
+        self._batch = DecodeBatch(engine)  # block tables of the running sequences, kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._inbox: deque[Sequence | str] = deque()  # new sequences, or seq ids to abort
@@ -212,52 +223,72 @@ class Scheduler:
 
     def _admit(self, touched: dict[str, Sequence]) -> None:
         # FIFO without overtaking: a big request at the head is not starved by small ones.
+        admitted: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if seq.owns_pages:
                 need = -(-(seq.prompt_len + seq.sampling.max_new_tokens) // self.pool.page_size)
                 pages = self.pool.allocate(need, seq.seq_id)
                 if pages is None:
-                    return
+                    break
                 seq.pages = pages
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if seq.owns_pages:
-                try:
-                    logits = self.engine.prefill(seq.prompt_ids, seq.pages)
-                except IntegrityError as err:
-                    self._end(seq, SequenceStatus.FAILED, touched, error=err)
-                    continue
-                seq.output_ids.append(sample(logits[None], [seq.sampling], [0])[0])
-            self._after_token(seq, touched)
+            admitted.append(seq)
+        self._prefill([s for s in admitted if s.owns_pages], touched)
+        for seq in admitted:
+            if seq.status == SequenceStatus.RUNNING:
+                self._after_token(seq, touched)
+
+    def _prefill(self, seqs: list[Sequence], touched: dict[str, Sequence]) -> None:
+        """Prefill ``seqs`` in as few forward passes as the token budget allows; sample draw 0."""
+        chunk: list[Sequence] = []
+        tokens = 0
+        for seq in [*seqs, None]:
+            if chunk and (seq is None or tokens + seq.prompt_len > self.max_prefill_tokens):
+                logits, errors = self.engine.prefill_many(
+                    [s.prompt_ids for s in chunk], [s.pages for s in chunk]
+                )
+                firsts = sample(logits, [s.sampling for s in chunk], [0] * len(chunk))
+                for s, err, tok in zip(chunk, errors, firsts, strict=True):
+                    if err is not None:
+                        self._end(s, SequenceStatus.FAILED, touched, error=err)
+                    else:
+                        s.output_ids.append(tok)
+                chunk, tokens = [], 0
+            if seq is not None:
+                chunk.append(seq)
+                tokens += seq.prompt_len
 
     def _decode(self, batch: list[Sequence], touched: dict[str, Sequence]) -> None:
-        items = [DecodeItem(s.output_ids[-1], s.last_position, s.pages) for s in batch]
-        logits, flags = self.engine.decode_step(items)
-        bad = flags.tolist()
-        good = [i for i, b in enumerate(bad) if not b]
-        tokens = sample(
-            logits[good],
-            [batch[i].sampling for i in good],
-            [len(batch[i].output_ids) for i in good],
+        self._batch.sync([s.pages for s in batch])
+        tokens = self._batch.step_and_sample(
+            [s.output_ids[-1] for s in batch],
+            [s.prompt_len + len(s.output_ids) - 1 for s in batch],  # s.last_position
+            [s.sampling for s in batch],
+            [len(s.output_ids) for s in batch],
         )
-        for i, tok in zip(good, tokens, strict=True):
-            batch[i].output_ids.append(tok)
-            self._after_token(batch[i], touched)
-        for i in (i for i, b in enumerate(bad) if b):
+        for seq, tok in zip(batch, tokens, strict=True):
+            if tok is not None:
+                seq.output_ids.append(tok)
+                self._after_token(seq, touched)
+                continue
             err = IntegrityError(
-                f"sequence {batch[i].seq_id}: a KV page changed owner (generation tag mismatch)",
+                f"sequence {seq.seq_id}: a KV page changed owner (generation tag mismatch)",
                 reason="PAGE_GENERATION",
             )
-            self._end(batch[i], SequenceStatus.FAILED, touched, error=err)
+            self._end(seq, SequenceStatus.FAILED, touched, error=err)
 
     def _after_token(self, seq: Sequence, touched: dict[str, Sequence]) -> None:
         tok, params = seq.output_ids[-1], seq.sampling
         ids = seq.output_ids
         eos = tok in self.eos and not params.ignore_eos
-        seq.text = self.tokenizer.decode(ids[:-1] if eos else ids)
-        cut = find_stop(seq.text, params.stop)
+        # The text is rendered when something reads it: the stream, a stop string, the end.
+        render = self.stream_text or params.stop or eos or len(ids) >= params.max_new_tokens
+        if render:
+            seq.text = self.tokenizer.decode(ids[:-1] if eos else ids)
+        cut = find_stop(seq.text, params.stop) if params.stop else None
         if eos:
             seq.finish_reason = FinishReason.EOS
         elif cut is not None:
@@ -285,7 +316,10 @@ class Scheduler:
     def _report(self, seq: Sequence) -> StepOutput:
         """Everything about ``seq`` not yet reported; a final output if it ended."""
         if seq.status == SequenceStatus.RUNNING:
-            safe = max(stream_safe_len(seq.text, seq.sampling.stop), seq.emitted_chars)
+            if self.stream_text:
+                safe = max(stream_safe_len(seq.text, seq.sampling.stop), seq.emitted_chars)
+            else:
+                safe = seq.emitted_chars
         else:
             safe = len(seq.text)
         ok = seq.status in (SequenceStatus.RUNNING, SequenceStatus.FINISHED)
