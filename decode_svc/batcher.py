@@ -21,8 +21,8 @@ from typing import Any
 from kvfence import logging as kvlog
 from kvfence.errors import IntegrityError, KvfenceError
 from kvfence.kv.pool import PagePool, PageRef
-from kvfence.model.engine import DecodeItem
-from kvfence.model.sampling import SamplingParams, find_stop, sample
+from kvfence.model.engine import DecodeBatch
+from kvfence.model.sampling import SamplingParams, find_stop
 
 log = kvlog.get_logger("decode.batcher")
 
@@ -66,6 +66,7 @@ class DecodeBatcher:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self.steps = 0
+        self._rows = DecodeBatch(engine)
 
     def start(self) -> None:
         self._thread.start()
@@ -144,12 +145,17 @@ class DecodeBatcher:
         return seq.prompt_len + len(seq.generated) - 1
 
     def _step(self, batch: list[ActiveSeq]) -> None:
-        items = [DecodeItem(s.generated[-1], self._position(s), s.pages) for s in batch]
-        logits, flags = self.engine.decode_step(items)
+        # The block tables stay in the DecodeBatch between steps; only joins and leaves touch them.
+        self._rows.sync([s.pages for s in batch])
+        tokens = self._rows.step_and_sample(
+            [s.generated[-1] for s in batch],
+            [self._position(s) for s in batch],
+            [s.params for s in batch],
+            [len(s.generated) for s in batch],
+        )
         self.steps += 1
-        ok = []
-        for i, seq in enumerate(batch):
-            if bool(flags[i]):
+        for seq, token in zip(batch, tokens, strict=True):
+            if token is None:  # a tag check failed: this row produced no token
                 self._finish(
                     seq,
                     (
@@ -159,15 +165,9 @@ class DecodeBatcher:
                         ),
                     ),
                 )
-            else:
-                ok.append(i)
-        if not ok:
-            return
-        picked = sample(
-            logits[ok], [batch[i].params for i in ok], [len(batch[i].generated) for i in ok]
-        )
-        for i, token in zip(ok, picked, strict=True):
-            seq = batch[i]
+        for seq, token in zip(batch, tokens, strict=True):
+            if token is None:
+                continue
             with self._lock:
                 still = seq.seq_id in self._active
             if still:
