@@ -89,7 +89,6 @@ class ColocatedEngine:
             self.tokenizer,
             eos_token_ids=self.loaded.eos_token_ids,
             max_batch_size=self.max_batch_size,
-            stream_text=False,  # only final outputs are read here
         )
         for i, req in enumerate(requests):
             sched.add(str(i), req.prompt_ids, req.sampling)

@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfence.config import ModelShape
-from kvfence.model.rope import RopeSpec, apply_rope, inv_freq_and_scale, rope_cos_sin
+from kvfence.model.rope import (
+    RopeSpec,
+    apply_rope_factors,
+    inv_freq_and_scale,
+    rope_cos_sin,
+    rope_factors,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -161,7 +167,8 @@ class Attention(nn.Module):
         q = _linear(self.q_proj, x).view(t, self.num_heads, self.head_dim)  # (T, H, hd)
         k = _linear(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, hd)
         v = _linear(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # cos, sin: (T, 1, hd) factors from rope_factors, shared by every layer
+        q, k = apply_rope_factors(q, cos, sin), apply_rope_factors(k, cos, sin)
         out = attend(self.layer, q, k, v)  # (T, H, hd)
         return _linear(self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
 
@@ -236,6 +243,7 @@ class Transformer(nn.Module):
         """Hidden states (T, D) after the final norm for ``tokens`` (T,) at ``positions`` (T,)."""
         x = F.embedding(tokens, self.model.embed_tokens.weight)  # (T, D)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)  # (T, hd)
+        cos, sin = rope_factors(cos, sin)  # (T, 1, hd), computed once for every layer
         for block in self.model.layers:
             x = block.forward(x, cos, sin, attend)
         return self.model.norm.forward(x)

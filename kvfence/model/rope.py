@@ -127,3 +127,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin), both (T, 1, hd), for :func:`apply_rope_factors`: the sign of
+    rotate_half's negated half moves onto sin (``(-a) * b == a * (-b)`` exactly in IEEE)."""
+    half = cos.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos[:, None, :], signed[:, None, :]
+
+
+def apply_rope_factors(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """:func:`apply_rope` with factors from :func:`rope_factors`: bit-identical, fewer ops
+    (rolling by half a head swaps the halves as rotate_half does, without its negation)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

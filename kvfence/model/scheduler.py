@@ -78,8 +78,9 @@ class Sequence:
 class StepOutput:
     """What changed for one sequence in one step.
 
-    ``text_delta`` is text safe to stream now; on the final output ``text`` is the whole generated
-    text (cut before a stop string, EOS not rendered) and ``token_ids`` every generated id.
+    ``text_delta`` is text safe to stream now (always empty before the final output unless the
+    scheduler streams text); on the final output ``text`` is the whole generated text (cut before
+    a stop string, EOS not rendered) and ``token_ids`` every generated id.
     """
 
     seq_id: str
@@ -104,13 +105,14 @@ class Scheduler:
         eos_token_ids: abc.Sequence[int] = (),
         max_batch_size: int = 64,
         max_prefill_tokens: int = 4096,
-        stream_text: bool = True,
+        stream_text: bool = False,
         on_output: abc.Callable[[StepOutput], None] | None = None,
     ):
         """``max_prefill_tokens`` bounds the prompt tokens prefilled in one forward pass (a longer
-        prompt runs alone). With ``stream_text=False`` running outputs carry no ``text_delta`` and
-        the text is rendered only where it is needed (stop strings, the final output), not at
-        every step; ids and final outputs are the same."""
+        prompt runs alone). ``stream_text=True`` renders each sequence's text at every step and
+        streams it in ``text_delta``; by default (like the decode node, which streams ids) the text
+        is rendered only where it is read: stop strings and the final output, whose ids and text
+        are the same either way."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_prefill_tokens < 1:

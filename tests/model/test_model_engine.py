@@ -10,8 +10,9 @@ import torch
 
 from kvfence.errors import IntegrityError
 from kvfence.kv.pool import PageRef
-from kvfence.model.engine import DecodeItem, Engine
+from kvfence.model.engine import DecodeBatch, DecodeItem, Engine
 from kvfence.model.llama import causal_attend
+from kvfence.model.rope import apply_rope, apply_rope_factors, rope_factors
 
 PROMPT_A = [10, 11, 12, 13, 14, 15]
 PROMPT_B = [20, 21, 22, 23, 24]
@@ -135,3 +136,82 @@ def _f32_pool(loaded: Any) -> Any:
     return PagePool(
         4, num_layers=s.num_layers, page_size=4, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim
     )
+
+
+def test_prefill_many_equals_one_prefill_per_prompt(
+    tiny_loaded: Any, make_pool: Callable[..., Any]
+) -> None:
+    """One pass over prompts of mixed (and repeated) lengths writes the same K/V and gives the same
+    last-position logits as separate prefills; a prompt whose page is stale is left out.
+
+    Same up to float rounding, not bit for bit: a CPU BLAS may round a GEMM row differently for a
+    different number of rows (decode batches of different sizes have the same property); the
+    attention itself is the per-prompt SDPA call."""
+    prompts = [PROMPT_A, PROMPT_B, list(range(40, 57)), [7], list(range(60, 66)), PROMPT_B]
+    one = Engine(tiny_loaded.model, make_pool(tiny_loaded, num_pages=32, page_size=4))
+    many = Engine(tiny_loaded.model, make_pool(tiny_loaded, num_pages=32, page_size=4))
+    pages_one = [list(one.pool.allocate(5, str(i)) or []) for i in range(len(prompts))]
+    pages_many = [list(many.pool.allocate(5, str(i)) or []) for i in range(len(prompts))]
+    expected = torch.stack([one.prefill(p, r) for p, r in zip(prompts, pages_one, strict=True)])
+    stale = list(pages_many)
+    stale[2] = [PageRef(r.page_id, r.generation + 1) for r in pages_many[2]]
+    logits, errors = many.prefill_many(prompts, stale)
+    assert [e is not None for e in errors] == [False, False, True, False, False, False]
+    assert errors[2] is not None and errors[2].reason == "PAGE_GENERATION"
+    keep = [0, 1, 3, 4, 5]
+    torch.testing.assert_close(logits[keep], expected[keep], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits[keep].argmax(-1), expected[keep].argmax(-1))
+    for i in keep:
+        ids_one = [r.page_id for r in pages_one[i]]
+        ids_many = [r.page_id for r in pages_many[i]]
+        torch.testing.assert_close(
+            many.pool.kv[ids_many], one.pool.kv[ids_one], rtol=1e-5, atol=1e-5
+        )
+    assert not many.pool.kv[[r.page_id for r in pages_many[2]]].any()  # nothing written
+
+
+def test_decode_batch_equals_decode_step_as_rows_come_and_go(
+    tiny_loaded: Any, make_pool: Callable[..., Any]
+) -> None:
+    engine = Engine(tiny_loaded.model, make_pool(tiny_loaded, num_pages=12, page_size=4))
+    pool = engine.pool
+    pool_pages = [pool.allocate(3, name) for name in ("a", "b", "c")]
+    assert all(p is not None for p in pool_pages)
+    a, b, c = (list(p or []) for p in pool_pages)
+    for prompt, pages in ((PROMPT_A, a), (PROMPT_B, b), (PROMPT_A, c)):
+        engine.prefill(prompt, pages)
+    batch = DecodeBatch(engine)
+    state = {id(a): len(PROMPT_A), id(b): len(PROMPT_B), id(c): len(PROMPT_A)}
+    for rows in ([a, b], [a, b], [b], [b, c], [b, c, a], [c, a]):
+        batch.sync(rows)
+        toks = [5 + i for i in range(len(rows))]
+        pos = [state[id(r)] for r in rows]
+        # Read what decode_step gives from a copy of the pool, then step the batch on the real one.
+        before = pool.kv.clone()
+        want, want_flags = engine.decode_step(
+            [DecodeItem(t, p, r) for t, p, r in zip(toks, pos, rows, strict=True)]
+        )
+        pool.kv.copy_(before)
+        got, flags = batch.step(toks, pos)
+        assert torch.equal(got, want) and torch.equal(flags, want_flags)
+        for r in rows:
+            state[id(r)] += 1
+    with pytest.raises(ValueError, match="outside its 3 pages"):
+        batch.step([5, 5], [12, 1])
+    # A row whose page changed owner is flagged and writes nothing.
+    pool.release("c")
+    d = pool.allocate(6, "d")  # every free page: c's included
+    assert d is not None and {r.page_id for r in c} <= {r.page_id for r in d}
+    before = pool.kv.clone()
+    batch.sync([c, a])
+    _, flags = batch.step([5, 5], [state[id(c)], state[id(a)]])
+    assert flags.tolist() == [True, False]
+    assert torch.equal(pool.kv[[r.page_id for r in d]], before[[r.page_id for r in d]])
+
+
+def test_rope_factors_are_bit_identical_to_apply_rope() -> None:
+    g = torch.Generator().manual_seed(0)
+    for heads, hd in ((4, 32), (1, 64), (3, 128)):
+        x = torch.randn(9, heads, hd, generator=g)
+        cos, sin = torch.randn(9, hd, generator=g), torch.randn(9, hd, generator=g)
+        assert torch.equal(apply_rope_factors(x, *rope_factors(cos, sin)), apply_rope(x, cos, sin))

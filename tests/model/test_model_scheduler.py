@@ -64,10 +64,11 @@ def test_request_that_can_never_fit_is_refused(
         sched.add("ok", PROMPT, SamplingParams(max_new_tokens=1))
 
 
+@pytest.mark.parametrize("stream_text", [True, False])
 def test_stream_outputs_add_up_to_the_final_one(
-    tiny_loaded: Any, make_pool: Callable[..., Any]
+    tiny_loaded: Any, make_pool: Callable[..., Any], stream_text: bool
 ) -> None:
-    sched = make_scheduler(tiny_loaded, make_pool(tiny_loaded))
+    sched = make_scheduler(tiny_loaded, make_pool(tiny_loaded), stream_text=stream_text)
     sched.add("a", PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True))
     outs = run_all(sched)["a"]
     final = outs[-1]
@@ -75,6 +76,33 @@ def test_stream_outputs_add_up_to_the_final_one(
     assert [t for o in outs for t in o.new_token_ids] == final.token_ids
     assert "".join(o.text_delta for o in outs) == final.text
     assert final.token_ids == reference(tiny_loaded, PROMPT, 12).token_ids
+    streamed = "".join(o.text_delta for o in outs[:-1])
+    assert bool(streamed) == stream_text  # without streaming the text comes at the end
+    assert final.text == load_tokenizer(tiny_loaded.path).decode(final.token_ids)
+
+
+def test_prefill_batches_respect_the_token_budget(
+    tiny_loaded: Any, make_pool: Callable[..., Any]
+) -> None:
+    """Many prompts admitted at once, prefilled in budget-sized passes, give each prompt's tokens
+    when it runs alone."""
+    prompts = [[40 + i + j for j in range(n)] for i, n in enumerate((3, 10, 10, 17, 1, 10, 33))]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    sched = make_scheduler(tiny_loaded, make_pool(tiny_loaded, num_pages=32), max_prefill_tokens=20)
+    calls: list[int] = []
+    prefill_many = sched.engine.prefill_many
+
+    def spy(prompts: Any, pages: Any) -> Any:
+        calls.append(sum(len(p) for p in prompts))
+        return prefill_many(prompts, pages)
+
+    sched.engine.prefill_many = spy  # type: ignore[method-assign]
+    for i, p in enumerate(prompts):
+        sched.add(str(i), p, params)
+    outs = run_all(sched)
+    assert calls == [13, 10, 18, 10, 33]  # greedy chunks under 20 tokens; 33 runs alone
+    for i, p in enumerate(prompts):
+        assert outs[str(i)][-1].token_ids == reference(tiny_loaded, p, 6).token_ids
 
 
 def test_eos_stops_unless_ignored(tiny_loaded: Any, make_pool: Callable[..., Any]) -> None:
