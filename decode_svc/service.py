@@ -90,6 +90,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.bus = bus
         self.metrics = metrics
         self.receiver = receiver
+        # Prefill closes an idle endpoint after endpoint_idle_timeout_s; decode waits longer for
+        # its next hello, so that decode never closes first.
+        receiver.idle_timeout_s = (
+            cfg.transfer.endpoint_idle_timeout_s + cfg.transfer.batch_timeout_s
+        )
         self.tokenizer = tokenizer
         self.reservations: dict[str, DecodeReservation] = {}
         self.by_request: dict[str, str] = {}

@@ -111,12 +111,19 @@ class NodeConfig(_Strict):
 
 
 class TransferConfig(_Strict):
-    """Bounds on the prefill -> decode KV transfer."""
+    """Bounds on the prefill -> decode KV transfer, and prefill's pool of UCX endpoints."""
 
     max_batch_bytes: int = Field(default=4 << 20, gt=0)
     batch_timeout_s: float = Field(default=10.0, gt=0)
     # How long decode waits for the manifest after reserving before it gives the pages up.
     reservation_timeout_s: float = Field(default=60.0, gt=0)
+    # Prefill keeps up to this many idle, already-connected UCX endpoints per decode node and
+    # reuses them for later transfers (one transfer at a time per endpoint; an endpoint whose
+    # transfer failed is never reused). 0 = a new endpoint for every transfer.
+    endpoint_pool_max_idle: int = Field(default=4, ge=0, le=64)
+    # An idle pooled endpoint is closed after this long unused. Decode waits this long plus
+    # batch_timeout_s for the next hello on an endpoint, so prefill always closes first.
+    endpoint_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
 
 class ControlPlaneConfig(_Strict):

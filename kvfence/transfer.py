@@ -1,16 +1,35 @@
 """KV page transfer from prefill to decode over UCX (TCP on loopback here, RDMA where available).
 
-One UCX endpoint per transfer. The wire, in order::
+Endpoints are reused: prefill keeps an :class:`EndpointPool` of idle, already-connected endpoints
+per decode address, and one transfer uses one endpoint exclusively. Every transfer on an endpoint
+starts with its own hello (its reservation and authenticator: authentication is per transfer).
+The wire of one transfer, in order::
 
-    prefill -> decode   HELLO {reservation_id, request_id, auth}        auth = HMAC(secret,
-    reservation)
-    decode  -> prefill  {ok} | {ok: false, error}                       unknown/bad auth: dropped
-    repeat:
-      prefill -> decode BATCH {indices: [i, ...]}                       at most max_batch_bytes of
-      pages decode posts one tagged receive per page straight into reserved page ``pages[i]``
+    prefill -> decode   HELLO {reservation_id, request_id, auth}    auth = HMAC(secret, reservation)
+    decode  -> prefill  {ok, v: 2} | {ok: false, error}
+    repeat, for batches of at most max_batch_bytes of pages:
+      prefill -> decode BATCH {indices: [i, ...], last: true on the last batch}
+                        decode posts one tagged receive per page straight into reserved page
+                        ``pages[i]``
       prefill -> decode the pages, tag PAGE_TAG + k
-      decode  -> prefill {ok} once every receive of the batch completed (per-batch timeout)
-    prefill -> decode   BATCH {done: true};   decode -> prefill {ok}
+      decode  -> prefill {ok} once every receive of the batch completed (per-batch timeout);
+                        for the ``last`` batch this is the final {ok, received: n}
+    (no page to send, or a decode that answered the hello without v >= 2:
+     prefill -> decode  BATCH {done: true};   decode -> prefill final {ok, received: n})
+
+Stop-and-wait per batch: prefill sends a batch's pages only after the previous batch was
+acknowledged, so a transfer never has more than ``max_batch_bytes`` in flight.
+
+After the final answer the endpoint is idle: decode waits for the next HELLO on it (up to its
+``idle_timeout_s``, longer than prefill keeps an idle endpoint) or for prefill to close it; decode
+never closes first right after a completed transfer, which could cancel its final answer in
+flight. Prefill gives the endpoint back to its pool (at most ``max_idle_per_peer`` idle per
+decode, closed after ``idle_timeout_s`` unused, all closed on shutdown). A refused hello or a
+failed transfer ends the endpoint on both sides: prefill aborts it (after every posted operation
+completed) and never reuses it; decode answers with the reason and waits for prefill to close it.
+A pooled endpoint whose peer went away (decode restarted) fails its hello before any page was
+sent; prefill discards it and says the hello once more on a new endpoint (a refusal or a timeout
+is final).
 
 The receiver decides where bytes land: a sender names only an index into *its* reservation's prompt
 pages, so a sender bug can at worst leave a reserved page unwritten or wrongly written — which the
@@ -46,6 +65,7 @@ REPLY_BODY_TAG = 4
 PAGE_TAG = 1 << 20
 LINGER_TAG = 99  # never sent: a receive on it ends when the peer closes
 MAX_CONTROL_BYTES = 1 << 20
+PROTOCOL_VERSION = 2  # decode's hello answer says it; see the module docstring
 
 log = kvlog.get_logger("transfer")
 
@@ -59,10 +79,18 @@ INTEGRITY_REASONS = frozenset(
 class TransferError(Exception):
     """A transfer that did not complete; ``reason`` is a short machine-readable cause."""
 
-    def __init__(self, message: str, reason: str = "TRANSFER_FAILED", timeout: bool = False):
+    def __init__(
+        self,
+        message: str,
+        reason: str = "TRANSFER_FAILED",
+        timeout: bool = False,
+        refused: bool = False,
+    ):
         super().__init__(message)
         self.reason = reason
         self.timeout = timeout
+        # decode answered and said no (as opposed to a broken or silent endpoint)
+        self.refused = refused
 
 
 def authenticator(secret: bytes, reservation_id: str) -> str:
@@ -181,16 +209,27 @@ class KvReceiver:
         max_batch_bytes: int,
         batch_timeout_s: float,
         report: Reporter,
+        idle_timeout_s: float = 60.0,
     ):
         self.pool = pool
         self.host = host
         self.port = port
         self.max_batch_bytes = max_batch_bytes
         self.batch_timeout_s = batch_timeout_s
+        # How long an endpoint that completed a transfer waits for the next hello before decode
+        # closes it; longer than prefill keeps an idle endpoint, so the sender closes first.
+        self.idle_timeout_s = idle_timeout_s
         self.report = report
         self.transfers: dict[str, InboundTransfer] = {}
         self._listener: Any = None
         self._handlers: set[asyncio.Task[None]] = set()
+        self._endpoints: set[Any] = set()  # connected endpoints being served
+        self.connections = 0  # endpoints accepted since start (tests, metrics)
+        self.transfers_served = 0  # hellos accepted, over all endpoints
+
+    @property
+    def open_endpoints(self) -> int:
+        return len(self._endpoints)
 
     @property
     def address(self) -> str:
@@ -205,6 +244,11 @@ class KvReceiver:
     async def stop(self) -> None:
         for t in list(self.transfers.values()):
             self.cancel(t.reservation_id)
+        # Idle endpoints wait for a next hello: abort them so their handlers end now (every
+        # posted operation completes with an error and is awaited by the handler).
+        for ep in list(self._endpoints):
+            with contextlib.suppress(Exception):
+                ep.abort()
         for task in list(self._handlers):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, 5)
@@ -240,19 +284,44 @@ class KvReceiver:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
+        self._endpoints.add(ep)
+        self.connections += 1
         try:
             await self._serve(ep)
         finally:
+            self._endpoints.discard(ep)
             self._handlers.discard(task)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ep.close(), 2)
 
     async def _serve(self, ep: Any) -> None:
-        try:
-            [hello] = await _within(ep, [_recv_json(ep)], self.batch_timeout_s)
-        except Exception as err:
-            self.report("transfer_failed", {"reason": "BAD_HELLO", "error": type(err).__name__})
-            return
+        """Serve successive transfers on one endpoint, one at a time, each with its own hello.
+
+        After a completed transfer the endpoint waits for the next hello (up to
+        ``idle_timeout_s``) or for the sender to close it; decode never closes first right after
+        its final answer. After a refused hello or a failed transfer the endpoint serves nothing
+        more: decode answers, waits for the sender to close, and closes it.
+        """
+        served = 0
+        while True:
+            wait = self.batch_timeout_s if served == 0 else self.idle_timeout_s
+            try:
+                [hello] = await _within(ep, [_recv_json(ep)], wait)
+            except Exception as err:
+                # After a completed transfer, the sender closing its idle endpoint is normal.
+                if served == 0 or isinstance(err, TransferError | ValueError):
+                    self.report(
+                        "transfer_failed", {"reason": "BAD_HELLO", "error": type(err).__name__}
+                    )
+                return
+            if not await self._serve_one(ep, hello):
+                await self._linger(ep)
+                return
+            served += 1
+
+    async def _serve_one(self, ep: Any, hello: dict[str, Any]) -> bool:
+        """One transfer after its hello; True when it completed and the endpoint can serve the
+        next one."""
         rid = str(hello.get("reservation_id", ""))
         t = self.transfers.get(rid)
         auth = str(hello.get("auth", ""))
@@ -270,20 +339,23 @@ class KvReceiver:
             )
             with contextlib.suppress(Exception):
                 await _send_json(ep, {"ok": False, "error": problem}, reply=True)
-            return
+            return False
         assert t is not None
         t.state = InboundState.RECEIVING
         t.ep = ep
+        self.transfers_served += 1
         self.pool.set_state(rid, PageState.RECEIVING)
         try:
-            await _send_json(ep, {"ok": True}, reply=True)
+            # v2: this endpoint serves further hellos after a completed transfer, and a batch
+            # marked ``last`` is answered by the final answer (no separate ``done``).
+            await _send_json(ep, {"ok": True, "v": PROTOCOL_VERSION}, reply=True)
             await self._receive_batches(ep, t)
             t.state = InboundState.COMPLETE
             t.done.set()
+            # The sender closes first (or sends the next hello): closing here could cancel the
+            # final answer in flight, and prefill would report a complete transfer as failed.
             await _send_json(ep, {"ok": True, "received": len(t.received)}, reply=True)
-            # The sender closes first: closing here could cancel the final answer in flight,
-            # and prefill would report a complete transfer as failed.
-            await self._linger(ep)
+            return True
         except Exception as err:
             if t.state == InboundState.RECEIVING:
                 t.state = InboundState.FAILED
@@ -294,7 +366,7 @@ class KvReceiver:
                 )
             with contextlib.suppress(Exception):
                 await _send_json(ep, {"ok": False, "error": t.error}, reply=True)
-                await self._linger(ep)
+            return False
         finally:
             t.ep = None
             t.done.set()
@@ -327,6 +399,8 @@ class KvReceiver:
             await self._receive_pages(ep, t, indices)
             t.received.extend(indices)
             t.bytes_received += len(indices) * page_bytes
+            if header.get("last"):
+                return  # the final answer acknowledges this batch
             await _send_json(ep, {"ok": True}, reply=True)
 
     async def _receive_pages(self, ep: Any, t: InboundTransfer, indices: list[int]) -> None:
@@ -359,6 +433,131 @@ class OutboundPage:
     data: Any
 
 
+class EndpointPool:
+    """Prefill's idle, already-handshaken endpoints, per decode address ``(host, port)``.
+
+    A transfer leases one endpoint exclusively (:meth:`take` or :meth:`connect`) and then either
+    gives it back after a completed transfer (:meth:`give_back`: idle again, or closed when
+    ``max_idle_per_peer`` are already idle for that address) or discards it (:meth:`discard`:
+    aborted, never reused) after any error, timeout or cancellation. Idle endpoints are closed
+    after ``idle_timeout_s`` by a reaper task that runs only while some are idle, and all of them
+    by :meth:`close`. ``max_idle_per_peer=0`` turns pooling off (one endpoint per transfer).
+    """
+
+    def __init__(self, *, max_idle_per_peer: int = 4, idle_timeout_s: float = 30.0):
+        if max_idle_per_peer < 0 or idle_timeout_s <= 0:
+            raise ValueError("max_idle_per_peer must be >= 0 and idle_timeout_s > 0")
+        self.max_idle_per_peer = max_idle_per_peer
+        self.idle_timeout_s = idle_timeout_s
+        self._idle: dict[tuple[str, int], list[tuple[Any, float]]] = {}
+        self._leased: set[Any] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+        # counters (tests, metrics, benchmarks)
+        self.opened = 0  # endpoints created
+        self.reused = 0  # transfers that started on an idle endpoint
+        self.discarded = 0  # endpoints aborted after an error (or found dead)
+        self.expired = 0  # idle endpoints closed after idle_timeout_s
+
+    @property
+    def open_endpoints(self) -> int:
+        """Endpoints this pool holds now: idle plus leased to a running transfer."""
+        return len(self._leased) + sum(len(v) for v in self._idle.values())
+
+    def idle(self, host: str, port: int) -> int:
+        return len(self._idle.get((host, port), []))
+
+    def take(self, host: str, port: int) -> Any | None:
+        """Lease the most recently used idle endpoint to ``(host, port)``, or None."""
+        idle = self._idle.get((host, port), [])
+        while idle:
+            ep, _ = idle.pop()
+            if ep.closed:  # UCX already saw the peer go away
+                self.discarded += 1
+                _abort(ep)
+                continue
+            self._leased.add(ep)
+            self.reused += 1
+            return ep
+        return None
+
+    async def connect(self, host: str, port: int, timeout: float) -> Any:
+        """Lease a new endpoint (UCX's handshake only; the caller says hello)."""
+        import ucxx
+
+        if self._closed:
+            raise TransferError("endpoint pool is closed", "UNREACHABLE")
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
+        except Exception as err:
+            raise TransferError(
+                f"cannot reach decode at {host}:{port}: {err!r}", "UNREACHABLE"
+            ) from err
+        self.opened += 1
+        self._leased.add(ep)
+        return ep
+
+    def give_back(self, host: str, port: int, ep: Any, *, reusable: bool = True) -> None:
+        """A leased endpoint whose transfer completed (every operation on it done): idle again,
+        unless the pool is full for that address, closed, or ``reusable`` is False."""
+        self._leased.discard(ep)
+        idle = self._idle.get((host, port), [])
+        if not reusable or self._closed or ep.closed or len(idle) >= self.max_idle_per_peer:
+            _abort(ep)
+            return
+        idle.append((ep, time.monotonic()))
+        self._idle[(host, port)] = idle
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    def discard(self, ep: Any) -> None:
+        """A leased endpoint after an error: abort it, never reuse it."""
+        self._leased.discard(ep)
+        self.discarded += 1
+        _abort(ep)
+
+    def expire(self, now: float | None = None) -> None:
+        """Close idle endpoints unused for ``idle_timeout_s``."""
+        now = time.monotonic() if now is None else now
+        for key, idle in list(self._idle.items()):
+            keep = []
+            for ep, since in idle:
+                if now - since >= self.idle_timeout_s or ep.closed:
+                    self.expired += 1
+                    _abort(ep)
+                else:
+                    keep.append((ep, since))
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+
+    async def _reap(self) -> None:
+        period = min(max(self.idle_timeout_s / 4, 0.05), 5.0)
+        while self._idle:
+            await asyncio.sleep(period)
+            self.expire()
+
+    async def close(self) -> None:
+        """Close every idle endpoint and stop the reaper; endpoints still leased are closed when
+        their transfer gives them back or discards them."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        for idle in self._idle.values():
+            for ep, _ in idle:
+                _abort(ep)
+        self._idle.clear()
+
+
+def _abort(ep: Any) -> None:
+    with contextlib.suppress(Exception):
+        ep.abort()
+
+
 async def send_pages(
     address: str,
     *,
@@ -369,12 +568,19 @@ async def send_pages(
     page_bytes: int,
     max_batch_bytes: int,
     batch_timeout_s: float,
+    endpoints: EndpointPool | None = None,
     auth_override: str | None = None,
     stall_after_hello_s: float = 0.0,
 ) -> float:
-    """Send ``pages`` to decode; returns seconds taken. Raises TransferError on the first error."""
+    """Send ``pages`` to decode; returns seconds taken. Raises TransferError on the first error.
 
-    host, _, port = address.rpartition(":")
+    With ``endpoints`` the transfer runs on an idle endpoint of that pool when there is one (and
+    gives it back when the transfer completed); without, on a new endpoint closed at the end.
+    """
+
+    host, _, port_s = address.rpartition(":")
+    port = int(port_s)
+    pool = endpoints if endpoints is not None else EndpointPool(max_idle_per_peer=0)
     start = time.perf_counter()
     per_batch = max(1, max_batch_bytes // page_bytes)
     hello = {
@@ -385,53 +591,91 @@ async def send_pages(
     # The handshake (UCX's own peer-info exchange, then our hello and decode's answer) is never
     # cut short, even when we are cancelled: tearing an endpoint down mid-handshake crashed ucxx
     # on the listening side. A cancellation takes effect once decode has answered the hello.
-    opening = asyncio.ensure_future(_open(host, int(port), hello, batch_timeout_s))
+    opening = asyncio.ensure_future(_open(pool, host, port, hello, batch_timeout_s))
     try:
-        ep = await asyncio.shield(opening)
+        ep, version = await asyncio.shield(opening)
     except asyncio.CancelledError:
+        # Whenever the opening ends (even after we stopped waiting), its endpoint is discarded.
+        opening.add_done_callback(lambda f: _discard_opened(pool, f))
         with contextlib.suppress(BaseException):
-            opened = await asyncio.wait_for(asyncio.shield(opening), 2 * batch_timeout_s)
-            opened.abort()
+            await asyncio.wait_for(asyncio.shield(opening), 2 * batch_timeout_s)
         raise
+    ok = False
     try:
         if stall_after_hello_s:  # fault hook only: a sender that stalls mid-transfer
             await asyncio.sleep(stall_after_hello_s)
-        for b in range(0, len(pages), per_batch):
-            batch = pages[b : b + per_batch]
-            await _send_json(ep, {"indices": [p.index for p in batch]})
+        batches = [pages[b : b + per_batch] for b in range(0, len(pages), per_batch)]
+        for k, batch in enumerate(batches):
+            header: dict[str, Any] = {"indices": [p.index for p in batch]}
+            if version >= 2 and k == len(batches) - 1:
+                header["last"] = True  # decode's final answer acknowledges it
+            await _send_json(ep, header)
             await _send_batch(ep, batch, batch_timeout_s)
-        await _send_json(ep, {"done": True})
-        await _expect_ok(ep, batch_timeout_s)
+        if version < 2 or not batches:
+            await _send_json(ep, {"done": True})
+            await _expect_ok(ep, batch_timeout_s)
+        ok = True
     except TransferError:
         raise
     except Exception as err:
         raise TransferError(f"transfer failed: {err!r}") from err
     finally:
-        with contextlib.suppress(Exception):
-            ep.abort()
+        # Every operation of this transfer has completed by now (``_within``/``_settle``).
+        if ok:
+            # A decode before v2 lingers after its final answer and serves no second hello.
+            pool.give_back(host, port, ep, reusable=version >= 2)
+        else:
+            pool.discard(ep)
     return time.perf_counter() - start
 
 
-async def _open(host: str, port: int, hello: dict[str, Any], timeout: float) -> Any:
-    """Connect to decode's listener and pass the hello; the endpoint is aborted on failure."""
-    import ucxx
+def _discard_opened(pool: EndpointPool, opening: asyncio.Future[tuple[Any, int]]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        pool.discard(opening.result()[0])
 
+
+async def _open(
+    pool: EndpointPool, host: str, port: int, hello: dict[str, Any], timeout: float
+) -> tuple[Any, int]:
+    """A leased endpoint on which decode accepted ``hello``, and decode's protocol version;
+    the endpoint is discarded on failure.
+
+    An idle pooled endpoint is tried first. If its hello fails before decode answered (the peer
+    restarted or closed it meanwhile; nothing of this transfer was sent but the hello), it is
+    discarded and the hello is said once more on a new endpoint. A refusal or a timeout is final.
+    """
+    ep = pool.take(host, port)
+    if ep is not None:
+        try:
+            return ep, await _hello(ep, hello, timeout)
+        except TransferError as err:
+            pool.discard(ep)
+            if err.refused or err.timeout:
+                raise
+            log.info("pooled endpoint failed its hello; retrying on a new one", error=str(err))
+        except BaseException:
+            pool.discard(ep)
+            raise
+    ep = await pool.connect(host, port, timeout)
     try:
-        ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
-    except Exception as err:
-        raise TransferError(
-            f"cannot reach decode at {host}:{port}: {err!r}", "UNREACHABLE"
-        ) from err
+        return ep, await _hello(ep, hello, timeout)
+    except BaseException:
+        pool.discard(ep)
+        raise
+
+
+async def _hello(ep: Any, hello: dict[str, Any], timeout: float) -> int:
+    """Say hello; returns decode's protocol version (1 when its answer names none)."""
     try:
         await _send_json(ep, hello)
-        await _expect_ok(ep, timeout)
-    except BaseException as err:
-        with contextlib.suppress(Exception):
-            ep.abort()
-        if isinstance(err, TransferError | asyncio.CancelledError):
-            raise
+        [reply] = await _within(ep, [_recv_json(ep, reply=True)], timeout)
+        _check_reply(reply)
+        version = reply.get("v", 1)
+        return version if isinstance(version, int) else 1
+    except TransferError:
+        raise
+    except Exception as err:
         raise TransferError(f"transfer failed: {err!r}") from err
-    return ep
 
 
 async def _send_batch(ep: Any, batch: Sequence[OutboundPage], timeout: float) -> None:
@@ -461,4 +705,6 @@ async def _expect_ok(ep: Any, timeout: float) -> None:
 def _check_reply(reply: dict[str, Any]) -> None:
     if not reply.get("ok"):
         reason = str(reply.get("error"))
-        raise TransferError(f"decode refused: {reason}", reason, timeout=reason == "TIMEOUT")
+        raise TransferError(
+            f"decode refused: {reason}", reason, timeout=reason == "TIMEOUT", refused=True
+        )

@@ -3,10 +3,11 @@
 For each ``Prefill`` call: allocate local pages for the prompt (RESOURCE_EXHAUSTED when the pool
 has no room now), run the model off the event loop, sample the first token, zero the unused tail of
 the last page, checksum every page (seeded by reservation and page index), send the pages over UCX
-in bounded batches, and return the signed manifest. The source pages stay held until the control
-plane calls
-``Release`` (decode verified, or the request ended), or until ``reservation_timeout_s`` passes
-without one, so a control plane that vanished cannot pin the pool forever.
+in bounded batches (on an idle endpoint to that decode node when the node's ``EndpointPool`` has
+one; see kvfence/transfer.py), and return the signed manifest. The source pages stay held until
+the control plane calls ``Release`` (decode verified, or the request ended), or until
+``reservation_timeout_s`` passes without one, so a control plane that vanished cannot pin the pool
+forever.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from kvfence.server import abort
 from kvfence.transfer import (
     INTEGRITY_REASONS,
+    EndpointPool,
     OutboundPage,
     TransferError,
     page_buffer,
@@ -71,6 +73,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # One engine thread: the model never runs on the event loop, and steps do not interleave.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
         self.held: dict[str, Held] = {}
+        # Idle UCX endpoints to decode nodes, reused by later transfers (kvfence/transfer.py).
+        self.endpoints = EndpointPool(
+            max_idle_per_peer=cfg.transfer.endpoint_pool_max_idle,
+            idle_timeout_s=cfg.transfer.endpoint_idle_timeout_s,
+        )
         self.rpc_count = 0
         self.queue_length = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -83,6 +90,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await self.endpoints.close()
         for request_id in list(self.held):
             self._release(request_id)
         self.executor.shutdown(wait=True)
@@ -275,6 +283,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             page_bytes=page_bytes,
             max_batch_bytes=self.cfg.transfer.max_batch_bytes,
             batch_timeout_s=self.cfg.transfer.batch_timeout_s,
+            endpoints=self.endpoints,
             auth_override=auth,
             stall_after_hello_s=stall,
         )
