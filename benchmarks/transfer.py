@@ -1,7 +1,8 @@
 """KV transfer benchmark: kvfence's UCX path against raw ucxx, a gRPC bytes stream and memcpy.
 
 For each request size (pages of the embedded tiny model, and bigger synthetic pages the size of an
-8B-class model's) one process moves the same bytes four ways, taking turns every repetition:
+8B-class model's) one process moves the same bytes five ways, taking turns every repetition (the
+order rotates, so no method always runs right after another's after-effects):
 
 * ``kvfence``: ``send_pages`` into a ``KvReceiver`` over a real ``PagePool`` — on a warm endpoint
   from prefill's ``EndpointPool`` (as a serving prefill node runs), the authenticated hello,
@@ -242,8 +243,12 @@ async def bench_case(
             await fn()
             if name == "kvfence":
                 cold_s = time.perf_counter() - t0
-        for _ in range(reps):
-            for name, fn in fns.items():
+        order = list(fns.items())
+        for rep in range(reps):
+            # Rotate who goes first: the method right after memcpy pays for torch's intra-op
+            # threads still spinning (measured: 2-4x on a 2-core machine), so no method may
+            # always take that slot.
+            for name, fn in order[rep % len(order) :] + order[: rep % len(order)]:
                 t0 = time.perf_counter()
                 await fn()
                 times[name].append(time.perf_counter() - t0)
