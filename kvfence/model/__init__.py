@@ -7,8 +7,10 @@ cheap for static checks):
   ``.shape``, ``.fingerprint``, ``.eos_token_ids``), ``read_model_shape(path)``,
   ``fingerprint(path)``.
 * ``llama``: ``ModelArgs``, ``Transformer`` (flat tokens + an ``attend`` callback per layer).
-* ``engine``: ``Engine(model, pool)`` with ``prefill(token_ids, pages)`` and
-  ``decode_step([DecodeItem]) -> (logits, error_flags)``.
+* ``engine``: ``Engine(model, pool)`` with ``prefill(token_ids, pages)``, ``prefill_many`` (several
+  prompts in one forward pass) and ``decode_step([DecodeItem]) -> (logits, error_flags)``;
+  ``DecodeBatch(engine)`` keeps a decode loop's block tables as tensors between steps (``sync``,
+  ``step``, ``step_and_sample``): the scheduler and the decode node's batcher step through it.
 * ``sampling``: ``SamplingParams``, ``sample``/``sample_one`` (seeded by request seed and step),
   ``find_stop``.
 * ``scheduler``: ``Scheduler`` (continuous batching; ``add``, ``add_prefilled``, ``abort``,
