@@ -160,6 +160,8 @@ transfer:
   max_batch_bytes: {{ int64 .Values.transfer.maxBatchBytes }}
   batch_timeout_s: {{ .Values.transfer.batchTimeoutS }}
   reservation_timeout_s: {{ .Values.transfer.reservationTimeoutS }}
+  endpoint_pool_max_idle: {{ int .Values.transfer.endpointPoolMaxIdle }}
+  endpoint_idle_timeout_s: {{ .Values.transfer.endpointIdleTimeoutS }}
 control_plane:
   listen: {{ printf "0.0.0.0:%d" (int $cp.ports.grpc) | quote }}
   admin_listen: {{ printf "0.0.0.0:%d" (int $cp.ports.admin) | quote }}
