@@ -123,6 +123,8 @@ class Engine:
                 raise ValueError(f"{n} tokens need {needed} pages, got {len(refs)}")
             used.append(list(refs[:needed]))
         flat = [r for refs in used for r in refs]
+        if len({r.page_id for r in flat}) != len(flat):  # one write pass needs distinct slots
+            raise ValueError("prompts of one prefill pass must not share pages")
         ids = torch.tensor([r.page_id for r in flat], device=dev)
         want = torch.tensor([r.generation for r in flat], device=dev)
         current = (self.pool.page_gen[ids] == want).tolist()

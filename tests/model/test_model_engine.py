@@ -168,6 +168,8 @@ def test_prefill_many_equals_one_prefill_per_prompt(
             many.pool.kv[ids_many], one.pool.kv[ids_one], rtol=1e-5, atol=1e-5
         )
     assert not many.pool.kv[[r.page_id for r in pages_many[2]]].any()  # nothing written
+    with pytest.raises(ValueError, match="must not share pages"):
+        many.prefill_many([PROMPT_A, PROMPT_B], [pages_many[0], pages_many[0]])
 
 
 def test_decode_batch_equals_decode_step_as_rows_come_and_go(
