@@ -317,6 +317,11 @@ class Scheduler:
 
     def _report(self, seq: Sequence) -> StepOutput:
         """Everything about ``seq`` not yet reported; a final output if it ended."""
+        if seq.status == SequenceStatus.RUNNING and not self.stream_text:
+            # The common case, every step for every running sequence: new ids, no text yet.
+            new = seq.output_ids[seq.emitted_tokens :]
+            seq.emitted_tokens = len(seq.output_ids)
+            return StepOutput(seq.seq_id, new, "")
         if seq.status == SequenceStatus.RUNNING:
             if self.stream_text:
                 safe = max(stream_safe_len(seq.text, seq.sampling.stop), seq.emitted_chars)
