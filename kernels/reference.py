@@ -81,10 +81,10 @@ def _attention_all_pages_current(
     model the per-op dispatch cost, not arithmetic, is what the check costs, so the check here is
     one gather, one compare and one reduction; the rest is the attention itself.
     """
-    batch, num_heads, head_dim = q.shape
+    batch = q.shape[0]
     if batch == 0:
         return None
-    num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    num_pages, page_size = kv_pages.shape[0], kv_pages.shape[3]
     lo, hi = (int(x) for x in torch.aminmax(seq_lens))
     n_read = (hi + page_size - 1) // page_size
     if lo <= 0 or n_read > block_tables.shape[1]:
@@ -102,22 +102,55 @@ def _attention_all_pages_current(
         return None
     if bool((page_gen[table] != expected).any()):
         return None
-    group = num_heads // num_kv_heads
-    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view
-    k = layer_kv[table, 0].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
-    v = layer_kv[table, 1].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
-    valid = torch.arange(n_read * page_size, device=q.device)[None, :] < seq[:, None]  # (B, T)
-    keep = valid[:, :, None, None]
-    # Slots past seq_len hold whatever was there before (even NaN): zero them (see below).
-    k = torch.where(keep, k.float(), 0.0)
-    v = torch.where(keep, v.float(), 0.0)
-    qf = q.float().reshape(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", qf, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # every row has >= 1 valid slot (lo >= 1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, v)
+    k, v = _gather(kv_pages, layer, table)
+    if lo == hi:  # every row reads exactly its first hi slots: no mask at all
+        out = _attend(q, k[:, :hi], v[:, :hi], None, scale)
+    else:
+        valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq[:, None]  # (B, T)
+        out = _attend(q, k, v, valid, scale)
     flags = torch.zeros(batch, dtype=torch.bool, device=q.device)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype), flags
+    return out.to(q.dtype), flags
+
+
+def _gather(
+    kv_pages: torch.Tensor, layer: int, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``layer`` for the pages in ``table`` (B, n): fresh (B, n * page_size, kvh, D)."""
+    batch, n = table.shape
+    _, _, _, page_size, num_kv_heads, head_dim = kv_pages.shape
+    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view
+    k = layer_kv[table, 0].reshape(batch, n * page_size, num_kv_heads, head_dim)
+    v = layer_kv[table, 1].reshape(batch, n * page_size, num_kv_heads, head_dim)
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of q (B, H, D) over k, v (B, T, kvh, D); float32 (B, H, D).
+
+    ``valid`` (B, T) marks the slots a row may attend to (None: all). Invalid slots hold whatever
+    was in the page before, even NaN, and a masked score is computed as score + (-inf), so
+    NaN would survive the mask and 0 * NaN the softmax: they are zeroed in K and V first, as the
+    kernel's masked loads never read them. A row with no valid slot comes out NaN; callers zero
+    it. ``k`` and ``v`` must be fresh copies (from ``_gather``): they are zeroed in place.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, t, num_kv_heads, _ = k.shape
+    kf, vf = k.float(), v.float()
+    mask = None
+    if valid is not None:
+        invalid = (~valid).reshape(-1).nonzero().squeeze(1)
+        if invalid.numel():
+            kf.view(batch * t, -1).index_fill_(0, invalid, 0.0)
+            vf.view(batch * t, -1).index_fill_(0, invalid, 0.0)
+        mask = valid[:, None, None, :]  # (B, 1, 1, T)
+    # The query heads of one kv head are that head's "query positions": one SDPA call does GQA.
+    qf = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qf, kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # (B, kvh, G, D)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def _attention_flagging(
@@ -131,10 +164,9 @@ def _attention_flagging(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any batch, with per-row flags: a flagged row reads no K/V and outputs zeros."""
-    batch, num_heads, head_dim = q.shape
-    num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    batch = q.shape[0]
+    num_pages, page_size = kv_pages.shape[0], kv_pages.shape[3]
     max_pages = block_tables.shape[1]
-    group = num_heads // num_kv_heads
     device = q.device
 
     seq = seq_lens.to(torch.int64)  # (B,)
@@ -154,26 +186,14 @@ def _attention_flagging(
     n_read = max(n_read, 1)
     use = read[:, :n_read] & ~bad[:, None]  # (B, n_read)
     gather = torch.where(use, safe_pid[:, :n_read], 0)  # (B, n_read)
-    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view
-    k = layer_kv[gather, 0].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
-    v = layer_kv[gather, 1].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
-
+    k, v = _gather(kv_pages, layer, gather)
     pos = torch.arange(n_read * page_size, device=device)  # (T,)
     valid = (pos[None, :] < seq[:, None]) & ~bad[:, None]  # (B, T)
-    # Slots past seq_len hold whatever was there before (even NaN): zero them so 0 * garbage
-    # cannot leak into the sum, as the kernel's masked loads never read them.
-    keep = valid[:, :, None, None]  # (B, T, 1, 1)
-    k = torch.where(keep, k.float(), 0.0)  # (B, T, kvh, D)
-    v = torch.where(keep, v.float(), 0.0)
-    qf = q.float().reshape(batch, num_kv_heads, group, head_dim)  # (B, kvh, G, D)
-    scores = torch.einsum("bkgd,btkd->bkgt", qf, k) * scale  # (B, kvh, G, T)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    # Rows with nothing valid (flagged, or an invalid seq_len <= 0) would softmax to NaN: zero them.
+    out = _attend(q, k, v, valid, scale)
+    # Rows with nothing valid (flagged, or an invalid seq_len <= 0) come out NaN: zero them.
     has_any = valid.any(dim=1)  # (B,)
-    probs = torch.softmax(torch.where(has_any[:, None, None, None], scores, 0.0), dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # (B, kvh, G, D)
-    out = torch.where(has_any[:, None, None, None], out, 0.0)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype), bad
+    out = torch.where(has_any[:, None, None], out, 0.0)
+    return out.to(q.dtype), bad
 
 
 # --------------------------------------------------------------------------------------------------
