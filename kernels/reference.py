@@ -213,17 +213,23 @@ def write_kv_pages(
     which cannot raise without a host sync, drops such tokens instead of writing outside the pool.
     """
     _checks.check_write_args(k, v, kv_pages, layer, slot_mapping)
-    num_pages, page_size = kv_pages.shape[0], kv_pages.shape[3]
-    if slot_mapping.numel() and (
-        int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_pages * page_size
-    ):
+    num_pages, num_layers, _, page_size = kv_pages.shape[:4]
+    if slot_mapping.numel() == 0:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(slot_mapping))
+    if lo < -1 or hi >= num_pages * page_size:
         raise ValueError(f"slot_mapping must lie in [-1, {num_pages * page_size})")
-    keep = slot_mapping >= 0  # (T,)
-    slots = slot_mapping[keep]
-    page, offset = slots // page_size, slots % page_size
-    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view: index_put_ writes the pool
-    layer_kv[page, 0, offset] = k[keep]
-    layer_kv[page, 1, offset] = v[keep]
+    slots = slot_mapping
+    if lo < 0:  # skipped tokens
+        keep = slot_mapping >= 0
+        slots, k, v = slot_mapping[keep], k[keep], v[keep]
+    # The pool as rows of one token's (kvh * D) values: K of slot s in this layer is row
+    # ((page * L + layer) * 2 + 0) * page_size + offset, and V is page_size rows further on.
+    width = k.shape[1] * k.shape[2]
+    rows = (slots // page_size * (num_layers * 2) + layer * 2) * page_size + slots % page_size
+    flat = kv_pages.view(-1, width)  # a view: index_copy_ writes the pool
+    flat.index_copy_(0, rows, k.reshape(-1, width))
+    flat.index_copy_(0, rows + page_size, v.reshape(-1, width))
 
 
 # --------------------------------------------------------------------------------------------------
