@@ -41,7 +41,15 @@ import torch
 from kvfence.config import TransferConfig
 from kvfence.kv.pool import PagePool
 from kvfence.model.tiny import TINY_CONFIG
-from kvfence.transfer import EndpointPool, KvReceiver, OutboundPage, page_buffer, send_pages
+from kvfence.transfer import (
+    EndpointPool,
+    KvReceiver,
+    OutboundPage,
+    page_buffer,
+    send_pages,
+    stop_ucx_notifier,
+    use_ucx_futures,
+)
 
 GOAL_VS_RAW = 0.8  # kvfence GB/s / raw ucxx GB/s
 GOAL_VS_GRPC = 3.0  # kvfence GB/s / gRPC stream GB/s
@@ -329,7 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--png", type=Path, help="also draw GB/s per size and method here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    sizes = asyncio.run(run(args.quick))
+    use_ucx_futures()  # as the services run UCX
+    try:
+        sizes = asyncio.run(run(args.quick))
+    finally:
+        stop_ucx_notifier()
     largest = max(sizes, key=lambda s: s["bytes"])
     result: dict[str, Any] = {
         "benchmark": "transfer",

@@ -46,6 +46,8 @@ import contextlib
 import hashlib
 import hmac
 import json
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +93,28 @@ class TransferError(Exception):
         self.timeout = timeout
         # decode answered and said no (as opposed to a broken or silent endpoint)
         self.refused = refused
+
+
+def use_ucx_futures() -> None:
+    """Have ucxx complete UCX operations through Python futures (call before ucxx starts).
+
+    Without them ucxx awaits every pending operation by yielding to the event loop in a busy
+    loop: a node with any receive posted (decode always has one, waiting for the next hello on
+    each pooled endpoint) kept a core at 100% and, through the GIL, slowed its decode steps 5-8x.
+    With them a notifier thread completes the futures. That thread is bound to the event loop
+    running when ucxx starts, so this is for processes with one event loop (the services, the
+    benchmarks), and such a process must call :func:`stop_ucx_notifier` before it exits. An
+    operator's own ``UCXPY_ENABLE_PYTHON_FUTURE`` wins.
+    """
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+
+
+def stop_ucx_notifier() -> None:
+    """Stop ucxx's notifier thread if this process started one: it is not a daemon thread, and
+    once the event loop has closed it would keep the process from exiting."""
+    core = sys.modules.get("ucxx.core")
+    if core is not None:
+        core.stop_notifier_thread()
 
 
 def authenticator(secret: bytes, reservation_id: str) -> str:

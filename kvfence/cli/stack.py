@@ -34,6 +34,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 
     def _serve(role: Role, config: Path | None) -> None:
         from kvfence import logging as kvlog
+        from kvfence.transfer import stop_ucx_notifier, use_ucx_futures
 
         kvlog.configure("json", os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
         try:
@@ -42,12 +43,8 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             typer.echo(str(err), err=True)
             raise typer.Exit(2) from None
         os.environ.setdefault("UCX_TLS", "tcp,self")
-        # Without Python futures, ucxx awaits every pending UCX operation by yielding to the event
-        # loop in a busy loop: a node with any receive posted (decode always has one, waiting for
-        # the next hello on each pooled endpoint) kept a core at 100% and, through the GIL, made
-        # its decode steps 5-8x slower. With them, a notifier thread completes the futures.
-        # Services run one event loop per process, which the notifier thread is bound to.
-        os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+        # One event loop per service process: ucxx's notifier thread can complete UCX futures.
+        use_ucx_futures()
         try:
             asyncio.run(_run_service(cfg, role))
         except KeyboardInterrupt:
@@ -56,7 +53,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             typer.echo(f"kvfence serve {role.value}: {err}", err=True)
             raise typer.Exit(1) from None
         finally:
-            _stop_ucx_notifier()
+            stop_ucx_notifier()
 
     config_opt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
 
@@ -111,16 +108,6 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             typer.echo(str(err), err=True)
             raise typer.Exit(2) from None
         raise typer.Exit(run_stack(cfg_path, cfg, state_dir, prefill, decode))
-
-
-def _stop_ucx_notifier() -> None:
-    """Stop ucxx's notifier thread, if this process started one: it is not a daemon thread, and
-    after the event loop has closed it would keep the process from exiting."""
-    import sys
-
-    core = sys.modules.get("ucxx.core")
-    if core is not None:
-        core.stop_notifier_thread()
 
 
 async def _run_service(cfg: Any, role: Role) -> None:
