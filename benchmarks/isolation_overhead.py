@@ -39,6 +39,7 @@ from benchlib.stack import BenchStack
 
 import kernels
 import kvfence.model.engine as engine_mod
+from kernels import reference
 from kernels._checks import check_attention_args
 from kvfence import manifest as mf
 from kvfence.config import pages_needed
@@ -62,32 +63,27 @@ def attention_unchecked(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.reference.paged_decode_attention`` with the generation check (and the argument
-    checks and id range check that come with it) removed: the "off" baseline, same arithmetic."""
-    batch, num_heads, head_dim = q.shape
-    _, _, _, page_size, num_kv_heads, _ = kv_pages.shape
-    group = num_heads // num_kv_heads
-    seq = seq_lens.to(torch.int64)  # (B,)
-    n_pages = (seq + page_size - 1) // page_size  # (B,)
-    n_read = int(n_pages.max())
-    page_idx = torch.arange(n_read, device=q.device)
-    use = page_idx[None, :] < n_pages[:, None]  # (B, n_read)
-    gather = torch.where(use, block_tables[:, :n_read].to(torch.int64), 0)
-    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D)
-    k = layer_kv[gather, 0].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
-    v = layer_kv[gather, 1].reshape(batch, n_read * page_size, num_kv_heads, head_dim)
-    pos = torch.arange(n_read * page_size, device=q.device)
-    valid = pos[None, :] < seq[:, None]  # (B, T)
-    keep = valid[:, :, None, None]
-    k = torch.where(keep, k.float(), 0.0)
-    v = torch.where(keep, v.float(), 0.0)
-    qf = q.float().reshape(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", qf, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, v)
-    flags = torch.zeros(batch, dtype=torch.bool, device=q.device)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype), flags
+    """The reference's common path (``kernels.reference._attention_all_pages_current``) with the
+    generation check, the page-id range check and the argument checks removed: the "off"
+    baseline, with the same gather and the same attention arithmetic (the reference's own
+    ``_gather`` and ``_attend``, so that the difference is the check and nothing else)."""
+    page_size = kv_pages.shape[3]
+    lo, hi = (int(x) for x in torch.aminmax(seq_lens))
+    n_read = (hi + page_size - 1) // page_size
+    table = block_tables[:, :n_read]
+    seq = seq_lens.to(torch.int64)
+    if lo != hi:
+        n_pages = (seq + page_size - 1) // page_size
+        read = torch.arange(n_read, device=q.device)[None, :] < n_pages[:, None]
+        table = torch.where(read, table, 0)
+    k, v = reference._gather(kv_pages, layer, table.to(torch.int64))
+    if lo == hi:
+        out = reference._attend(q, k[:, :hi], v[:, :hi], None, scale)
+    else:
+        valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq[:, None]
+        out = reference._attend(q, k, v, valid, scale)
+    flags = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+    return out.to(q.dtype), flags
 
 
 # The engine reads ``kernels.<fn>`` at call time: swapping its module reference toggles the check.
