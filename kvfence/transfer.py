@@ -107,6 +107,10 @@ def use_ucx_futures() -> None:
     operator's own ``UCXPY_ENABLE_PYTHON_FUTURE`` wins.
     """
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+    # In that mode ucxx warns on stdout, once per operation, whenever a burst of operations
+    # outruns its pool of prepared futures (it makes one on the spot): harmless, but it floods
+    # node logs and breaks the benchmarks' one-JSON-object stdout. Errors still print.
+    os.environ.setdefault("UCXX_LOG_LEVEL", "ERROR")
 
 
 def stop_ucx_notifier() -> None:
