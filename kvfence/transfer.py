@@ -6,12 +6,14 @@ starts with its own hello (its reservation and authenticator: authentication is 
 The wire of one transfer, in order::
 
     prefill -> decode   HELLO {reservation_id, request_id, auth}    auth = HMAC(secret, reservation)
-    decode  -> prefill  {ok, v: 2} | {ok: false, error}
+    decode  -> prefill  {ok, v: 3} | {ok: false, error}
     repeat, for batches of at most max_batch_bytes of pages:
       prefill -> decode BATCH {indices: [i, ...], last: true on the last batch}
                         decode posts one tagged receive per page straight into reserved page
                         ``pages[i]``
-      prefill -> decode the pages, tag PAGE_TAG + k
+      prefill -> decode the pages, tag page_tag(reservation_id, batch number, k): scoped to the
+                        transfer, so no message an earlier transfer on the endpoint left behind
+                        can match (a decode before v3 used PAGE_TAG + k)
       decode  -> prefill {ok} once every receive of the batch completed (per-batch timeout);
                         for the ``last`` batch this is the final {ok, received: n}
     (no page to send, or a decode that answered the hello without v >= 2:
@@ -45,10 +47,12 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -67,7 +71,7 @@ REPLY_BODY_TAG = 4
 PAGE_TAG = 1 << 20
 LINGER_TAG = 99  # never sent: a receive on it ends when the peer closes
 MAX_CONTROL_BYTES = 1 << 20
-PROTOCOL_VERSION = 2  # decode's hello answer says it; see the module docstring
+PROTOCOL_VERSION = 3  # decode's hello answer says it; see the module docstring
 
 log = kvlog.get_logger("transfer")
 
@@ -119,6 +123,21 @@ def stop_ucx_notifier() -> None:
     core = sys.modules.get("ucxx.core")
     if core is not None:
         core.stop_notifier_thread()
+
+
+def page_tag(reservation_id: str, batch: int, k: int) -> int:
+    """The UCX tag of the ``k``-th page of batch ``batch`` of a reservation's transfer.
+
+    An endpoint now carries one transfer after another, so a page tag must not be one a previous
+    transfer could have left a message under: a stray page send (a sender bug) sitting unmatched
+    in UCX's queue would otherwise match the next transfer's receive and land in its page (the
+    checksum would catch it, failing an innocent request). The tag names the reservation and the
+    batch in its high bits; it stays below 2**53 so ucxx's tag hashing keeps it distinct.
+    """
+    if not 0 <= k < PAGE_TAG:
+        raise ValueError(f"page {k} of a batch is beyond {PAGE_TAG}")
+    scope = zlib.crc32(f"{reservation_id}\x00{batch}".encode())
+    return (scope << 21) | (PAGE_TAG + k)
 
 
 def authenticator(secret: bytes, reservation_id: str) -> str:
@@ -375,7 +394,8 @@ class KvReceiver:
         self.pool.set_state(rid, PageState.RECEIVING)
         try:
             # v2: this endpoint serves further hellos after a completed transfer, and a batch
-            # marked ``last`` is answered by the final answer (no separate ``done``).
+            # marked ``last`` is answered by the final answer (no separate ``done``); v3: page
+            # tags scoped to the transfer (``page_tag``).
             await _send_json(ep, {"ok": True, "v": PROTOCOL_VERSION}, reply=True)
             await self._receive_batches(ep, t)
             t.state = InboundState.COMPLETE
@@ -410,7 +430,7 @@ class KvReceiver:
 
     async def _receive_batches(self, ep: Any, t: InboundTransfer) -> None:
         page_bytes = self.pool.page_bytes
-        while True:
+        for batch in itertools.count():
             [header] = await _within(ep, [_recv_json(ep)], self.batch_timeout_s)
             if header.get("done"):
                 return
@@ -424,14 +444,21 @@ class KvReceiver:
                     raise TransferError(f"page index {i} sent twice", reason="DUPLICATE_PAGE")
             if len(indices) * page_bytes > self.max_batch_bytes and len(indices) > 1:
                 raise TransferError("batch over max_batch_bytes", reason="PROTOCOL")
-            await self._receive_pages(ep, t, indices)
+            await self._receive_pages(ep, t, batch, indices)
             t.received.extend(indices)
             t.bytes_received += len(indices) * page_bytes
             if header.get("last"):
                 return  # the final answer acknowledges this batch
             await _send_json(ep, {"ok": True}, reply=True)
 
-    async def _receive_pages(self, ep: Any, t: InboundTransfer, indices: list[int]) -> None:
+    @staticmethod
+    def _tag(t: InboundTransfer, batch: int, k: int) -> int:
+        """The tag this decode expects page ``k`` of ``batch`` under, by the version it speaks."""
+        return page_tag(t.reservation_id, batch, k) if PROTOCOL_VERSION >= 3 else PAGE_TAG + k
+
+    async def _receive_pages(
+        self, ep: Any, t: InboundTransfer, batch: int, indices: list[int]
+    ) -> None:
         pids = [t.pages[i].page_id for i in indices]
         self.pool.begin_ops(pids)
         try:
@@ -440,7 +467,7 @@ class KvReceiver:
             await _within(
                 ep,
                 [
-                    ep.recv(page_buffer(self.pool.kv[pid]), tag=PAGE_TAG + k)
+                    ep.recv(page_buffer(self.pool.kv[pid]), tag=self._tag(t, batch, k))
                     for k, pid in enumerate(pids)
                 ],
                 self.batch_timeout_s,
@@ -638,7 +665,12 @@ async def send_pages(
             if version >= 2 and k == len(batches) - 1:
                 header["last"] = True  # decode's final answer acknowledges it
             await _send_json(ep, header)
-            await _send_batch(ep, batch, batch_timeout_s)
+            # v3 scopes page tags to the transfer; a decode before v3 expects PAGE_TAG + i.
+            tags = [
+                page_tag(reservation_id, k, i) if version >= 3 else PAGE_TAG + i
+                for i in range(len(batch))
+            ]
+            await _send_batch(ep, batch, tags, batch_timeout_s)
         if version < 2 or not batches:
             await _send_json(ep, {"done": True})
             await _expect_ok(ep, batch_timeout_s)
@@ -706,10 +738,14 @@ async def _hello(ep: Any, hello: dict[str, Any], timeout: float) -> int:
         raise TransferError(f"transfer failed: {err!r}") from err
 
 
-async def _send_batch(ep: Any, batch: Sequence[OutboundPage], timeout: float) -> None:
+async def _send_batch(
+    ep: Any, batch: Sequence[OutboundPage], tags: Sequence[int], timeout: float
+) -> None:
     """Send one batch and wait for decode's verdict. A refusal can arrive while page sends are
     still pending (decode never posts receives for a bad batch), so wait for either."""
-    sends = [asyncio.ensure_future(ep.send(p.data, tag=PAGE_TAG + k)) for k, p in enumerate(batch)]
+    sends = [
+        asyncio.ensure_future(ep.send(p.data, tag=tag)) for p, tag in zip(batch, tags, strict=True)
+    ]
     reply = asyncio.ensure_future(_recv_json(ep, reply=True))
     try:
         done, _ = await asyncio.wait(

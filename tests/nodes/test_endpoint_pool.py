@@ -23,6 +23,7 @@ from kvfence.transfer import (
     OutboundPage,
     TransferError,
     page_buffer,
+    page_tag,
     send_pages,
 )
 
@@ -392,3 +393,33 @@ def test_pool_settings_are_validated(field, value):
         parse_config({"transfer": {field: value}}, environ={})
     env = {"KVFENCE__TRANSFER__ENDPOINT_POOL_MAX_IDLE": "0"}
     assert parse_config({}, environ=env).transfer.endpoint_pool_max_idle == 0
+
+
+@pytest.mark.parametrize("stray_for", ["the previous transfer", "this transfer (control)"])
+async def test_a_stray_page_left_on_a_reused_endpoint_cannot_land_in_the_next_transfer(stray_for):
+    """A page message that no receive matched (a sender bug) stays queued on the endpoint. Page
+    tags name the reservation and batch, so the next transfer's receives never match it. The
+    control sends the stray under the next transfer's own tag: then it does land, which shows
+    that the tag is what keeps it out."""
+    pool = make_pool()
+    rx, _ = await make_receiver(pool)
+    eps = EndpointPool()
+    try:
+        tr = Transfers(pool, rx, eps)
+        await tr.run(n_pages=1)  # res-1, leaves one idle endpoint
+        host, _, port = rx.address.rpartition(":")
+        ep = eps.take(host, int(port))
+        assert ep is not None
+        rid = "res-1" if stray_for == "the previous transfer" else "res-2"
+        stray = torch.full(pool.kv.shape[1:], -7.0)
+        await ep.send(page_buffer(stray), tag=page_tag(rid, 0, 0))
+        eps.give_back(host, int(port), ep)
+        if rid == "res-1":
+            await tr.run(n_pages=1)  # res-2 on the same endpoint: its own bytes, checked
+            assert (eps.opened, eps.reused) == (1, 2)  # our take, then res-2: one endpoint
+        else:
+            with pytest.raises(AssertionError):
+                await tr.run(n_pages=1)  # page 0 of res-2 holds the stray's bytes
+    finally:
+        await eps.close()
+        await rx.stop()
