@@ -119,8 +119,11 @@ class TransferConfig(_Strict):
     reservation_timeout_s: float = Field(default=60.0, gt=0)
     # Prefill keeps up to this many idle, already-connected UCX endpoints per decode node and
     # reuses them for later transfers (one transfer at a time per endpoint; an endpoint whose
-    # transfer failed is never reused). 0 = a new endpoint for every transfer.
-    endpoint_pool_max_idle: int = Field(default=4, ge=0, le=64)
+    # transfer failed is never reused). 0 = a new endpoint for every transfer. Size it to the
+    # transfers in flight to one decode node at once: a transfer that finds no idle endpoint
+    # opens one (10-25 ms on TCP), and with 16 concurrent requests a limit of 4 halved the
+    # transfer speed, as endpoints beyond it were closed and opened again.
+    endpoint_pool_max_idle: int = Field(default=32, ge=0, le=256)
     # An idle pooled endpoint is closed after this long unused. Decode waits this long plus
     # batch_timeout_s for the next hello on an endpoint, so prefill always closes first.
     endpoint_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)

@@ -499,7 +499,7 @@ class EndpointPool:
     by :meth:`close`. ``max_idle_per_peer=0`` turns pooling off (one endpoint per transfer).
     """
 
-    def __init__(self, *, max_idle_per_peer: int = 4, idle_timeout_s: float = 30.0):
+    def __init__(self, *, max_idle_per_peer: int = 32, idle_timeout_s: float = 30.0):
         if max_idle_per_peer < 0 or idle_timeout_s <= 0:
             raise ValueError("max_idle_per_peer must be >= 0 and idle_timeout_s > 0")
         self.max_idle_per_peer = max_idle_per_peer

@@ -380,7 +380,7 @@ def _release(request_id: str):
     "field, value",
     [
         ("endpoint_pool_max_idle", -1),
-        ("endpoint_pool_max_idle", 65),
+        ("endpoint_pool_max_idle", 257),
         ("endpoint_idle_timeout_s", 0),
     ],
 )
@@ -388,7 +388,7 @@ def test_pool_settings_are_validated(field, value):
     from kvfence.config import ConfigError, parse_config
 
     cfg = parse_config({}, environ={})
-    assert cfg.transfer.endpoint_pool_max_idle == 4 and cfg.transfer.endpoint_idle_timeout_s == 30
+    assert cfg.transfer.endpoint_pool_max_idle == 32 and cfg.transfer.endpoint_idle_timeout_s == 30
     with pytest.raises(ConfigError, match=f"transfer.{field}"):
         parse_config({"transfer": {field: value}}, environ={})
     env = {"KVFENCE__TRANSFER__ENDPOINT_POOL_MAX_IDLE": "0"}
