@@ -293,8 +293,9 @@ def page_checksum(
         for c0 in range(0, num_words, cols):
             c1 = min(c0 + cols, num_words)
             x = buf[: ids.shape[0], : c1 - c0]  # (R, C) int64
-            # One big page at a time reads a view; several small ones need a gather.
-            src = words[id_list[r0], None, c0:c1] if rows == 1 else words[ids, c0:c1]
+            # One big page at a time reads a view; several small ones (whole rows: a page is
+            # then at most half a chunk) need a gather.
+            src = words[id_list[r0], None, c0:c1] if rows == 1 else words.index_select(0, ids)
             torch.bitwise_xor(src, keys[c0:c1], out=x)  # word ^ its position key
             x.mul_(m)  # wraps mod 2**64
             halves = x.view(torch.int32).unflatten(-1, (-1, 2))  # (R, C, 2): [lo, hi]
