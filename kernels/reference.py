@@ -84,7 +84,7 @@ def _attention_all_pages_current(
     batch = q.shape[0]
     if batch == 0:
         return None
-    num_pages, page_size = kv_pages.shape[0], kv_pages.shape[3]
+    page_size = kv_pages.shape[3]
     lo, hi = (int(x) for x in torch.aminmax(seq_lens))
     n_read = (hi + page_size - 1) // page_size
     if lo <= 0 or n_read > block_tables.shape[1]:
@@ -98,9 +98,11 @@ def _attention_all_pages_current(
         table = torch.where(read, table, 0)
         expected = torch.where(read, expected, page_gen[0])
     table = table.to(torch.int64)
-    if int(table.min()) < 0 or int(table.max()) >= num_pages:
+    try:  # index_select refuses an id outside [0, num_pages), a negative one included
+        current = page_gen.index_select(0, table.reshape(-1))
+    except IndexError:
         return None
-    if bool((page_gen[table] != expected).any()):
+    if not torch.equal(current.view(table.shape), expected):
         return None
     k, v = _gather(kv_pages, layer, table)
     if lo == hi:  # every row reads exactly its first hi slots: no mask at all
