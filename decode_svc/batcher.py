@@ -67,6 +67,9 @@ class DecodeBatcher:
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self.steps = 0
         self._rows = DecodeBatch(engine)
+        # Events of the step being run, handed to the event loop together after it: one wakeup
+        # per step instead of one per sequence and token.
+        self._outbox: list[tuple[Callable[[tuple[str, Any]], None], tuple[str, Any]]] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -82,9 +85,12 @@ class DecodeBatcher:
 
     def add(self, seq: ActiveSeq) -> None:
         """Enter a verified sequence; its first token (from prefill) is emitted at once."""
+        # The first token is recorded before the engine thread can see the sequence: a step
+        # must never find a sequence without its last token (it would fail the whole batch).
+        if self._accept(seq, seq.first_token):
+            return  # finished at its first token (EOS, a stop string, max_new_tokens 1)
         with self._lock:
             self._active[seq.seq_id] = seq
-        self._accept(seq, seq.first_token)
         self._wake.set()
 
     def remove(self, seq_id: str) -> bool:
@@ -93,18 +99,22 @@ class DecodeBatcher:
             return self._active.pop(seq_id, None) is not None
 
     def _post(self, seq: ActiveSeq, event: tuple[str, Any]) -> None:
-        self.loop.call_soon_threadsafe(seq.emit, event)
+        if self._outbox is not None and threading.current_thread() is self._thread:
+            self._outbox.append((seq.emit, event))
+        else:
+            self.loop.call_soon_threadsafe(seq.emit, event)
 
     def _finish(self, seq: ActiveSeq, event: tuple[str, Any]) -> None:
         with self._lock:
             self._active.pop(seq.seq_id, None)
         self._post(seq, event)
 
-    def _accept(self, seq: ActiveSeq, token: int) -> None:
+    def _accept(self, seq: ActiveSeq, token: int) -> bool:
         """Record a sampled token, emit it, and finish the sequence when a stop condition holds.
 
         Same rules, in the same order, as the colocated scheduler: EOS (kept in the ids, finish
-        "eos"), then a stop string in the text (finish "stop"), then max_new_tokens ("length")."""
+        "eos"), then a stop string in the text (finish "stop"), then max_new_tokens ("length").
+        Returns whether the sequence finished."""
         seq.generated.append(token)
         p = seq.params
         self._post(seq, ("tokens", [token]))
@@ -117,6 +127,7 @@ class DecodeBatcher:
             reason = "length"
         if reason is not None:
             self._finish(seq, ("finish", reason))
+        return reason is not None
 
     def _run(self) -> None:
         while not self._stop:
@@ -130,6 +141,7 @@ class DecodeBatcher:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self._outbox = []
             try:
                 self._step(batch)
             except Exception as err:
@@ -138,6 +150,9 @@ class DecodeBatcher:
                     self._finish(seq, ("error", KvfenceError(f"decode step failed: {err}")))
             finally:
                 self.pool.end_ops(writes)
+                outbox, self._outbox = self._outbox, None
+                if outbox:
+                    self.loop.call_soon_threadsafe(_deliver, outbox)
 
     @staticmethod
     def _position(seq: ActiveSeq) -> int:
@@ -172,3 +187,9 @@ class DecodeBatcher:
                 still = seq.seq_id in self._active
             if still:
                 self._accept(seq, token)
+
+
+def _deliver(events: list[tuple[Callable[[tuple[str, Any]], None], tuple[str, Any]]]) -> None:
+    """Event loop: hand one step's events to their streams, in the order they happened."""
+    for emit, event in events:
+        emit(event)

@@ -1,0 +1,90 @@
+"""The decode batcher: a sequence joins with its first token recorded, and the events of a step
+reach the event loop together, in order, with the same tokens as the colocated engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from decode_svc.batcher import ActiveSeq, DecodeBatcher
+from kvfence.config import pages_needed
+from kvfence.model.colocated import ColocatedEngine, GenerationRequest
+from kvfence.model.sampling import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42] * 7, [100 + i for i in range(18)]]
+
+
+class RecordingActive(dict):
+    """The batcher's table of active sequences, noting what each held when it joined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.joined: dict[str, list[int]] = {}
+
+    def __setitem__(self, key: str, seq: ActiveSeq) -> None:
+        self.joined[key] = list(seq.generated)
+        super().__setitem__(key, seq)
+
+
+def start_sequence(colo: ColocatedEngine, i: int, prompt: list[int], new: int, events: list):
+    refs = colo.pool.allocate(pages_needed(len(prompt) + new, colo.pool.page_size), f"seq-{i}")
+    assert refs is not None
+    first = int(colo.engine.prefill(prompt, refs).argmax())
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    return ActiveSeq(f"seq-{i}", refs, len(prompt), first, params, events.append)
+
+
+async def test_a_sequence_joins_with_its_first_token_and_one_of_length_one_never_joins():
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=32)
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                            asyncio.get_running_loop())  # fmt: skip
+    batcher._active = RecordingActive()  # the engine thread is not started: nothing steps
+    long_events: list = []
+    long = start_sequence(colo, 0, PROMPTS[0], 4, long_events)
+    batcher.add(long)
+    # A step must never find a sequence without its last token.
+    assert batcher._active.joined == {"seq-0": [long.first_token]} and batcher.active == 1
+    short_events: list = []
+    short = start_sequence(colo, 1, PROMPTS[1], 1, short_events)
+    batcher.add(short)  # finished by its first token: it never enters the batch
+    assert "seq-1" not in batcher._active.joined and batcher.active == 1
+    await asyncio.sleep(0.05)  # let the loop deliver what add() posted
+    assert long_events == [("tokens", [long.first_token])]
+    assert short_events == [("tokens", [short.first_token]), ("finish", "length")]
+
+
+async def test_steps_deliver_their_events_together_and_match_the_colocated_engine():
+    new = 6
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    want = colo.generate(
+        [GenerationRequest(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in PROMPTS]
+    )
+    loop = asyncio.get_running_loop()
+    wakeups = 0
+    post = loop.call_soon_threadsafe
+
+    def counting(callback, *args):  # type: ignore[no-untyped-def]
+        nonlocal wakeups
+        wakeups += 1
+        return post(callback, *args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode, loop)
+    events: list[list] = [[] for _ in PROMPTS]
+    seqs = [start_sequence(colo, i, p, new, events[i]) for i, p in enumerate(PROMPTS)]
+    batcher.start()
+    try:
+        for s in seqs:
+            batcher.add(s)
+        for _ in range(500):
+            if all(e and e[-1][0] == "finish" for e in events):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        batcher.stop()
+        del loop.call_soon_threadsafe
+    for e, w in zip(events, want, strict=True):
+        tokens = [t for kind, value in e if kind == "tokens" for t in value]
+        assert tokens == w.token_ids and e[-1] == ("finish", "length")
+    # The three first tokens posted by add(), then at most one wakeup per step; posting each
+    # token and finish on its own would take 3 + 3 * (new - 1) + 3 = 3 * new + 3.
+    assert wakeups <= 3 + batcher.steps < 3 * new + 3, (wakeups, batcher.steps)
