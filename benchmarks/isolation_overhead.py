@@ -65,25 +65,13 @@ def attention_unchecked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's common path (``kernels.reference._attention_all_pages_current``) with the
     generation check, the page-id range check and the argument checks removed: the "off"
-    baseline, with the same gather and the same attention arithmetic (the reference's own
-    ``_gather`` and ``_attend``, so that the difference is the check and nothing else)."""
-    page_size = kv_pages.shape[3]
-    lo, hi = (int(x) for x in torch.aminmax(seq_lens))
-    n_read = (hi + page_size - 1) // page_size
-    table = block_tables[:, :n_read]
-    seq = seq_lens.to(torch.int64)
-    if lo != hi:
-        n_pages = (seq + page_size - 1) // page_size
-        read = torch.arange(n_read, device=q.device)[None, :] < n_pages[:, None]
-        table = torch.where(read, table, 0)
-    k, v = reference._gather(kv_pages, layer, table.to(torch.int64))
-    if lo == hi:
-        out = reference._attend(q, k[:, :hi], v[:, :hi], None, scale)
-    else:
-        valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq[:, None]
-        out = reference._attend(q, k, v, valid, scale)
-    flags = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-    return out.to(q.dtype), flags
+    baseline. It runs the reference's own pieces (``_table_read``, ``_attend_pages``), so that the
+    difference is the check and nothing else."""
+    rows = reference._table_read(block_tables, seq_lens, kv_pages.shape[3])
+    assert rows is not None, "the benchmark's batches are valid"
+    hi, read, table = rows
+    out = reference._attend_pages(q, kv_pages, layer, table, seq_lens, hi, read is None, scale)
+    return out, torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
 
 
 # The engine reads ``kernels.<fn>`` at call time: swapping its module reference toggles the check.

@@ -79,39 +79,68 @@ def _attention_all_pages_current(
     Returns None, having read no K/V, when any row needs the flagging path: a seq_len <= 0 or
     beyond the table, a page id outside the pool, or a stale generation. On a CPU with a small
     model the per-op dispatch cost, not arithmetic, is what the check costs, so the check here is
-    one gather, one compare and one reduction; the rest is the attention itself.
+    one gather (which also range-checks the ids) and one compare; the rest is the attention.
     """
     batch = q.shape[0]
     if batch == 0:
         return None
-    page_size = kv_pages.shape[3]
-    lo, hi = (int(x) for x in torch.aminmax(seq_lens))
-    n_read = (hi + page_size - 1) // page_size
-    if lo <= 0 or n_read > block_tables.shape[1]:
+    rows = _table_read(block_tables, seq_lens, kv_pages.shape[3])
+    if rows is None:
         return None
-    table = block_tables[:, :n_read]
-    expected = expected_gen[:, :n_read]
-    seq = seq_lens.to(torch.int64)
-    if lo != hi:  # shorter rows: their table entries past their last page may hold any value
-        n_pages = (seq + page_size - 1) // page_size
-        read = torch.arange(n_read, device=q.device)[None, :] < n_pages[:, None]
-        table = torch.where(read, table, 0)
+    hi, read, table = rows
+    expected = expected_gen[:, : table.shape[1]]
+    if read is not None:  # an entry a row does not read holds any value: compare it with itself
         expected = torch.where(read, expected, page_gen[0])
-    table = table.to(torch.int64)
     try:  # index_select refuses an id outside [0, num_pages), a negative one included
         current = page_gen.index_select(0, table.reshape(-1))
     except IndexError:
         return None
     if not torch.equal(current.view(table.shape), expected):
         return None
+    out = _attend_pages(q, kv_pages, layer, table, seq_lens, hi, read is None, scale)
+    return out, torch.zeros(batch, dtype=torch.bool, device=q.device)
+
+
+def _table_read(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> tuple[int, torch.Tensor | None, torch.Tensor] | None:
+    """What the rows of a batch read: the longest seq_len ``hi``; ``read`` (B, n) bool, which of
+    the first ``n = ceil(hi / page_size)`` table entries each row reads (None when every row has
+    length ``hi`` and reads them all); and those entries as int64 (B, n), the unread ones set to
+    page 0. None when a seq_len is <= 0 or needs more pages than the table holds."""
+    lo, hi = (int(x) for x in torch.aminmax(seq_lens))
+    n_read = (hi + page_size - 1) // page_size
+    if lo <= 0 or n_read > block_tables.shape[1]:
+        return None
+    table = block_tables[:, :n_read]
+    read = None
+    if lo != hi:  # shorter rows: their table entries past their last page may hold any value
+        n_pages = (seq_lens.to(torch.int64) + page_size - 1) // page_size
+        read = torch.arange(n_read, device=table.device)[None, :] < n_pages[:, None]
+        table = torch.where(read, table, 0)
+    return hi, read, table.to(torch.int64)
+
+
+def _attend_pages(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    layer: int,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    hi: int,
+    uniform: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each row over the pages of its ``table`` row (int64, ids in the pool), up to
+    its seq_len; ``uniform`` when every row's length is ``hi``. In q's dtype."""
     k, v = _gather(kv_pages, layer, table)
-    if lo == hi:  # every row reads exactly its first hi slots: no mask at all
+    if uniform:  # every row reads exactly its first hi slots: no mask at all
         out = _attend(q, k[:, :hi], v[:, :hi], None, scale)
     else:
+        seq = seq_lens.to(torch.int64)
         valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq[:, None]  # (B, T)
         out = _attend(q, k, v, valid, scale)
-    flags = torch.zeros(batch, dtype=torch.bool, device=q.device)
-    return out.to(q.dtype), flags
+    return out.to(q.dtype)
 
 
 def _gather(
