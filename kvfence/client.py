@@ -69,7 +69,9 @@ class ModelSummary:
 
 
 @dataclass
-class _Accumulator:
+class GenerationAccumulator:
+    """Folds a stream's chunks into one :class:`GenerationResult`: ``add`` each, then ``result``."""
+
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -220,7 +222,7 @@ class Client:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
     ) -> GenerationResult:
-        acc = _Accumulator()
+        acc = GenerationAccumulator()
         for chunk in self.stream(
             prompt,
             prompt_ids=prompt_ids,
@@ -318,7 +320,7 @@ class AsyncClient:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
     ) -> GenerationResult:
-        acc = _Accumulator()
+        acc = GenerationAccumulator()
         async for chunk in self.stream(
             prompt,
             prompt_ids=prompt_ids,

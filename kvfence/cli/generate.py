@@ -45,15 +45,13 @@ def generate(
     timeout: float | None = typer.Option(None, "--timeout", help="Deadline in seconds."),
 ) -> None:
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
-    from kvfence.client import Client, GenerationChunk
+    from kvfence.client import Client, GenerationAccumulator
     from kvfence.errors import KvfenceError
 
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of PROMPT or --prompt-ids")
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    token_ids: list[int] = []
-    text: list[str] = []
-    last: GenerationChunk | None = None
+    acc = GenerationAccumulator()
     try:
         with Client(target, api_key, tls_ca=tls_ca, timeout=timeout) as client:
             for chunk in client.stream(
@@ -66,26 +64,24 @@ def generate(
                 stop=stop,
                 ignore_eos=ignore_eos,
             ):
-                token_ids.extend(chunk.token_ids)
-                text.append(chunk.text)
-                last = chunk
+                acc.add(chunk)
                 if not as_json and chunk.text:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
     except KvfenceError as err:
-        if not as_json and text:
+        if not as_json and acc.text:
             sys.stdout.write("\n")
         typer.echo(f"{err.code.name}: {err.message}", err=True)
         raise typer.Exit(EXIT_FAILED) from None
-    usage = last.usage if last is not None else None
     if as_json:
+        res = acc.result()
         out = {
-            "token_ids": token_ids,
-            "text": "".join(text),
-            "finish_reason": last.finish_reason if last is not None else "",
+            "token_ids": res.token_ids,
+            "text": res.text,
+            "finish_reason": res.finish_reason,
             "usage": {
-                "prompt_tokens": usage.prompt_tokens if usage else 0,
-                "completion_tokens": usage.completion_tokens if usage else len(token_ids),
+                "prompt_tokens": res.usage.prompt_tokens,
+                "completion_tokens": res.usage.completion_tokens,
             },
         }
         typer.echo(json.dumps(out, ensure_ascii=False))
