@@ -13,9 +13,7 @@ import argparse
 import importlib
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,31 +22,22 @@ import torch
 # This file is itself named kernels.py: put the repository first so that "kernels" is the package,
 # not this script (imported by name so type checkers do not confuse the two either).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # for benchlib
+import benchlib
+
 kernels = importlib.import_module("kernels")
 
 CHECKSUM_GOAL = 0.25  # checksum bandwidth / copy bandwidth
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _interleaved(
     fns: dict[str, Callable[[], object]], reps: int, device: torch.device
 ) -> dict[str, float]:
-    """Median seconds per call of each function, taking turns every repetition."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up: caches, allocator, Triton compilation
-        fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """Median seconds per call of each function, taking turns every repetition; on CUDA each
+    timed call is bracketed by a device synchronisation (the warm-up call compiles Triton)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    times = benchlib.interleaved(fns, reps, sync=sync)
+    return {name: benchlib.median(ts) for name, ts in times.items()}
 
 
 def _pool_shape(quick: bool) -> dict[str, int]:

@@ -52,16 +52,23 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
     }
 
 
-def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], reps: int, sync: Callable[[], None] | None = None
+) -> dict[str, list[float]]:
     """Seconds per call of each function, taking turns every repetition (after one warm-up call
-    each), so that a noisy shared machine slows every variant alike."""
+    each), so that a noisy shared machine slows every variant alike. ``sync`` (a device
+    synchronisation) runs before and after each timed call, outside nothing but the clock."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            if sync is not None:
+                sync()
             t0 = time.perf_counter()
             fn()
+            if sync is not None:
+                sync()
             times[name].append(time.perf_counter() - t0)
     return times
 
