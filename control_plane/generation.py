@@ -27,7 +27,7 @@ from kvfence.errors import (
 from kvfence.logging import request_context
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc
-from kvfence.server import abort, bearer_token
+from kvfence.server import abort, bearer_token, take_ready
 
 _DONE = object()
 
@@ -35,30 +35,28 @@ _DONE = object()
 def coalesce_tokens(
     first: client_pb2.GenerateResponse, out: asyncio.Queue[object]
 ) -> tuple[client_pb2.GenerateResponse, object | None]:
-    """``first`` with the token messages already waiting behind it appended, in order.
+    """``first`` with the token messages already waiting behind it appended, in order (see
+    ``take_ready``). Returns the message to write and the next item taken from the queue that
+    could not be merged (a final message, an error, the end), or None. A final message (usage,
+    finish reason) is never merged into nor merged."""
 
-    When the client reads slower than decode produces (many streams, one event loop), one write
-    per token is what limits throughput; merging what is already queued costs nothing when the
-    client keeps up (the queue is empty then). Returns the message to write and the next item
-    taken from the queue that could not be merged (a final message, an error, the end), or None.
-    """
-    if first.HasField("usage") or first.finish_reason:
-        return first, None
-    merged: client_pb2.GenerateResponse | None = None
-    while not out.empty():
-        nxt = out.get_nowait()
-        plain = isinstance(nxt, client_pb2.GenerateResponse) and not (
-            nxt.HasField("usage") or nxt.finish_reason
+    def plain(item: object) -> bool:
+        return isinstance(item, client_pb2.GenerateResponse) and not (
+            item.HasField("usage") or item.finish_reason
         )
-        if not plain:
-            return merged or first, nxt
-        assert isinstance(nxt, client_pb2.GenerateResponse)
-        if merged is None:
-            merged = client_pb2.GenerateResponse()
-            merged.CopyFrom(first)
-        merged.token_ids.extend(nxt.token_ids)
-        merged.text += nxt.text
-    return merged or first, None
+
+    if not plain(first):
+        return first, None
+    more, other = take_ready(out, plain)
+    if not more:
+        return first, other
+    merged = client_pb2.GenerateResponse()
+    merged.CopyFrom(first)
+    for msg in more:
+        assert isinstance(msg, client_pb2.GenerateResponse)
+        merged.token_ids.extend(msg.token_ids)
+        merged.text += msg.text
+    return merged, other
 
 
 def authenticate(context: grpc.aio.ServicerContext, tenants: TenantStore) -> Tenant:

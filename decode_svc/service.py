@@ -41,7 +41,7 @@ from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
 from kvfence.node import NodeRuntime, sampling_from_proto
 from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
-from kvfence.server import abort
+from kvfence.server import abort, take_ready
 from kvfence.transfer import InboundState, InboundTransfer, KvReceiver
 from prefill_svc.service import node_stats
 
@@ -53,19 +53,10 @@ log = kvlog.get_logger("decode")
 def drain_tokens(
     first: list[int], events: asyncio.Queue[tuple[str, Any]]
 ) -> tuple[list[int], tuple[str, Any] | None]:
-    """``first`` plus the token events already queued behind it, and the first other event taken.
-
-    Tokens already waiting go out in one message: with many streams on one event loop, a write
-    per token is what limits throughput; when the stream keeps up the queue is empty and nothing
-    changes.
-    """
-    ids = list(first)
-    while not events.empty():
-        nxt = events.get_nowait()
-        if nxt[0] != "tokens":
-            return ids, nxt
-        ids.extend(nxt[1])
-    return ids, None
+    """``first`` plus the token events already queued behind it (sent as one message), and the
+    first other event taken (see ``take_ready``)."""
+    more, other = take_ready(events, lambda event: event[0] == "tokens")
+    return [*first, *(t for _, ids in more for t in ids)], other
 
 
 class ResState(Enum):

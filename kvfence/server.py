@@ -17,7 +17,7 @@ import asyncio
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvfence.errors import KvfenceError
 
 Registrar = Callable[[Any, grpc.aio.Server], None]
+T = TypeVar("T")
 
 # Large enough for a manifest of a long prompt's pages; KV bytes themselves never travel over gRPC.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -104,3 +105,20 @@ def install_shutdown_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+
+def take_ready(queue: asyncio.Queue[T], joins: Callable[[T], bool]) -> tuple[list[T], T | None]:
+    """The items already waiting in ``queue`` for which ``joins`` holds, in order, and the first
+    waiting item for which it does not (taken as well), or None. Never waits.
+
+    A stream writer uses it to send what piled up behind one message in a single write: with many
+    streams on one event loop, a write per token is what limits throughput, and when the reader
+    keeps up the queue is empty and nothing changes.
+    """
+    taken: list[T] = []
+    while not queue.empty():
+        item = queue.get_nowait()
+        if not joins(item):
+            return taken, item
+        taken.append(item)
+    return taken, None
