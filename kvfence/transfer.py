@@ -125,8 +125,9 @@ def stop_ucx_notifier() -> None:
         core.stop_notifier_thread()
 
 
-def page_tag(reservation_id: str, batch: int, k: int) -> int:
-    """The UCX tag of the ``k``-th page of batch ``batch`` of a reservation's transfer.
+def page_tag(reservation_id: str, batch: int, k: int, version: int = PROTOCOL_VERSION) -> int:
+    """The UCX tag of the ``k``-th page of batch ``batch`` of a reservation's transfer, for a
+    decode speaking protocol ``version`` (before v3: ``PAGE_TAG + k``).
 
     An endpoint now carries one transfer after another, so a page tag must not be one a previous
     transfer could have left a message under: a stray page send (a sender bug) sitting unmatched
@@ -136,6 +137,8 @@ def page_tag(reservation_id: str, batch: int, k: int) -> int:
     """
     if not 0 <= k < PAGE_TAG:
         raise ValueError(f"page {k} of a batch is beyond {PAGE_TAG}")
+    if version < 3:
+        return PAGE_TAG + k
     scope = zlib.crc32(f"{reservation_id}\x00{batch}".encode())
     return (scope << 21) | (PAGE_TAG + k)
 
@@ -451,15 +454,12 @@ class KvReceiver:
                 return  # the final answer acknowledges this batch
             await _send_json(ep, {"ok": True}, reply=True)
 
-    @staticmethod
-    def _tag(t: InboundTransfer, batch: int, k: int) -> int:
-        """The tag this decode expects page ``k`` of ``batch`` under, by the version it speaks."""
-        return page_tag(t.reservation_id, batch, k) if PROTOCOL_VERSION >= 3 else PAGE_TAG + k
-
     async def _receive_pages(
         self, ep: Any, t: InboundTransfer, batch: int, indices: list[int]
     ) -> None:
         pids = [t.pages[i].page_id for i in indices]
+        # The tags of the version this decode said it speaks (read now: tests play older ones).
+        tags = [page_tag(t.reservation_id, batch, k, PROTOCOL_VERSION) for k in range(len(pids))]
         self.pool.begin_ops(pids)
         try:
             # Every receive lands straight in a reserved page; on any failure the endpoint is
@@ -467,8 +467,8 @@ class KvReceiver:
             await _within(
                 ep,
                 [
-                    ep.recv(page_buffer(self.pool.kv[pid]), tag=self._tag(t, batch, k))
-                    for k, pid in enumerate(pids)
+                    ep.recv(page_buffer(self.pool.kv[pid]), tag=tag)
+                    for pid, tag in zip(pids, tags, strict=True)
                 ],
                 self.batch_timeout_s,
             )
@@ -665,11 +665,7 @@ async def send_pages(
             if version >= 2 and k == len(batches) - 1:
                 header["last"] = True  # decode's final answer acknowledges it
             await _send_json(ep, header)
-            # v3 scopes page tags to the transfer; a decode before v3 expects PAGE_TAG + i.
-            tags = [
-                page_tag(reservation_id, k, i) if version >= 3 else PAGE_TAG + i
-                for i in range(len(batch))
-            ]
+            tags = [page_tag(reservation_id, k, i, version) for i in range(len(batch))]
             await _send_batch(ep, batch, tags, batch_timeout_s)
         if version < 2 or not batches:
             await _send_json(ep, {"done": True})
