@@ -129,3 +129,21 @@ def test_the_short_path_declines_every_case_that_needs_a_flag(make_pool, make_ba
     assert short(lambda b: b.block_tables[1, 0].fill_(pool.kv.shape[0])) is None  # above it
     assert short(lambda b: b.seq_lens[0].fill_(0)) is None  # nothing to attend to
     assert short(lambda b: b.seq_lens[1].fill_(65)) is None  # beyond the table
+
+    def alias_last_page(b) -> None:
+        # -1 read from the end would be the pool's last page: give it the generation expected, so
+        # only the range check can refuse it
+        b.block_tables[0, 0] = -1
+        b.expected_gen[0, 0] = pool.page_gen[-1]
+
+    assert short(alias_last_page) is None
+
+    def uniform(edit) -> object:  # every row the same length: the path without a read mask
+        batch = make_batch(pool, [33, 33], max_pages=4)
+        edit(batch)
+        return reference._attention_all_pages_current(*batch.args(pool, layer=0))
+
+    assert uniform(lambda b: None) is not None
+    assert uniform(alias_last_page) is None
+    assert uniform(lambda b: b.expected_gen[1, 2].sub_(1)) is None
+    assert uniform(lambda b: b.block_tables[1, 1].fill_(pool.kv.shape[0])) is None
