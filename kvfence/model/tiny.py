@@ -43,11 +43,18 @@ TINY_SEED = 20260829
 
 TINY_DIR_ENV = "KVFENCE_TINY_MODEL_DIR"
 _WEIGHTS = "model.safetensors"
-_UNRENDERED = [0, 1, *range(259, TINY_CONFIG["vocab_size"])]
 
 
-def tiny_state_dict() -> dict[str, torch.Tensor]:
-    """The tiny model's weights, a pure function of TINY_CONFIG and TINY_SEED.
+def _unrendered(vocab_size: int) -> list[int]:
+    """Ids the byte tokenizer cannot render (and <pad>, <s>)."""
+    return [0, 1, *range(259, vocab_size)]
+
+
+def tiny_state_dict(
+    config: dict[str, Any] = TINY_CONFIG, seed: int = TINY_SEED
+) -> dict[str, torch.Tensor]:
+    """The tiny model's weights, a pure function of ``config`` and ``seed`` (by default
+    TINY_CONFIG and TINY_SEED; the benchmarks draw larger checkpoints the same way).
 
     Linear weights are scaled by 1/sqrt(fan_in) so activations stay O(1) through the layers, and
     the LM head by 4/sqrt(hidden) so logits spread over several units: a greedy run then produces
@@ -58,10 +65,10 @@ def tiny_state_dict() -> dict[str, torch.Tensor]:
 
     from kvfence.model.llama import ModelArgs, Transformer
 
-    args = ModelArgs.from_hf_config(TINY_CONFIG)
+    args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    gen = torch.Generator().manual_seed(TINY_SEED)
+    gen = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):  # sorted: the draw order must not depend on module layout
         shape = shapes[name]
@@ -72,78 +79,85 @@ def tiny_state_dict() -> dict[str, torch.Tensor]:
         elif name == "lm_head.weight":
             head = torch.randn(shape, generator=gen) * (4.0 / math.sqrt(shape[1]))
             # Ids the byte tokenizer cannot render (and <pad>, <s>) rarely win, so text is readable.
-            head[_UNRENDERED] *= 0.25
+            head[_unrendered(shape[0])] *= 0.25
             state[name] = head
         else:
             state[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
     return {k: v.contiguous() for k, v in state.items()}
 
 
-def write_tiny_model(directory: Path | str) -> Path:
-    """Write the embedded model (config, weights, tokenizer) to ``directory``; same bytes always."""
+def write_tiny_model(
+    directory: Path | str, config: dict[str, Any] = TINY_CONFIG, seed: int = TINY_SEED
+) -> Path:
+    """Write the embedded model (config, weights, tokenizer) to ``directory``; same bytes always.
+    ``config`` and ``seed`` draw another random Llama the same way (the byte tokenizer needs a
+    vocabulary of at least 259)."""
     from safetensors.torch import save_file
 
     from kvfence.tokenizer import byte_level_tokenizer_json
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2, sort_keys=True) + "\n")
-    gen_cfg = {
-        "bos_token_id": TINY_CONFIG["bos_token_id"],
-        "eos_token_id": TINY_CONFIG["eos_token_id"],
-    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen_cfg = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out / "generation_config.json").write_text(
         json.dumps(gen_cfg, indent=2, sort_keys=True) + "\n"
     )
     (out / "tokenizer.json").write_text(byte_level_tokenizer_json())
-    save_file(tiny_state_dict(), str(out / _WEIGHTS), metadata={"format": "pt"})
+    save_file(tiny_state_dict(config, seed), str(out / _WEIGHTS), metadata={"format": "pt"})
     return out
 
 
-def default_tiny_dir() -> Path:
+def default_tiny_dir(config: dict[str, Any] = TINY_CONFIG, seed: int = TINY_SEED) -> Path:
     """Where the services keep the embedded model: $KVFENCE_TINY_MODEL_DIR or the user cache.
 
-    The folder name carries a hash of TINY_CONFIG and TINY_SEED, so changing either never reuses a
-    stale copy.
+    The folder name carries a hash of the config and seed, so changing either never reuses a
+    stale copy. The variable names the embedded model's folder only, not another config's.
     """
-    if os.environ.get(TINY_DIR_ENV):
+    embedded = config == TINY_CONFIG and seed == TINY_SEED
+    if embedded and os.environ.get(TINY_DIR_ENV):
         return Path(os.environ[TINY_DIR_ENV])
-    canonical = json.dumps([TINY_CONFIG, TINY_SEED], sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps([config, seed], sort_keys=True, separators=(",", ":"))
     tag = hashlib.sha256(canonical.encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "kvfence" / f"tiny-llama-{tag}"
+    return cache / "kvfence" / f"{'tiny' if embedded else 'random'}-llama-{tag}"
 
 
-def _is_complete(directory: Path) -> bool:
+def _is_complete(directory: Path, config: dict[str, Any]) -> bool:
     cfg = directory / "config.json"
     names = ("generation_config.json", "tokenizer.json", _WEIGHTS)
     if not cfg.exists() or not all((directory / n).exists() for n in names):
         return False
     try:
-        return bool(json.loads(cfg.read_text()) == TINY_CONFIG)
+        return bool(json.loads(cfg.read_text()) == config)
     except json.JSONDecodeError:
         return False
 
 
-def ensure_tiny_model(directory: Path | str | None = None) -> Path:
-    """The embedded model's folder, written first if it is missing or incomplete.
+def ensure_tiny_model(
+    directory: Path | str | None = None,
+    config: dict[str, Any] = TINY_CONFIG,
+    seed: int = TINY_SEED,
+) -> Path:
+    """The embedded model's folder (or that of another ``config``/``seed`` drawn the same way),
+    written first if it is missing or incomplete.
 
     Safe when several processes start at once: each writes into its own temporary folder and
     renames it into place; a loser of the race discards its copy (the bytes are identical anyway).
     """
-    target = Path(directory) if directory is not None else default_tiny_dir()
-    if _is_complete(target):
+    target = Path(directory) if directory is not None else default_tiny_dir(config, seed)
+    if _is_complete(target, config):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_tiny_model(tmp)
-        if target.exists() and not _is_complete(target):
+        write_tiny_model(tmp, config, seed)
+        if target.exists() and not _is_complete(target, config):
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(tmp, target)
         except OSError:
-            if not _is_complete(target):  # not a lost race but a real failure
+            if not _is_complete(target, config):  # not a lost race but a real failure
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
