@@ -15,7 +15,8 @@ It also samples the resident set size of every stack process during each concurr
 Goals (reported, never asserted): disaggregated >= 0.9x colocated tokens/s at concurrency >= 16;
 colocated >= 1x transformers; decode RSS set by its pool, not by the number of requests (peak at
 the highest concurrency within 5% of the lowest). Prints one JSON object; ``--quick`` for a smoke
-run (concurrency 1 and 4, few requests), ``--png PATH`` a chart.
+run (concurrency 1 and 4, few requests), ``--png PATH`` a chart, ``--model small`` the same on a
+23M-parameter random Llama instead of the embedded tiny model.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 import torch
 from benchlib.load import make_prompts, run_load
+from benchlib.models import MODELS, bench_model
 from benchlib.stack import BenchStack, RssSampler
 
 from kvfence.model.colocated import ColocatedEngine
 from kvfence.model.sampling import SamplingParams
 from kvfence.model.scheduler import Scheduler
-from kvfence.model.tiny import ensure_tiny_model
 
 GOAL_DISAGG_VS_COLOCATED = 0.9  # at concurrency >= GOAL_MIN_CONCURRENCY
 GOAL_MIN_CONCURRENCY = 16
@@ -70,7 +71,7 @@ def run_colocated(colo: ColocatedEngine, prompts: list[list[int]], new: int, con
 
 
 class HfRunner:
-    """Greedy batched ``generate()`` with left padding on the tiny checkpoint."""
+    """Greedy batched ``generate()`` with left padding on the checkpoint."""
 
     def __init__(self, path: Path):
         from transformers import AutoModelForCausalLM, LogitsProcessor
@@ -178,23 +179,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 4, few requests")
     ap.add_argument("--png", type=Path, help="also draw tokens/s and TTFT by concurrency here")
     ap.add_argument("--new", type=int, help="new tokens per request (default 32, quick 16)")
+    ap.add_argument(
+        "--model",
+        choices=MODELS,
+        default="tiny",
+        help="checkpoint (benchlib/models.py): the embedded tiny model or a 23M random Llama",
+    )
     args = ap.parse_args(argv)
     new = args.new or (16 if args.quick else 32)
     levels_c = [1, 4] if args.quick else [1, 4, 16, 64]
     rounds = 1 if args.quick else 3
     torch.manual_seed(0)
-    tiny = ensure_tiny_model()
+    checkpoint = bench_model(args.model)
     max_c = max(levels_c)
     decode_pool_tokens = 8192
-    colo = ColocatedEngine.from_path(tiny, page_size=PAGE_SIZE, num_pages=decode_pool_tokens // 16)
+    colo = ColocatedEngine.from_path(
+        checkpoint, page_size=PAGE_SIZE, num_pages=decode_pool_tokens // 16
+    )
     benchlib.log("loading the checkpoint into transformers")
-    hf = HfRunner(tiny)
+    hf = HfRunner(checkpoint)
     levels, rss = [], {}
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         benchlib.log("starting kvfence up")
         stack = BenchStack(
             Path(tmp) / "stack",
-            args=["--model", str(tiny), "--decode-pool-tokens", str(decode_pool_tokens)],
+            args=["--model", str(checkpoint), "--decode-pool-tokens", str(decode_pool_tokens)],
         )
         with stack, RssSampler(stack.services()) as sampler:
             rss["idle"] = sampler.peaks_mb()
@@ -212,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         "quick": args.quick,
         "machine": benchlib.machine(),
         "workload": {
-            "model": "embedded tiny",
+            "model": args.model,
+            "parameters": sum(p.numel() for p in colo.loaded.model.parameters()),
             "prompt_tokens": [24, 40],
             "new_tokens": new,
             "greedy": True,

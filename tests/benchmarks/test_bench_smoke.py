@@ -145,3 +145,23 @@ def test_e2e_quick(tmp_path):
     assert goal["disaggregated_vs_colocated_met"] is None  # quick never reaches 16
     assert isinstance(goal["colocated_vs_transformers_met"], bool)
     assert isinstance(goal["decode_rss_met"], bool)
+
+
+def test_bench_models_small_is_a_larger_llama_the_engine_loads(tmp_path, monkeypatch):
+    # ``--model small`` must be a real checkpoint of the configured shape, not the tiny one again
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    sys.path.insert(0, str(BENCH))
+    try:
+        from benchlib.models import SMALL_CONFIG, bench_model
+    finally:
+        sys.path.remove(str(BENCH))
+    from kvfence.model.loader import load_model
+
+    tiny, small = load_model(bench_model("tiny")), load_model(bench_model("small"))
+    assert small.config == SMALL_CONFIG
+    assert small.args.num_layers == 8 and small.args.hidden_size == 512
+    assert small.fingerprint != tiny.fingerprint
+    n_small = sum(p.numel() for p in small.model.parameters())
+    assert n_small > 50 * sum(p.numel() for p in tiny.model.parameters())
+    with pytest.raises(ValueError, match="unknown benchmark model"):
+        bench_model("huge")
