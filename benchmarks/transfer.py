@@ -5,10 +5,13 @@ For each request size (pages of the embedded tiny model, and bigger synthetic pa
 order rotates, so no method always runs right after another's after-effects):
 
 * ``kvfence``: ``send_pages`` into a ``KvReceiver`` over a real ``PagePool`` — on a warm endpoint
-  from prefill's ``EndpointPool`` (as a serving prefill node runs), the authenticated hello,
-  batches of at most ``max_batch_bytes`` each acknowledged, receives posted straight into reserved
-  pages with ``begin_ops``/``end_ops`` bookkeeping, allocate/release. The first transfer of each
-  size, which opens the endpoint, is reported apart as ``kvfence_cold_first_ms``;
+  from prefill's ``EndpointPool`` (as a serving prefill node runs): the authenticated hello
+  carrying the first batch with its pages right behind it and one answer for both (protocol v4:
+  one round trip, as raw ucxx, when the pages fit in one batch), later batches of at most
+  ``max_batch_bytes`` each acknowledged, receives posted straight into reserved pages only after
+  the hello was verified, with ``begin_ops``/``end_ops`` bookkeeping, allocate/release. The first
+  transfer of each size, which opens the endpoint (two-step hello), is reported apart as
+  ``kvfence_cold_first_ms``;
 * ``raw_ucxx``: the same pages as tagged ucxx messages on an endpoint kept open, one header and
   one acknowledgement per transfer (the floor kvfence's protocol adds to);
 * ``raw_ucxx_new_endpoint``: the same with a new endpoint per transfer (what a transfer costs

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
 
 from kvfence.kv.pool import PagePool, PageState
 from kvfence.transfer import (
+    FRAME_BYTES,
+    PROTOCOL_VERSION,
+    EndpointPool,
     InboundState,
     KvReceiver,
     OutboundPage,
     TransferError,
     page_buffer,
+    page_tag,
     send_pages,
 )
 
@@ -54,6 +59,7 @@ async def send(rx, t, sources, *, indices=None, secret=None, **kw):
         page_bytes=pool_bytes,
         max_batch_bytes=kw.get("max_batch_bytes", 2 * pool_bytes),
         batch_timeout_s=kw.get("batch_timeout_s", 5.0),
+        endpoints=kw.get("endpoints"),
     )
 
 
@@ -163,4 +169,321 @@ async def test_cancel_mid_transfer_settles_posted_receives_before_free():
         pool.check_integrity()
         ep.abort()
     finally:
+        await rx.stop()
+
+
+# ---- protocol v4: on a warm endpoint the hello carries the first batch ---------------------------
+
+
+class Wire:
+    """Every UCX send of this process, in the order it was posted, by what it carries: "hello"
+    (its JSON), "batch" (a BATCH header), "answer" (decode's answer) or "page". Both sides run
+    here, so one list shows the whole exchange. A control message sent as a length and a body is
+    logged once, at its body; ``messages`` counts every UCX message."""
+
+    def __init__(self, monkeypatch):
+        from ucxx._lib_async.endpoint import Endpoint
+
+        from kvfence import transfer
+
+        self.log: list[tuple[str, object]] = []
+        self.messages = 0
+        self.frames = 0  # control messages sent as one UCX message
+        original = Endpoint.send
+        control = {
+            transfer.LEN_TAG: "batch",
+            transfer.BODY_TAG: "batch",
+            transfer.REPLY_LEN_TAG: "answer",
+            transfer.REPLY_BODY_TAG: "answer",
+        }
+
+        async def send(ep, buffer, tag=None, force_tag=False):
+            self.messages += 1
+            raw = bytes(buffer)
+            if tag in control:
+                if tag in (transfer.LEN_TAG, transfer.REPLY_LEN_TAG) and len(raw) > 8:
+                    raw = raw[8:]  # one frame: length, then the body
+                    self.frames += 1
+                if tag in (transfer.BODY_TAG, transfer.REPLY_BODY_TAG) or len(raw) != 8:
+                    obj = json.loads(raw)
+                    kind = control[tag]
+                    self.log.append(("hello" if "reservation_id" in obj else kind, obj))
+            else:
+                self.log.append(("page", tag))
+            return await original(ep, buffer, tag=tag, force_tag=force_tag)
+
+        monkeypatch.setattr(Endpoint, "send", send)
+
+    def take(self) -> list[tuple[str, object]]:
+        log, self.log, self.messages, self.frames = self.log, [], 0, 0
+        return log
+
+    @staticmethod
+    def kinds(log) -> list[str]:
+        return [kind for kind, _ in log]
+
+
+def holds(pool: PagePool, refs, sources) -> bool:
+    """Every reserved page holds exactly its source's bytes."""
+    return all(torch.equal(pool.kv[r.page_id], s) for r, s in zip(refs, sources, strict=True))
+
+
+async def warm_setup(page_layout: dict | None = None, **kw):
+    """A receiver, a pool of endpoints holding one warm endpoint (a completed transfer on it)."""
+    pool = PagePool(
+        8, **(page_layout or dict(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8))
+    )
+    rx, events = await make_receiver(pool, **kw)
+    eps = EndpointPool()
+    refs = pool.allocate(1, "res-0")
+    t = rx.expect("res-0", "req-0", b"k" * 32, refs)
+    await send(rx, t, make_source(pool, 1), endpoints=eps, **kw)
+    assert t.state == InboundState.COMPLETE and eps.idle("127.0.0.1", rx.port) == 1
+    pool.release("res-0")
+    rx.forget("res-0")
+    return pool, rx, events, eps
+
+
+async def test_warm_endpoint_transfer_is_one_round_trip_and_cold_is_two(monkeypatch):
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    eps = EndpointPool()
+    wire = Wire(monkeypatch)
+    try:
+        landed = []
+        for n in range(3):
+            rid = f"res-{n}"
+            refs = pool.allocate(2, rid)
+            t = rx.expect(rid, f"req-{n}", b"k" * 32, refs)
+            sources = make_source(pool, 2, fill=10.0 * (n + 1))
+            answers = rx.answers
+            await send(rx, t, sources, endpoints=eps)
+            assert t.state == InboundState.COMPLETE and sorted(t.received) == [0, 1]
+            landed.append(holds(pool, refs, sources))
+            messages, log = wire.messages, wire.take()
+            if n == 0:
+                # a new endpoint: the two-step hello, which decode v4 still accepts; the hello
+                # is a length and a body (decode's version is not known yet), the rest frames
+                assert Wire.kinds(log) == ["hello", "answer", "batch", "page", "page", "answer"]
+                assert "batch" not in log[0][1]
+                assert rx.answers - answers == 2 and messages == 2 + 1 + 1 + 2 + 1
+            else:
+                # warm: hello + batch + its pages, then one answer for all of it
+                assert Wire.kinds(log) == ["hello", "page", "page", "answer"]
+                assert log[0][1]["batch"] == {"indices": [0, 1], "last": True}
+                assert log[-1][1] == {"ok": True, "received": 2, "v": PROTOCOL_VERSION}
+                assert rx.answers - answers == 1 and messages == 1 + 2 + 1
+            pool.release(rid)
+            rx.forget(rid)
+        assert landed == [True, True, True]
+        assert (eps.opened, eps.reused) == (1, 2) and rx.warm_hellos == 2
+        assert rx.transfers_served == 3 and events == []
+        pool.check_integrity()
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
+async def test_warm_transfer_without_pages_is_one_round_trip(monkeypatch):
+    pool, rx, _, eps = await warm_setup()
+    wire = Wire(monkeypatch)
+    try:
+        t = rx.expect("res-1", "req-1", b"k" * 32, pool.allocate(1, "res-1"))
+        await send_pages(rx.address, reservation_id="res-1", request_id="req-1",
+                         secret=b"k" * 32, pages=[], page_bytes=pool.page_bytes,
+                         max_batch_bytes=pool.page_bytes, batch_timeout_s=5.0,
+                         endpoints=eps)  # fmt: skip
+        assert t.state == InboundState.COMPLETE and t.received == []
+        log = wire.take()
+        assert Wire.kinds(log) == ["hello", "answer"] and log[0][1]["batch"] == {"done": True}
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
+BIG_PAGES = dict(num_layers=4, page_size=16, num_kv_heads=8, head_dim=64)  # 256 KiB: rendezvous
+
+
+@pytest.mark.parametrize("layout", [None, BIG_PAGES], ids=["small_pages", "big_pages"])
+@pytest.mark.parametrize("auth", ["right", "wrong"])
+async def test_warm_hello_is_verified_before_any_page_lands(monkeypatch, auth, layout):
+    """The pages travel with the hello, before decode checked it: with a wrong authenticator they
+    never reach the reserved pages and the error is today's; with the right one (the control,
+    same path) they land. Afterwards the reservation takes a correct transfer, on a new endpoint,
+    and the refused pages (same tags, other endpoint) do not land in it."""
+    pool, rx, events, eps = await warm_setup(layout)
+    wire = Wire(monkeypatch)
+    try:
+        refs = pool.allocate(2, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        garbage = make_source(pool, 2, fill=-50.0)
+        ops = []
+        original = pool.begin_ops
+        monkeypatch.setattr(pool, "begin_ops", lambda pids: (ops.append(pids), original(pids)))
+        secret = b"k" * 32 if auth == "right" else b"x" * 32
+        err = None
+        try:
+            await send(rx, t, garbage, endpoints=eps, secret=secret)
+        except TransferError as e:
+            err = e
+        # either way it went warm: hello + batch + pages on the wire before any answer
+        log = wire.take()
+        assert Wire.kinds(log) == ["hello", "page", "page", "answer"]
+        assert log[0][1]["batch"] == {"indices": [0, 1], "last": True}
+        assert (eps.opened, eps.reused) == (1, 1)
+        if auth == "right":
+            assert err is None and t.state == InboundState.COMPLETE
+            assert holds(pool, refs, garbage)
+            assert len(ops) == 1 and events == []
+            return
+        assert err is not None
+        assert err.reason == "BAD_AUTHENTICATOR" and err.refused and not err.timeout
+        assert log[-1][1] == {"ok": False, "error": "BAD_AUTHENTICATOR"}
+        assert ops == [] and pool.outstanding_ops("res-1") == 0  # no receive was ever posted
+        assert all(pool.kv[r.page_id].abs().sum() == 0 for r in refs)
+        assert t.state == InboundState.EXPECTING
+        assert events == [
+            (
+                "integrity_violation",
+                {"check": "BAD_AUTHENTICATOR", "reservation_id": "res-1", "stage": "ucx_hello"},
+            )
+        ]
+        # the endpoint ended on both sides, as before v4
+        assert eps.discarded == 1 and eps.open_endpoints == 0
+        for _ in range(250):
+            if rx.open_endpoints == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert rx.open_endpoints == 0
+        # the reservation still takes its one correct transfer, and gets exactly its own bytes
+        good = make_source(pool, 2, fill=7.0)
+        await send(rx, t, good, endpoints=eps)
+        assert t.state == InboundState.COMPLETE and eps.opened == 2
+        assert holds(pool, refs, good)
+        pool.check_integrity()
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
+@pytest.mark.parametrize("warm", [True, False])
+async def test_batches_after_the_first_stay_stop_and_wait(monkeypatch, warm):
+    """Five pages in batches of two: each later batch (header and pages) goes out only after the
+    previous batch was answered, warm or cold; warm saves exactly the hello's round trip."""
+    pool, rx, _, eps = await warm_setup()
+    if not warm:
+        await eps.close()
+        eps = EndpointPool()
+    wire = Wire(monkeypatch)
+    try:
+        refs = pool.allocate(5, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        sources = make_source(pool, 5, fill=3.0)
+        await send(rx, t, sources, endpoints=eps, max_batch_bytes=2 * pool.page_bytes)
+        assert t.state == InboundState.COMPLETE
+        assert holds(pool, refs, sources)
+        log = wire.take()
+        rounds = ["page", "page", "answer", "batch", "page", "page", "answer", "batch", "page"]
+        if warm:
+            assert Wire.kinds(log) == ["hello", *rounds, "answer"]
+        else:
+            assert Wire.kinds(log) == ["hello", "answer", "batch", *rounds, "answer"]
+        headers = [obj for kind, obj in log if kind in ("hello", "batch")]
+        assert [h.get("batch", h).get("indices") for h in headers][-3:] == [[0, 1], [2, 3], [4]]
+        # the page tags name the batch, counted from 0 whichever opening carried batch 0
+        tags = [obj for kind, obj in log if kind == "page"]
+        assert tags == [
+            page_tag("res-1", b, k) for b, n in ((0, 2), (1, 2), (2, 1)) for k in range(n)
+        ]
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
+async def test_decode_speaking_v3_gets_the_two_step_hello_on_every_endpoint(monkeypatch):
+    """A decode before v4 answers the hello before any batch: prefill pools its endpoints but
+    never sends a batch with a hello on them (the control is the warm test above)."""
+    from kvfence import transfer
+
+    monkeypatch.setattr(transfer, "PROTOCOL_VERSION", 3)
+    pool, rx, events, eps = await warm_setup()
+    wire = Wire(monkeypatch)
+    try:
+        for n in (1, 2):
+            rid = f"res-{n}"
+            refs = pool.allocate(1, rid)
+            t = rx.expect(rid, f"req-{n}", b"k" * 32, refs)
+            sources = make_source(pool, 1, fill=5.0 * n)
+            await send(rx, t, sources, endpoints=eps)
+            assert torch.equal(pool.kv[refs[0].page_id], sources[0])
+            log = wire.take()
+            assert Wire.kinds(log) == ["hello", "answer", "batch", "page", "answer"]
+            assert "batch" not in log[0][1] and log[1][1]["v"] == 3
+            pool.release(rid)
+            rx.forget(rid)
+        assert (eps.opened, eps.reused) == (1, 2) and rx.warm_hellos == 0 and events == []
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
+@pytest.mark.parametrize("size", [100, FRAME_BYTES - 8, FRAME_BYTES - 7, 50_000])
+@pytest.mark.parametrize("frame", [True, False])
+async def test_control_message_is_one_frame_only_when_asked_and_small(monkeypatch, frame, size):
+    """Either form arrives intact through the one receive path; a frame is used only when the
+    sender may (``frame``: the peer said v >= 4) and the message fits in FRAME_BYTES."""
+    import ucxx
+
+    from kvfence.transfer import _recv_json, _send_json
+
+    got: list = []
+
+    async def serve(ep):
+        got.append(await _recv_json(ep))
+        await _send_json(ep, {"ok": True}, reply=True, frame=frame)
+
+    listener = ucxx.create_listener(serve)
+    ep = await ucxx.create_endpoint("127.0.0.1", listener.port)
+    wire = Wire(monkeypatch)
+    try:
+        obj = {"pad": ""}
+        obj["pad"] = "x" * (size - len(json.dumps(obj).encode()))
+        await _send_json(ep, obj, frame=frame)
+        assert await _recv_json(ep, reply=True) == {"ok": True}
+        assert got == [obj]
+        one = frame and size + 8 <= FRAME_BYTES
+        assert wire.messages == (1 if one else 2) + (1 if frame else 2)
+        assert wire.frames == (1 if one else 0) + (1 if frame else 0)
+    finally:
+        ep.abort()
+        listener.close()
+
+
+async def test_a_prefill_before_v4_is_answered_in_two_part_messages(monkeypatch):
+    """A hello that names no version (prefill before v4) gets answers as a length and a body,
+    the only form such a prefill can receive; the control is the v4 hello in the test above."""
+    import ucxx
+
+    from kvfence.transfer import _recv_json, _send_json, authenticator
+
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
+    wire = Wire(monkeypatch)
+    try:
+        refs = pool.allocate(1, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        hello = {"reservation_id": "res-1", "request_id": "req-1",
+                 "auth": authenticator(b"k" * 32, "res-1")}  # fmt: skip
+        await _send_json(ep, hello)
+        assert (await _recv_json(ep, reply=True))["ok"]
+        await _send_json(ep, {"indices": [0], "last": True})
+        source = make_source(pool, 1, fill=9.0)[0]
+        await ep.send(page_buffer(source), tag=page_tag("res-1", 0, 0))
+        assert await _recv_json(ep, reply=True) == {"ok": True, "received": 1, "v": 4}
+        assert torch.equal(pool.kv[refs[0].page_id], source)
+        assert t.state == InboundState.COMPLETE and events == []
+        assert wire.frames == 0
+    finally:
+        ep.abort()
         await rx.stop()

@@ -17,6 +17,7 @@ from kvfence.model.tiny import ensure_tiny_model
 from kvfence.node_main import start_node
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from kvfence.transfer import (
+    PROTOCOL_VERSION,
     EndpointPool,
     InboundState,
     KvReceiver,
@@ -236,11 +237,12 @@ async def test_stale_pooled_endpoint_is_replaced_transparently(noticed):
         for ep in list(rx._endpoints):
             ep.abort()  # the peer side of prefill's idle endpoint is gone
         assert await eventually(lambda: rx.open_endpoints == 0)
-        [(stale, since)] = eps._idle[("127.0.0.1", rx.port)]
+        [(stale, since, version)] = eps._idle[("127.0.0.1", rx.port)]
+        assert version == PROTOCOL_VERSION  # so the next transfer starts warm
         if noticed:
             assert await eventually(lambda: stale.closed)
         else:
-            eps._idle[("127.0.0.1", rx.port)] = [(Unaware(stale), since)]
+            eps._idle[("127.0.0.1", rx.port)] = [(Unaware(stale), since, version)]
         await tr.run()  # no error reaches the caller
         assert (eps.opened, eps.discarded) == (2, 1)
         assert eps.reused == (0 if noticed else 1)
@@ -252,6 +254,68 @@ async def test_stale_pooled_endpoint_is_replaced_transparently(noticed):
         await eps.close()
         await rx.stop()
     pool.check_integrity()
+
+
+async def test_warm_hello_that_decode_may_have_taken_is_not_said_again(monkeypatch):
+    """On a warm endpoint the pages go out with the hello, so once the hello has left, a failure
+    is final: decode may have accepted it (here it did, then lost the endpoint), and saying it
+    again would at best be refused as a replay. The stale-endpoint test above is the control:
+    there the hello never left and is said again on a new endpoint."""
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    eps = EndpointPool()
+    try:
+        tr = Transfers(pool, rx, eps)
+        await tr.run()
+        original = rx._receive_pages
+
+        async def lose_endpoint(ep, t, batch, indices):
+            ep.abort()  # decode accepted the hello, then its endpoint broke
+            await original(ep, t, batch, indices)
+
+        monkeypatch.setattr(rx, "_receive_pages", lose_endpoint)
+        with pytest.raises(TransferError) as err:
+            await tr.run()
+        assert not err.value.refused and not err.value.timeout
+        assert err.value.reason == "TRANSFER_FAILED"
+        assert rx.warm_hellos == 1 and rx.transfers_served == 2
+        # not retried: no new endpoint, no second hello (which decode would call a replay)
+        assert (eps.opened, eps.reused, eps.discarded) == (1, 1, 1) and rx.connections == 1
+        # decode's handler ended (it failed the transfer, or completed it and lost only its
+        # answer: a receive posted on the broken endpoint may still take a page already queued)
+        assert await eventually(lambda: rx.open_endpoints == 0)
+        assert not any(kind == "integrity_violation" for kind, _ in events)  # no replayed hello
+        monkeypatch.setattr(rx, "_receive_pages", original)
+        await tr.run()  # positive control: the next transfer, on a new endpoint
+        assert eps.opened == 2
+    finally:
+        await eps.close()
+        await rx.stop()
+    pool.check_integrity()
+
+
+class FakeEndpoint:
+    closed = False
+
+    def abort(self) -> None:
+        self.closed = True
+
+
+async def test_pool_remembers_the_protocol_version_per_endpoint():
+    eps = EndpointPool()
+    a, b = FakeEndpoint(), FakeEndpoint()
+    for ep in (a, b):
+        eps._leased[ep] = 0  # as connect() leases a new endpoint: version not known yet
+    assert eps.peer_version(a) == 0
+    eps.give_back("h", 1, a, version=4)
+    eps.give_back("h", 1, b, version=3)
+    assert eps.take("h", 1) is b and eps.peer_version(b) == 3  # most recently used first
+    assert eps.take("h", 1) is a and eps.peer_version(a) == 4
+    eps.give_back("h", 1, a)  # no version given: what the pool knew stays
+    assert eps.take("h", 1) is a and eps.peer_version(a) == 4
+    eps.discard(a)
+    assert eps.peer_version(a) == 0 and eps.peer_version(b) == 3
+    await eps.close()
 
 
 async def test_pool_is_bounded_and_idle_endpoints_expire():
