@@ -112,7 +112,7 @@ def _all_current(
     index from the end); ids come from int32 tables, so the cast changes nothing else.
     """
     n = table.shape[1]
-    if page_gen.device.type == "cpu":
+    if page_gen.is_cpu:
         try:
             current = page_gen.numpy().take(table.numpy().astype(np.uint32))
         except IndexError:
