@@ -2,9 +2,9 @@
 
 ``up`` writes a cluster config into the state directory, starts the control plane, then N prefill
 and M decode processes on loopback, waits until every node has registered, creates a demo tenant,
-writes
-``<state-dir>/up.json`` ``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` and
-prints ``kvfence ready: <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C or
+writes ``<state-dir>/up.json`` ``{"target", "admin_target", "admin_token", "api_keys": {"demo":
+...}}`` (owner-only, atomically: it exists, whole, exactly while the stack serves) and prints
+``kvfence ready: <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C or
 SIGTERM stops every process it started (SIGTERM first, SIGKILL after a grace period).
 """
 
@@ -199,6 +199,10 @@ def run_stack(
     signal.signal(signal.SIGINT, stop_all)
     target = cfg["control_plane"]["listen"]
     admin_target = cfg["control_plane"]["admin_listen"]
+    # up.json says "this stack is serving, here": one left by an earlier run must not be read as
+    # this run's, and it goes when the stack stops.
+    up_path = state_dir / "up.json"
+    up_path.unlink(missing_ok=True)
     try:
         procs.append(("control-plane", _spawn("control-plane", cfg_path, env, logs / "cp.log")))
         token_file = state_dir / "admin_token"
@@ -231,9 +235,14 @@ def run_stack(
             "admin_token": token_file.read_text().strip(),
             "api_keys": {"demo": api_key},
         }
-        up_path = state_dir / "up.json"
-        up_path.write_text(json.dumps(up, indent=2))
-        up_path.chmod(0o600)
+        # Whole or absent, never half-written (readers poll for it) and never readable by others,
+        # not even for a moment: it holds the admin token and an API key.
+        tmp_path = state_dir / "up.json.tmp"
+        tmp_path.unlink(missing_ok=True)
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(up, indent=2))
+        os.replace(tmp_path, up_path)
         print(f"kvfence ready: {target}", flush=True)
         print(
             f"  kvfence generate --target {target} --api-key {api_key} "
@@ -250,6 +259,7 @@ def run_stack(
         return 0
     finally:
         _stop(procs)
+        up_path.unlink(missing_ok=True)
 
 
 def _wait(cond: Any, timeout: float, stopping: Any, procs: list[Any]) -> bool:

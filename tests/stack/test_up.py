@@ -24,10 +24,13 @@ def test_up_serves_and_stops_cleanly(tmp_path):
     with stack.client() as c:
         result = c.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, ignore_eos=True)
     assert len(result.token_ids) == 3
-    up = json.loads((tmp_path / "s" / "up.json").read_text())
+    up_json = tmp_path / "s" / "up.json"
+    up = json.loads(up_json.read_text())
     assert set(up) >= {"target", "admin_token", "api_keys"} and "demo" in up["api_keys"]
+    assert up_json.stat().st_mode & 0o077 == 0  # credentials: owner only
     stack.stop()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    assert not up_json.exists()  # a stopped stack leaves no "serving here" behind
 
 
 def test_node_with_other_model_is_refused(tmp_path):
