@@ -7,6 +7,8 @@ EOS ignored) at each concurrency, three ways, taking turns every round:
   API by ``concurrency`` streaming clients (closed loop); TTFT is the first streamed token;
 * ``colocated``: ``ColocatedEngine``'s scheduler in this process, ``max_batch_size=concurrency``,
   all requests queued at t=0 (continuous batching); TTFT is the step that produced the first token;
+  ``colocated_node_threads`` the same with only the torch threads one stack node gets (cores / 2),
+  which separates what disaggregation costs from what splitting one machine's cores costs;
 * ``transformers``: ``AutoModelForCausalLM.generate()`` on the same checkpoint, greedy, static
   batches of ``concurrency`` with left padding, all requests queued at t=0; TTFT is the first call
   of a logits processor (the end of the batch's prefill).
@@ -36,6 +38,7 @@ from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
 from benchlib.stack import BenchStack, RssSampler
 
+from kvfence.cli.stack import local_threads
 from kvfence.model.colocated import ColocatedEngine
 from kvfence.model.sampling import SamplingParams
 from kvfence.model.scheduler import Scheduler
@@ -44,6 +47,10 @@ GOAL_DISAGG_VS_COLOCATED = 0.9  # at concurrency >= GOAL_MIN_CONCURRENCY
 GOAL_MIN_CONCURRENCY = 16
 GOAL_COLOCATED_VS_HF = 1.0
 GOAL_RSS_GROWTH = 0.05  # decode peak RSS, highest vs lowest concurrency
+# The stack's one prefill and one decode process share this machine's cores (kvfence up gives
+# each cores / nodes torch threads); the colocated engine runs once with every core and once
+# with what the decode node gets, to tell the cost of disaggregation from that of the split.
+NODE_THREADS = local_threads(2)
 PAGE_SIZE = 16
 
 
@@ -126,7 +133,12 @@ def level(
 ) -> dict[str, Any]:
     """``rounds`` interleaved runs of each backend at one concurrency; medians of tokens/s."""
     prompts = make_prompts(n, 24, 40, seed=conc)
-    runs: dict[str, list[dict]] = {"disaggregated": [], "colocated": [], "transformers": []}
+    runs: dict[str, list[dict]] = {
+        "disaggregated": [],
+        "colocated": [],
+        "colocated_node_threads": [],
+        "transformers": [],
+    }
     for _ in range(rounds):
         res = run_load(stack.target, stack.api_key, prompts, new, conc)
         runs["disaggregated"].append(
@@ -138,6 +150,12 @@ def level(
             }
         )
         runs["colocated"].append(run_colocated(colo, prompts, new, conc))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(NODE_THREADS)
+        try:
+            runs["colocated_node_threads"].append(run_colocated(colo, prompts, new, conc))
+        finally:
+            torch.set_num_threads(threads)
         runs["transformers"].append(hf.run(prompts, new, conc))
     out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds}
     for name, rs in runs.items():
@@ -151,8 +169,9 @@ def level(
         if name == "disaggregated":
             out[name]["failed_requests"] = len(failures)
             out[name]["failures_sample"] = sorted(set(failures))[:3]
-    disagg, colo_tps, hf_tps = (out[k]["tokens_per_s"] for k in runs)
+    disagg, colo_tps, colo_node_tps, hf_tps = (out[k]["tokens_per_s"] for k in runs)
     out["disaggregated_vs_colocated"] = benchlib.r(disagg / colo_tps, 3)
+    out["disaggregated_vs_colocated_node_threads"] = benchlib.r(disagg / colo_node_tps, 3)
     out["colocated_vs_transformers"] = benchlib.r(colo_tps / hf_tps, 3)
     return out
 
@@ -162,7 +181,7 @@ def draw_png(result: dict[str, Any], path: Path) -> None:
     levels = result["levels"]
     xs = [lv["concurrency"] for lv in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name in ("disaggregated", "colocated", "transformers"):
+    for name in ("disaggregated", "colocated", "colocated_node_threads", "transformers"):
         ax1.plot(xs, [lv[name]["tokens_per_s"] for lv in levels], marker="o", label=name)
         ax2.plot(xs, [lv[name]["ttft"]["p50_ms"] for lv in levels], marker="o", label=name)
     for ax, label in ((ax1, "tokens/s"), (ax2, "TTFT p50 (ms)")):

@@ -102,6 +102,8 @@ def test_isolation_overhead_quick(tmp_path):
     assert set(result["tag_check"]) == {"1", "8"}
     for tag in result["tag_check"].values():
         assert set(tag["attention_us"]) == {"on", "off"}
+        assert set(tag["attention_in_step_us"]) == {"on", "off"}
+        assert tag["attention_in_step_us"]["on"] > 0 and tag["attention_in_step_us"]["off"] > 0
         assert set(tag["decode_step_itl"]) == {"on", "off"}
         assert_latency(tag["decode_step_itl"]["on"])
         assert isinstance(tag["decode_step_overhead_fraction"], float)
@@ -132,10 +134,11 @@ def test_e2e_quick(tmp_path):
     levels = result["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 4]
     for lv in levels:
-        for backend in ("disaggregated", "colocated", "transformers"):
+        for backend in ("disaggregated", "colocated", "colocated_node_threads", "transformers"):
             assert isinstance(lv[backend]["tokens_per_s"], float)
             assert_latency(lv[backend]["ttft"])
         assert isinstance(lv["disaggregated_vs_colocated"], float)
+        assert isinstance(lv["disaggregated_vs_colocated_node_threads"], float)
         assert isinstance(lv["colocated_vs_transformers"], float)
     rss = result["rss_mb"]["peak_by_concurrency"]
     assert set(rss) == {"idle", "1", "4"}
