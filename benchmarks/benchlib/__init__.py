@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -26,6 +27,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 MACHINE_NOTE = "shared, noisy"
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # SIGTERM's default action ends the script at once, skipping the ``with BenchStack(...)``
+    # exit that stops its ``kvfence up``: the stack was left running (seen). Exit as Ctrl-C does.
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def log(msg: str) -> None:
