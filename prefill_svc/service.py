@@ -8,6 +8,14 @@ one; see kvfence/transfer.py), and return the signed manifest. The source pages 
 the control plane calls ``Release`` (decode verified, or the request ended), or until
 ``reservation_timeout_s`` passes without one, so a control plane that vanished cannot pin the pool
 forever.
+
+Released pages are never reused while this node still touches them: the forward pass (on the
+engine thread, which a cancelled call cannot stop) and this call's checksums and UCX send each
+count as an outstanding operation on the pages, so a ``Release`` (or a cancel, or a failure) in the
+middle leaves them QUARANTINED until both have ended (``PagePool.begin_ops``). A call releases
+only the pages it allocated itself: a duplicate ``Prefill`` for a request already here is refused
+without touching the first one's pages. Bad input (a token outside the vocabulary, a sampled
+request without a seed) is INVALID_ARGUMENT, found before any page is taken.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from kvfence import logging as kvlog
 from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
+    Cancelled,
     DeadlineExceeded,
     IntegrityError,
     InvalidArgument,
@@ -58,6 +67,7 @@ log = kvlog.get_logger("prefill")
 class Held:
     pages: list[PageRef]
     since: float
+    call: object  # the Prefill call that allocated them (only it, Release or the reaper frees them)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -102,19 +112,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.rpc_count += 1
         self.metrics.rpcs_total.labels(method="Prefill").inc()
         self.queue_length += 1
+        call = object()
         with kvlog.request_context(request.request_id, request.tenant_id):
             try:
-                return await self._prefill(request)
+                return await self._prefill(request, call)
             except KvfenceError as err:
-                self._release(request.request_id)
+                self._release(request.request_id, call)
                 self.metrics.requests_total.labels(status=err.code.name).inc()
                 await abort(context, err)
             except asyncio.CancelledError:
-                self._release(request.request_id)
+                self._release(request.request_id, call)
                 raise
             except Exception as err:
                 log.exception("prefill failed")
-                self._release(request.request_id)
+                self._release(request.request_id, call)
                 self.metrics.requests_total.labels(status="INTERNAL").inc()
                 await abort(context, KvfenceError(f"prefill failed: {type(err).__name__}"))
             finally:
@@ -133,7 +144,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return node_stats(self.rt, self.rpc_count, len(self.held))
 
     # ---- the work ----------------------------------------------------------------------------
-    async def _prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def _prefill(
+        self, req: prefill_pb2.PrefillRequest, call: object
+    ) -> prefill_pb2.PrefillResponse:
         res = req.reservation
         tokens = list(req.prompt_token_ids)
         page_size = self.pool.page_size
@@ -147,10 +160,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         if req.request_id in self.held:
             raise InvalidArgument("request already prefilled on this node")
+        vocab = self.rt.engine.vocab_size  # type: ignore[attr-defined]
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
         try:
-            sampling_from_proto(req.sampling)
+            sampling = sampling_from_proto(req.sampling)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
+        if not sampling.greedy and sampling.seed is None:  # type: ignore[attr-defined]
+            raise InvalidArgument("a sampled request (temperature > 0) needs a seed")
         try:
             refs = self.pool.allocate(n_pages, req.request_id)
         except ValueError as err:
@@ -160,14 +179,34 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 f"prefill pool has {self.pool.num_free} free pages, {n_pages} needed",
                 reason="PREFILL_POOL_FULL",
             )
-        self.held[req.request_id] = Held(refs, time.monotonic())
+        self.held[req.request_id] = Held(refs, time.monotonic(), call)
         self.pool.set_state(req.request_id, PageState.IN_USE)
         self._publish_pages()
+        ids = [r.page_id for r in refs]
+        # Two operations on the pages (see the module docstring): this call's, ended when it
+        # returns or fails, and the forward pass's, ended when the engine thread is done with
+        # them, or when the pass is cancelled before it started (which a cancelled call does).
+        self.pool.begin_ops(ids)
+        try:
+            self.pool.begin_ops(ids)
+            job = self.executor.submit(self._run_model, tokens, refs, req)
+            job.add_done_callback(lambda _: self.pool.end_ops(ids))
+            first = await asyncio.wrap_future(job)
+            held = self.held.get(req.request_id)
+            if held is None or held.call is not call:
+                raise Cancelled("released while prefilling")
+            return await self._finish(req, refs, first, len(tokens))
+        finally:
+            self.pool.end_ops(ids)
+            self._publish_pages()
 
-        loop = asyncio.get_running_loop()
-        first = await loop.run_in_executor(self.executor, self._run_model, tokens, refs, req)
+    async def _finish(
+        self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int
+    ) -> prefill_pb2.PrefillResponse:
+        """Manifest, checksums and the UCX send of a prefilled request."""
+        res = req.reservation
         fault = self.faults.fault_for(req.tenant_id)
-        m = self._manifest(req, refs, first, len(tokens))
+        m = self._manifest(req, refs, first, n_tokens)
         outbound = [
             OutboundPage(i, page_buffer(self.pool.kv[ref.page_id])) for i, ref in enumerate(refs)
         ]
@@ -294,10 +333,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         for request_id in list(self.held):
             self._release(request_id)
 
-    def _release(self, request_id: str) -> bool:
-        held = self.held.pop(request_id, None)
-        if held is None:
+    def _release(self, request_id: str, call: object | None = None) -> bool:
+        """Give the request's pages back (deferred while an operation is on them). With ``call``,
+        only if that Prefill call allocated them: a refused duplicate must not free the pages of
+        the request it duplicates."""
+        held = self.held.get(request_id)
+        if held is None or (call is not None and held.call is not call):
             return False
+        del self.held[request_id]
         self.pool.release(request_id)
         self._publish_pages()
         return True

@@ -150,3 +150,118 @@ async def test_tampered_manifest_is_data_loss_and_pages_come_back(nodes):
     # control: the same path with an untouched manifest succeeds on a fresh reservation
     _, _, tokens, finish, verified = await run_request(dstub, pstub, "r3", "t-b", prompt, 4)
     assert verified and len(tokens) >= 1 and finish in ("length", "eos")
+
+
+async def reserve_and_prefill(dstub, pstub, request_id, prompt, sampling=None, res=None):
+    sampling = sampling or common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    res = res or await dstub.Reserve(
+        decode_pb2.ReserveRequest(
+            request_id=request_id, tenant_id="t-c", prompt_tokens=len(prompt), max_new_tokens=4
+        )
+    )
+    call = pstub.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            tenant_id="t-c",
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            reservation=res,
+        )
+    )
+    return res, call
+
+
+async def test_a_duplicate_prefill_is_refused_without_freeing_the_first(nodes):
+    _, pre, dstub, pstub = nodes
+    pool = pre.rt.pool
+    prompt = list(range(3, 40))  # 3 pages
+    res, first = await reserve_and_prefill(dstub, pstub, "dup", prompt)
+    await first  # control: the first call succeeds; its pages stay held until Release
+    assert pool.num_free == pool.num_pages - 3
+    _, again = await reserve_and_prefill(dstub, pstub, "dup", prompt, res=res)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await again
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already prefilled" in err.value.details()
+    # the refusal did not hand the first call's pages back (they could be reused while held)
+    assert pool.num_free == pool.num_pages - 3 and "dup" in pre.servicer.held
+    held = await pstub.Release(prefill_pb2.ReleaseRequest(request_id="dup"))
+    assert held.held and pool.num_free == pool.num_pages
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="dup"))
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("release_midway", [True, False])
+async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_ends(
+    nodes, release_midway
+):
+    import asyncio
+    import threading
+
+    from kvfence.kv.pool import PageState
+
+    _, pre, dstub, pstub = nodes
+    pool, engine = pre.rt.pool, pre.rt.engine
+    entered, go = threading.Event(), threading.Event()
+    real_prefill = engine.prefill
+
+    def held_prefill(tokens, refs):
+        entered.set()
+        assert go.wait(30)
+        return real_prefill(tokens, refs)
+
+    engine.prefill = held_prefill
+    try:
+        prompt = list(range(3, 40))  # 3 pages
+        _, call = await reserve_and_prefill(dstub, pstub, "mid", prompt)
+        task = asyncio.ensure_future(call)
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        pages = [r.page_id for r in pre.servicer.held["mid"].pages]
+        if release_midway:
+            held = await pstub.Release(prefill_pb2.ReleaseRequest(request_id="mid"))
+            assert held.held
+            # the engine thread still writes them: quarantined, not free, whatever else asks
+            assert {pool.state_of(p) for p in pages} == {PageState.QUARANTINED}
+            assert pool.num_free == pool.num_pages - 3
+            other = pool.allocate(pool.num_free, "someone-else")
+            assert other is not None and not {r.page_id for r in other} & set(pages)
+            pool.release("someone-else")
+        go.set()
+        if release_midway:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await task
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+        else:  # control: the same held pass, not released, completes and keeps its pages
+            reply = await task
+            assert reply.manifest.token_count == len(prompt)
+            assert pool.num_free == pool.num_pages - 3
+            await pstub.Release(prefill_pb2.ReleaseRequest(request_id="mid"))
+        assert pool.num_free == pool.num_pages  # every page back once the pass ended
+        await dstub.Release(prefill_pb2.ReleaseRequest(request_id="mid"))
+    finally:
+        go.set()
+        engine.prefill = real_prefill
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "prompt, sampling, ok",
+    [
+        ([5, 6, 7, 10**6], None, False),  # a token outside the vocabulary
+        ([5, 6, 7, 8], None, True),  # control
+        ([5, 6, 7, 8], common_pb2.SamplingParams(max_new_tokens=4, temperature=0.7), False),
+        ([5, 6, 7, 8], common_pb2.SamplingParams(max_new_tokens=4, temperature=0.7, seed=3), True),
+    ],
+)
+async def test_bad_prefill_input_is_invalid_argument(nodes, prompt, sampling, ok):
+    _, pre, dstub, pstub = nodes
+    _, call = await reserve_and_prefill(dstub, pstub, "bad-in", prompt, sampling)
+    if ok:
+        assert (await call).manifest.token_count == len(prompt)
+    else:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="bad-in"))
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="bad-in"))
+    assert pre.rt.pool.num_free == pre.rt.pool.num_pages
