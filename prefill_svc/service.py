@@ -160,15 +160,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         if req.request_id in self.held:
             raise InvalidArgument("request already prefilled on this node")
-        vocab = self.rt.engine.vocab_size  # type: ignore[attr-defined]
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} outside the vocabulary [0, {vocab})")
         try:
+            self.rt.engine.check_tokens(tokens)  # type: ignore[attr-defined]
             sampling = sampling_from_proto(req.sampling)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
-        if not sampling.greedy and sampling.seed is None:  # type: ignore[attr-defined]
+        if sampling.missing_seed:  # type: ignore[attr-defined]
             raise InvalidArgument("a sampled request (temperature > 0) needs a seed")
         try:
             refs = self.pool.allocate(n_pages, req.request_id)

@@ -78,7 +78,8 @@ class Engine:
         self.scale = args.head_dim**-0.5
         self.vocab_size = args.vocab_size
 
-    def _check_tokens(self, token_ids: Sequence[int]) -> None:
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """ValueError naming the first id outside the vocabulary."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
@@ -117,7 +118,7 @@ class Engine:
             n = len(toks)
             if n == 0:
                 raise ValueError("empty prompt")
-            self._check_tokens(toks)
+            self.check_tokens(toks)
             needed = -(-n // ps)
             if len(refs) < needed:
                 raise ValueError(f"{n} tokens need {needed} pages, got {len(refs)}")
@@ -218,7 +219,7 @@ class Engine:
         ``positions[i]`` (which the caller has checked lies inside the row's pages) with block
         table ``block_tables[i]`` (int32 (B, P)) and generations ``expected_gen[i]`` (int64 (B,
         P), padding entries ``_PAD_GEN``)."""
-        self._check_tokens(token_ids)
+        self.check_tokens(token_ids)
         ps, dev = self.page_size, self.device
         # Host lists go to the device in one transfer; nothing below synchronises.
         inputs = torch.tensor([token_ids, positions], dtype=torch.long, device=dev)  # (2, B)

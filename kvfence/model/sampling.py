@@ -47,6 +47,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def missing_seed(self) -> bool:
+        """Sampled, and without the seed that makes its draws the same on every node."""
+        return not self.greedy and self.seed is None
+
     def with_seed(self) -> SamplingParams:
         """This with a random seed if it has none (do it once, where the request enters)."""
         if self.seed is not None or self.greedy:

@@ -138,7 +138,7 @@ class Scheduler:
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("empty prompt")
-        self.engine._check_tokens(prompt)
+        self.engine.check_tokens(prompt)
         self._check_fits(len(prompt), sampling)
         self._push(Sequence(seq_id, prompt, len(prompt), sampling.with_seed(), owns_pages=True))
 
@@ -154,9 +154,9 @@ class Scheduler:
         whose first token (draw 0) was sampled by the prefill node."""
         if prompt_len < 1:
             raise ValueError("prompt_len must be >= 1")
-        if not sampling.greedy and sampling.seed is None:
+        if sampling.missing_seed:
             raise ValueError("a sampled request needs the seed the prefill node used")
-        self.engine._check_tokens([first_token])
+        self.engine.check_tokens([first_token])
         self._check_fits(prompt_len, sampling)
         need = prompt_len + sampling.max_new_tokens - 1  # the last token's K/V is never written
         if len(pages) * self.pool.page_size < need:

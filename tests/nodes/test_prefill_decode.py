@@ -55,9 +55,12 @@ async def nodes(tiny_dir, tmp_path):
     await dec.stop(grace=1)
 
 
-async def run_request(dstub, pstub, request_id, tenant, prompt, max_new, sampling=None):
+async def reserve_and_prefill(
+    dstub, pstub, request_id, prompt, sampling=None, res=None, tenant="t-c", max_new=4
+):
+    """Reserve on decode (unless ``res`` is given), then the Prefill call, not yet awaited."""
     sampling = sampling or common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    res = await dstub.Reserve(
+    res = res or await dstub.Reserve(
         decode_pb2.ReserveRequest(
             request_id=request_id,
             tenant_id=tenant,
@@ -65,7 +68,7 @@ async def run_request(dstub, pstub, request_id, tenant, prompt, max_new, samplin
             max_new_tokens=max_new,
         )
     )
-    pre = await pstub.Prefill(
+    call = pstub.Prefill(
         prefill_pb2.PrefillRequest(
             request_id=request_id,
             tenant_id=tenant,
@@ -74,6 +77,15 @@ async def run_request(dstub, pstub, request_id, tenant, prompt, max_new, samplin
             reservation=res,
         )
     )
+    return res, call
+
+
+async def run_request(dstub, pstub, request_id, tenant, prompt, max_new, sampling=None):
+    sampling = sampling or common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    res, call = await reserve_and_prefill(
+        dstub, pstub, request_id, prompt, sampling, tenant=tenant, max_new=max_new
+    )
+    pre = await call
     tokens, finish, verified = [], "", False
     async for msg in dstub.Decode(
         decode_pb2.DecodeRequest(
@@ -150,25 +162,6 @@ async def test_tampered_manifest_is_data_loss_and_pages_come_back(nodes):
     # control: the same path with an untouched manifest succeeds on a fresh reservation
     _, _, tokens, finish, verified = await run_request(dstub, pstub, "r3", "t-b", prompt, 4)
     assert verified and len(tokens) >= 1 and finish in ("length", "eos")
-
-
-async def reserve_and_prefill(dstub, pstub, request_id, prompt, sampling=None, res=None):
-    sampling = sampling or common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
-    res = res or await dstub.Reserve(
-        decode_pb2.ReserveRequest(
-            request_id=request_id, tenant_id="t-c", prompt_tokens=len(prompt), max_new_tokens=4
-        )
-    )
-    call = pstub.Prefill(
-        prefill_pb2.PrefillRequest(
-            request_id=request_id,
-            tenant_id="t-c",
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            reservation=res,
-        )
-    )
-    return res, call
 
 
 async def test_a_duplicate_prefill_is_refused_without_freeing_the_first(nodes):
