@@ -79,6 +79,7 @@ import hmac
 import itertools
 import json
 import os
+import struct
 import sys
 import time
 import zlib
@@ -175,10 +176,23 @@ def page_tag(reservation_id: str, batch: int, k: int, version: int = PROTOCOL_VE
     """
     if not 0 <= k < PAGE_TAG:
         raise ValueError(f"page {k} of a batch is beyond {PAGE_TAG}")
+    return _tag_base(reservation_id, batch, version) | k
+
+
+def page_tags(
+    reservation_id: str, batch: int, n: int, version: int = PROTOCOL_VERSION
+) -> list[int]:
+    """``page_tag`` of pages 0 .. n-1 of one batch, the scope computed once."""
+    if not 0 <= n <= PAGE_TAG:
+        raise ValueError(f"{n} pages in a batch, more than {PAGE_TAG}")
+    base = _tag_base(reservation_id, batch, version)
+    return [base | k for k in range(n)]
+
+
+def _tag_base(reservation_id: str, batch: int, version: int) -> int:
     if version < 3:
-        return PAGE_TAG + k
-    scope = zlib.crc32(f"{reservation_id}\x00{batch}".encode())
-    return (scope << 21) | (PAGE_TAG + k)
+        return PAGE_TAG
+    return (zlib.crc32(f"{reservation_id}\x00{batch}".encode()) << 21) | PAGE_TAG
 
 
 def authenticator(secret: bytes, reservation_id: str) -> str:
@@ -239,9 +253,7 @@ def _json_ops(
     data = json.dumps(obj).encode()
     len_tag, body_tag = (REPLY_LEN_TAG, REPLY_BODY_TAG) if reply else (LEN_TAG, BODY_TAG)
     if frame and 8 + len(data) <= FRAME_BYTES:
-        one = np.empty(8 + len(data), dtype=np.uint8)
-        one[:8] = np.array([-len(data)], dtype=np.int64).view(np.uint8)
-        one[8:] = np.frombuffer(data, dtype=np.uint8)
+        one = np.frombuffer(struct.pack("=q", -len(data)) + data, dtype=np.uint8)
         return [ep.send(one, tag=len_tag)]
     body = np.frombuffer(data, dtype=np.uint8)
     size = np.array([body.size], dtype=np.int64)
@@ -520,11 +532,13 @@ class KvReceiver:
             indices = header.get("indices")
             if not isinstance(indices, list) or not indices:
                 raise TransferError("batch without indices", reason="PROTOCOL")
+            seen = set(t.received)
             for i in indices:
-                if not isinstance(i, int) or not 0 <= i < len(t.pages):
+                if type(i) is not int or not 0 <= i < len(t.pages):
                     raise TransferError(f"page index {i} outside the reservation", "COVERAGE")
-                if i in t.received or indices.count(i) > 1:
+                if i in seen:
                     raise TransferError(f"page index {i} sent twice", reason="DUPLICATE_PAGE")
+                seen.add(i)
             if len(indices) * page_bytes > self.max_batch_bytes and len(indices) > 1:
                 raise TransferError("batch over max_batch_bytes", reason="PROTOCOL")
             await self._receive_pages(ep, t, batch, indices)
@@ -539,7 +553,7 @@ class KvReceiver:
     ) -> None:
         pids = [t.pages[i].page_id for i in indices]
         # The tags of the version this decode said it speaks (read now: tests play older ones).
-        tags = [page_tag(t.reservation_id, batch, k, PROTOCOL_VERSION) for k in range(len(pids))]
+        tags = page_tags(t.reservation_id, batch, len(pids), PROTOCOL_VERSION)
         self.pool.begin_ops(pids)
         try:
             # Every receive lands straight in a reserved page; on any failure the endpoint is
@@ -547,7 +561,7 @@ class KvReceiver:
             await _within(
                 ep,
                 [
-                    ep.recv(page_buffer(self.pool.kv[pid]), tag=tag)
+                    ep.recv(self.pool.page_buffer(pid), tag=tag)
                     for pid, tag in zip(pids, tags, strict=True)
                 ],
                 self.batch_timeout_s,
@@ -819,7 +833,7 @@ def _batch_tags(
 ) -> list[int]:
     if not batches:
         return []
-    return [page_tag(reservation_id, k, i, version) for i in range(len(batches[k]))]
+    return page_tags(reservation_id, k, len(batches[k]), version)
 
 
 class _HelloNotSent(TransferError):
@@ -951,23 +965,34 @@ async def _await_answer(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    waiting: set[asyncio.Future[Any]] = {*sends, reply}
-    while not reply.done():
-        if any(s.done() and not s.cancelled() and s.exception() is not None for s in sends):
-            break  # the endpoint is broken; settling it ends the answer too
-        left = deadline - loop.time()
-        if left <= 0:
-            raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
-        _, waiting = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    # One waiter, woken by the answer or by the first failed send: waiting on every send anew
+    # after each one completes cost O(pages^2) callbacks per batch.
+    wake = loop.create_future()
+
+    def on_done(f: asyncio.Future[Any]) -> None:
+        if not wake.done() and (f is reply or f.cancelled() or f.exception() is not None):
+            wake.set_result(None)
+
+    ops = [reply, *sends]
+    for f in ops:
+        f.add_done_callback(on_done)
+    try:
+        await asyncio.wait([wake], timeout=timeout)
+    finally:
+        for f in ops:
+            f.remove_done_callback(on_done)
     if not reply.done():
-        await _settle(ep, [*sends, reply])  # aborts: the answer, if any, is not coming now
+        if not wake.done():
+            raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
+        await _settle(ep, ops)  # a send failed: abort; the answer, if any, is not coming now
     answer = reply.result()  # decode's verdict, or the endpoint's error
     _check_reply(answer)
     # decode acknowledged: it received every page, so the sends complete (or have completed)
     left = max(deadline - loop.time(), 0.0)
-    _, pending = await asyncio.wait(sends, timeout=left) if sends else (set(), set())
-    if pending:
-        raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
+    if not all(s.done() for s in sends):
+        _, pending = await asyncio.wait(sends, timeout=left)
+        if pending:
+            raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
     for s in sends:
         s.result()
     return answer

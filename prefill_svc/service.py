@@ -56,7 +56,6 @@ from kvfence.transfer import (
     EndpointPool,
     OutboundPage,
     TransferError,
-    page_buffer,
     send_pages,
 )
 
@@ -205,7 +204,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         fault = self.faults.fault_for(req.tenant_id)
         m = self._manifest(req, refs, first, n_tokens)
         outbound = [
-            OutboundPage(i, page_buffer(self.pool.kv[ref.page_id])) for i, ref in enumerate(refs)
+            OutboundPage(i, self.pool.page_buffer(ref.page_id)) for i, ref in enumerate(refs)
         ]
         secret = res.secret
         if fault is not None:

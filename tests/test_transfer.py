@@ -127,6 +127,31 @@ async def test_duplicate_and_out_of_range_indices_fail_the_transfer():
         await rx.stop()
 
 
+async def test_a_page_index_repeated_in_a_later_batch_or_sent_as_a_boolean_fails():
+    pool = make_pool()
+    rx, _ = await make_receiver(pool)
+    try:
+        # batches of two pages: [0, 1] then [0]; page 0 would be written twice
+        t = rx.expect("res-1", "req-1", b"k" * 32, pool.allocate(3, "res-1"))
+        with pytest.raises(TransferError):
+            await send(rx, t, make_source(pool, 3), indices=[0, 1, 0])
+        await asyncio.wait_for(t.done.wait(), 5)
+        assert t.state == InboundState.FAILED and t.error == "DUPLICATE_PAGE"
+        assert t.received == [0, 1]
+        # JSON true is not page 1
+        t2 = rx.expect("res-2", "req-2", b"k" * 32, pool.allocate(2, "res-2"))
+        with pytest.raises(TransferError):
+            await send(rx, t2, make_source(pool, 1), indices=[True])
+        assert t2.error == "COVERAGE" and t2.received == []
+        # control: the same three pages in the same two batches, each index once
+        t3 = rx.expect("res-3", "req-3", b"k" * 32, pool.allocate(3, "res-3"))
+        await send(rx, t3, make_source(pool, 3), indices=[2, 0, 1])
+        await asyncio.wait_for(t3.done.wait(), 5)
+        assert t3.state == InboundState.COMPLETE and sorted(t3.received) == [0, 1, 2]
+    finally:
+        await rx.stop()
+
+
 async def test_cancel_mid_transfer_settles_posted_receives_before_free():
     pool = make_pool()
     rx, _ = await make_receiver(pool, batch_timeout_s=30.0)

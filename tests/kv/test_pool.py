@@ -179,3 +179,21 @@ def test_quarantined_page_waits_for_its_last_operation() -> None:
     assert pool.end_ops([refs[0].page_id]) == [refs[0].page_id]
     assert pool.state_of(refs[0].page_id) == PageState.FREE
     assert pool.generation(refs[0].page_id) == refs[0].generation + 1
+
+
+def test_page_buffer_and_page_gen_are_the_pool_tensors_memory() -> None:
+    """UCX receives into ``page_buffer`` and the kernels read ``page_gen``: both must alias the
+    pool's tensors, not copies (the CPU pool keeps numpy views of them)."""
+    pool = make_pool()
+    refs = pool.allocate(2, "a")
+    assert refs is not None
+    pid, other = refs[0].page_id, refs[1].page_id
+    buf = pool.page_buffer(pid)
+    assert buf.nbytes == pool.page_bytes
+    buf[:] = 7
+    assert bool((pool.kv[pid].reshape(-1).view(torch.uint8) == 7).all())
+    assert pool.kv[other].abs().sum() == 0  # control: the neighbouring page is untouched
+    assert pool.page_gen[pid].item() == refs[0].generation
+    pool.release("a")
+    assert pool.page_gen[pid].item() == refs[0].generation + 1
+    assert pool.page_gen.tolist() == [pool.generation(p) for p in range(NUM_PAGES)]
