@@ -20,6 +20,9 @@ order rotates, so no method always runs right after another's after-effects):
   pages in messages of at most 1 MiB, copied into the destination pages on arrival;
 * ``memcpy``: ``Tensor.copy_`` of the same bytes (the machine's bound, no network stack).
 
+Then ``memory``: what this process (decode's receiver and prefill's sender) keeps per transfer
+that went wrong, over rounds of a good transfer and a refused warm hello (``bench_memory``).
+
 All runs over UCX tcp on loopback here (RDMA where it exists). Prints one JSON object with GB/s
 per size and the goals (kvfence >= 80% of raw ucxx, >= 3x the gRPC stream) as measured, never
 asserted. ``--quick`` for a smoke run, ``--png PATH`` a chart.
@@ -293,6 +296,80 @@ async def bench_case(
     }
 
 
+# One page of 32 KiB: small enough that UCX sends it eagerly, so a page nobody receives is kept
+# whole in the receiving worker (a rendezvous page leaves only its header there).
+MEMORY_LAYOUT = {**TINY_LAYOUT, "num_layers": 4, "head_dim": 32}
+
+
+async def bench_memory(quick: bool) -> dict[str, Any]:
+    """What a pair of nodes keeps per transfer that went wrong: the RSS of this process (decode's
+    receiver and prefill's sender both) over ``n`` rounds of a good transfer on a pooled endpoint
+    followed by a warm hello that decode refuses (wrong authenticator: its 4 pages were already
+    sent right behind it, and the endpoint is discarded, so every round also opens and closes an
+    endpoint). Set by the pools, it stays flat; kept per round, it grows with ``n``."""
+    import psutil
+
+    tcfg = TransferConfig()
+    n_pages, rounds = 4, (40 if quick else 400)
+    pool = PagePool(n_pages + 1, **MEMORY_LAYOUT)
+    src = torch.randn(n_pages, *pool.kv.shape[1:])
+    pages = [OutboundPage(i, page_buffer(src[i])) for i in range(n_pages)]
+    rx = KvReceiver(
+        pool,
+        host="127.0.0.1",
+        max_batch_bytes=tcfg.max_batch_bytes,
+        batch_timeout_s=tcfg.batch_timeout_s,
+        report=lambda kind, payload: None,
+    )
+    await rx.start()
+    endpoints = EndpointPool(max_idle_per_peer=4, idle_timeout_s=60)
+    refused = 0
+
+    async def once(rid: str, auth: str | None) -> None:
+        nonlocal refused
+        t = rx.expect(rid, rid, b"s" * 32, pool.allocate(n_pages, rid) or [])
+        try:
+            await send_pages(rx.address, reservation_id=rid, request_id=rid, secret=b"s" * 32,
+                             pages=pages, page_bytes=pool.page_bytes,
+                             max_batch_bytes=tcfg.max_batch_bytes,
+                             batch_timeout_s=tcfg.batch_timeout_s, endpoints=endpoints,
+                             auth_override=auth)  # fmt: skip
+            assert auth is None and t.state.value == "complete"
+        except Exception as err:
+            assert auth is not None and getattr(err, "reason", "") == "BAD_AUTHENTICATOR", err
+            refused += 1
+        rx.cancel(rid)
+        pool.release(rid)
+        rx.forget(rid)
+
+    proc = psutil.Process()
+    try:
+        for i in range(10):  # warm-up: allocator, UCX and ucxx pools at their working size
+            await once(f"w{i}", None)
+            await once(f"wx{i}", "0" * 64)
+        before = proc.memory_info().rss
+        for i in range(rounds):
+            await once(f"g{i}", None)
+            await once(f"x{i}", "0" * 64)
+        while rx.open_endpoints > 1:  # the refused endpoints' lingering ends as prefill closes
+            await asyncio.sleep(0.02)
+        after = proc.memory_info().rss
+    finally:
+        await endpoints.close()
+        await rx.stop()
+    growth = after - before
+    return {
+        "rounds": rounds,
+        "refused_warm_hellos": refused - 10,
+        "endpoints_opened": endpoints.opened,
+        "pages_per_hello": n_pages,
+        "page_bytes": pool.page_bytes,
+        "refused_pages_drained_by_decode": rx.strays_drained,
+        "rss_growth_mib": benchlib.r(growth / 2**20, 2),
+        "rss_growth_kib_per_round": benchlib.r(growth / rounds / 1024, 2),
+    }
+
+
 def reps_for(nbytes: int, quick: bool) -> int:
     if quick:
         return 3
@@ -341,8 +418,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     use_ucx_futures()  # as the services run UCX
-    try:
-        sizes = asyncio.run(run(args.quick))
+
+    async def both() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        sizes = await run(args.quick)
+        benchlib.log("memory kept per refused transfer and closed endpoint")
+        return sizes, await bench_memory(args.quick)
+
+    try:  # one event loop: ucxx's notifier thread is bound to the first
+        sizes, memory = asyncio.run(both())
     finally:
         stop_ucx_notifier()
     largest = max(sizes, key=lambda s: s["bytes"])
@@ -353,6 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         "transport": "ucx " + benchlib.os.environ.get("UCX_TLS", ""),
         "max_batch_bytes": TransferConfig().max_batch_bytes,
         "sizes": sizes,
+        "memory": memory,
         "goal": {
             "kvfence_vs_raw_ucxx": GOAL_VS_RAW,
             "kvfence_vs_grpc_stream": GOAL_VS_GRPC,

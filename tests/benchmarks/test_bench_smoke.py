@@ -91,6 +91,10 @@ def test_transfer_quick(tmp_path):
         assert isinstance(size["kvfence_vs_grpc_stream"], float)
         assert isinstance(size["goal_vs_raw_met"], bool)
         assert isinstance(size["goal_vs_grpc_met"], bool)
+    memory = result["memory"]
+    assert memory["rounds"] == memory["refused_warm_hellos"] > 0
+    assert memory["refused_pages_drained_by_decode"] >= memory["rounds"] * memory["pages_per_hello"]
+    assert isinstance(memory["rss_growth_kib_per_round"], float)
     goal = result["goal"]
     assert goal["kvfence_vs_raw_ucxx"] == 0.8 and goal["kvfence_vs_grpc_stream"] == 3.0
     for key in ("vs_raw_met_at_largest", "vs_grpc_met_at_largest", "vs_raw_met_all_sizes"):
