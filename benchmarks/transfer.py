@@ -193,15 +193,9 @@ class GrpcStream:
             await self._server.stop(0)
 
 
-async def bench_case(
-    layout: dict[str, Any], n_pages: int, reps: int, raw: RawUcxx, grpc_stream: GrpcStream
-) -> dict[str, Any]:
-    tcfg = TransferConfig()
-    pool = PagePool(n_pages + 1, **layout)
-    page_bytes = pool.page_bytes
-    nbytes = n_pages * page_bytes
-    src = torch.randn(n_pages, *pool.kv.shape[1:]).to(pool.kv.dtype)  # prefill's pages
-    src_bufs = [page_buffer(src[i]) for i in range(n_pages)]
+async def kvfence_pair(pool: PagePool, tcfg: TransferConfig) -> tuple[KvReceiver, EndpointPool]:
+    """Decode's receiver over ``pool`` (started) and prefill's endpoint pool, as the services
+    configure them."""
     rx = KvReceiver(
         pool,
         host="127.0.0.1",
@@ -213,6 +207,19 @@ async def bench_case(
     endpoints = EndpointPool(
         max_idle_per_peer=tcfg.endpoint_pool_max_idle, idle_timeout_s=tcfg.endpoint_idle_timeout_s
     )
+    return rx, endpoints
+
+
+async def bench_case(
+    layout: dict[str, Any], n_pages: int, reps: int, raw: RawUcxx, grpc_stream: GrpcStream
+) -> dict[str, Any]:
+    tcfg = TransferConfig()
+    pool = PagePool(n_pages + 1, **layout)
+    page_bytes = pool.page_bytes
+    nbytes = n_pages * page_bytes
+    src = torch.randn(n_pages, *pool.kv.shape[1:]).to(pool.kv.dtype)  # prefill's pages
+    src_bufs = [page_buffer(src[i]) for i in range(n_pages)]
+    rx, endpoints = await kvfence_pair(pool, tcfg)
     raw.dest = [page_buffer(pool.kv[i]) for i in range(n_pages)]
     grpc_stream.dest = memoryview(page_buffer(pool.kv[:n_pages]))
     dst = pool.kv[:n_pages]
@@ -314,15 +321,7 @@ async def bench_memory(quick: bool) -> dict[str, Any]:
     pool = PagePool(n_pages + 1, **MEMORY_LAYOUT)
     src = torch.randn(n_pages, *pool.kv.shape[1:])
     pages = [OutboundPage(i, page_buffer(src[i])) for i in range(n_pages)]
-    rx = KvReceiver(
-        pool,
-        host="127.0.0.1",
-        max_batch_bytes=tcfg.max_batch_bytes,
-        batch_timeout_s=tcfg.batch_timeout_s,
-        report=lambda kind, payload: None,
-    )
-    await rx.start()
-    endpoints = EndpointPool(max_idle_per_peer=4, idle_timeout_s=60)
+    rx, endpoints = await kvfence_pair(pool, tcfg)
     refused = 0
 
     async def once(rid: str, auth: str | None) -> None:

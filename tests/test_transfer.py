@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from asyncwait import eventually
 
 from kvfence.kv.pool import PagePool, PageState
 from kvfence.transfer import (
@@ -64,15 +65,6 @@ async def send(rx, t, sources, *, indices=None, secret=None, **kw):
         batch_timeout_s=kw.get("batch_timeout_s", 5.0),
         endpoints=kw.get("endpoints"),
     )
-
-
-async def until(pred, timeout: float = 5.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 async def test_pages_land_in_reserved_buffers_in_batches():
@@ -151,13 +143,13 @@ async def test_a_page_index_repeated_in_a_later_batch_or_sent_as_a_boolean_fails
         assert t.state == InboundState.FAILED and t.error == "DUPLICATE_PAGE"
         assert t.received == [0, 1]
         # the refused batch's page, sent behind its header, is drained once the sender closes
-        assert await until(lambda: rx.strays_drained == 1)
+        assert await eventually(lambda: rx.strays_drained == 1)
         # JSON true is not page 1
         t2 = rx.expect("res-2", "req-2", b"k" * 32, pool.allocate(2, "res-2"))
         with pytest.raises(TransferError):
             await send(rx, t2, make_source(pool, 1), indices=[True])
         assert t2.error == "COVERAGE" and t2.received == []
-        assert await until(lambda: rx.strays_drained == 2)
+        assert await eventually(lambda: rx.strays_drained == 2)
         # control: the same three pages in the same two batches, each index once
         t3 = rx.expect("res-3", "req-3", b"k" * 32, pool.allocate(3, "res-3"))
         await send(rx, t3, make_source(pool, 3), indices=[2, 0, 1])

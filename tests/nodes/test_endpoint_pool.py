@@ -9,6 +9,7 @@ import json
 import grpc
 import pytest
 import torch
+from asyncwait import eventually
 from test_prefill_decode import make_cfg, run_request
 
 from kvfence.config import Role
@@ -27,16 +28,6 @@ from kvfence.transfer import (
     page_tag,
     send_pages,
 )
-
-
-async def eventually(pred, timeout: float = 5.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
 
 # ---- transfer level: a KvReceiver and an EndpointPool in this process ---------------------------
 
