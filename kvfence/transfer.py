@@ -553,11 +553,11 @@ class KvReceiver:
         Page bytes a failed sender still sends match no posted receive and reach no page; but the
         pages of a batch whose header decode refused (``strays``: a refused warm hello's batch 0,
         or a batch with bad indices) were sent right behind it, and UCX keeps a message nobody
-        receives for as long as the worker lives (measured: about 26 KiB of decode memory per
-        refused warm hello of 4 pages of 32 KiB, for good). They are received here into a
-        scratch page that nothing reads, and so let go. The receives are posted at once, before
-        the sender can close (ucxx does not match a message queued for an endpoint that closed),
-        and they are at most one batch's, as for an accepted batch.
+        receives for as long as the worker lives (measured: about 7 KiB of memory kept per
+        refused warm hello of 4 pages of 32 KiB). They are received here into a scratch page
+        that nothing reads, and so let go. The receives are posted at once, before the sender
+        can close (here ucxx matched no message queued for an endpoint that had closed), and
+        they are at most one batch's, as for an accepted batch.
         """
         ops = [_recv(ep, np.empty(1, np.uint8), tag=LINGER_TAG)]
         if strays and self._scratch is None:
