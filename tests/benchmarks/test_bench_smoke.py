@@ -141,6 +141,9 @@ def test_e2e_quick(tmp_path):
         for backend in ("disaggregated", "colocated", "colocated_node_threads", "transformers"):
             assert isinstance(lv[backend]["tokens_per_s"], float)
             assert_latency(lv[backend]["ttft"])
+        cpu = lv["disaggregated"]["cpu_us_per_token"]
+        assert set(cpu) == {"control-plane", "prefill", "decode", "load_generator"}
+        assert all(v > 0 for v in cpu.values())
         assert isinstance(lv["disaggregated_vs_colocated"], float)
         assert isinstance(lv["disaggregated_vs_colocated_node_threads"], float)
         assert isinstance(lv["colocated_vs_transformers"], float)
