@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 import statistics
 import sys
@@ -66,13 +67,19 @@ def interleaved(
     fns: dict[str, Callable[[], object]], reps: int, sync: Callable[[], None] | None = None
 ) -> dict[str, list[float]]:
     """Seconds per call of each function, taking turns every repetition (after one warm-up call
-    each), so that a noisy shared machine slows every variant alike. ``sync`` (a device
-    synchronisation) runs before and after each timed call, outside nothing but the clock."""
+    each), so that a noisy shared machine slows every variant alike. The order is a new (seeded)
+    random one every repetition: in one fixed order each function always runs right after the
+    same other one, and pays for its after-effects (a copy's intra-op threads still spinning, a
+    forward pass that flushed the caches) every time. ``sync`` (a device synchronisation) runs
+    before and after each timed call, outside nothing but the clock."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    rng = random.Random(len(order))
     for _ in range(reps):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name, fn in order:
             if sync is not None:
                 sync()
             t0 = time.perf_counter()
