@@ -1,7 +1,8 @@
 """End-to-end benchmark: the disaggregated stack against the colocated engine and HF transformers.
 
 The same requests (byte-token prompts of 24-40 tokens, a fixed number of new tokens, greedy,
-EOS ignored) at each concurrency, three ways, taking turns every round:
+EOS ignored) at each concurrency, three ways, taking turns every round (in a new seeded random
+order each round):
 
 * ``disaggregated``: ``kvfence up`` with 1 prefill + 1 decode process, driven through the public
   API by ``concurrency`` streaming clients (closed loop); TTFT is the first streamed token;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -144,27 +146,39 @@ def level(
     # runs: where a token's cost goes when the stack, not the model, is the bound
     procs = {**stack.services(), "load_generator": psutil.Process()}
     cpu_s = dict.fromkeys(procs, 0.0)
-    for _ in range(rounds):
+
+    def disaggregated() -> dict[str, Any]:
         before = _cpu_seconds(procs)
         res = run_load(stack.target, stack.api_key, prompts, new, conc)
         for role, used in _cpu_seconds(procs).items():
             cpu_s[role] += used - before[role]
-        runs["disaggregated"].append(
-            {
-                "wall_s": res.wall_s,
-                "tokens": res.tokens,
-                "ttft": res.ttft(),
-                "failures": res.failures,
-            }
-        )
-        runs["colocated"].append(run_colocated(colo, prompts, new, conc))
+        return {
+            "wall_s": res.wall_s,
+            "tokens": res.tokens,
+            "ttft": res.ttft(),
+            "failures": res.failures,
+        }
+
+    def colocated_node_threads() -> dict[str, Any]:
         threads = torch.get_num_threads()
         torch.set_num_threads(NODE_THREADS)
         try:
-            runs["colocated_node_threads"].append(run_colocated(colo, prompts, new, conc))
+            return run_colocated(colo, prompts, new, conc)
         finally:
             torch.set_num_threads(threads)
-        runs["transformers"].append(hf.run(prompts, new, conc))
+
+    backends = {
+        "disaggregated": disaggregated,
+        "colocated": lambda: run_colocated(colo, prompts, new, conc),
+        "colocated_node_threads": colocated_node_threads,
+        "transformers": lambda: hf.run(prompts, new, conc),
+    }
+    order = list(backends)
+    rng = random.Random(conc)
+    for _ in range(rounds):
+        rng.shuffle(order)  # a new order every round: no backend always follows the same one
+        for name in order:
+            runs[name].append(backends[name]())
     out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds}
     for name, rs in runs.items():
         failures = [f for r in rs for f in r.get("failures", [])]
