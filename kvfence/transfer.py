@@ -205,6 +205,12 @@ def authenticator(secret: bytes, reservation_id: str) -> str:
     ).hexdigest()
 
 
+def pages_per_batch(max_batch_bytes: int, page_bytes: int) -> int:
+    """How many pages one batch holds: as many as fit in ``max_batch_bytes``, one at least. The
+    sender cuts its batches by it and decode refuses a batch with more."""
+    return max(1, max_batch_bytes // page_bytes)
+
+
 def page_buffer(t: torch.Tensor) -> Any:
     """A UCX-sendable view of one contiguous page (numpy on CPU, the CUDA tensor on GPU)."""
     flat = t.reshape(-1).view(torch.uint8)
@@ -573,7 +579,7 @@ class KvReceiver:
         indices = header.get("indices") if isinstance(header, dict) else None
         if not isinstance(indices, list):
             return []
-        n = min(len(indices), max(1, self.max_batch_bytes // self.pool.page_bytes))
+        n = min(len(indices), pages_per_batch(self.max_batch_bytes, self.pool.page_bytes))
         return page_tags(rid, batch, n, PROTOCOL_VERSION)
 
     async def _receive_batches(
@@ -606,7 +612,7 @@ class KvReceiver:
                 if i in seen:
                     raise TransferError(f"page index {i} sent twice", reason="DUPLICATE_PAGE")
                 seen.add(i)
-            if len(indices) * page_bytes > self.max_batch_bytes and len(indices) > 1:
+            if len(indices) > pages_per_batch(self.max_batch_bytes, page_bytes):
                 raise TransferError("batch over max_batch_bytes", reason="PROTOCOL")
             strays.clear()  # received now, or the endpoint aborted
             await self._receive_pages(ep, t, batch, indices)
@@ -814,7 +820,7 @@ async def send_pages(
     port = int(port_s)
     pool = endpoints if endpoints is not None else EndpointPool(max_idle_per_peer=0)
     start = time.perf_counter()
-    per_batch = max(1, max_batch_bytes // page_bytes)
+    per_batch = pages_per_batch(max_batch_bytes, page_bytes)
     batches = [pages[b : b + per_batch] for b in range(0, len(pages), per_batch)]
     hello = {
         "reservation_id": reservation_id,

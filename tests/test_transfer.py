@@ -131,6 +131,25 @@ async def test_duplicate_and_out_of_range_indices_fail_the_transfer():
         await rx.stop()
 
 
+async def test_a_batch_over_decodes_max_batch_bytes_is_refused():
+    pool = make_pool()
+    rx, _ = await make_receiver(pool, max_batch_bytes=pool.page_bytes)
+    try:
+        # the sender cuts batches of two pages, decode takes one page per batch
+        t = rx.expect("res-1", "req-1", b"k" * 32, pool.allocate(2, "res-1"))
+        with pytest.raises(TransferError):
+            await send(rx, t, make_source(pool, 2), max_batch_bytes=2 * pool.page_bytes)
+        await asyncio.wait_for(t.done.wait(), 5)
+        assert t.state == InboundState.FAILED and t.error == "PROTOCOL" and t.received == []
+        # control: the same two pages, one per batch
+        t2 = rx.expect("res-2", "req-2", b"k" * 32, pool.allocate(2, "res-2"))
+        await send(rx, t2, make_source(pool, 2), max_batch_bytes=pool.page_bytes)
+        await asyncio.wait_for(t2.done.wait(), 5)
+        assert t2.state == InboundState.COMPLETE and sorted(t2.received) == [0, 1]
+    finally:
+        await rx.stop()
+
+
 async def test_a_page_index_repeated_in_a_later_batch_or_sent_as_a_boolean_fails():
     pool = make_pool()
     rx, _ = await make_receiver(pool)
