@@ -4,7 +4,9 @@ whose transfer failed is never reused, a stale one is replaced, and nothing is l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -51,6 +53,23 @@ async def make_receiver(pool: PagePool, port: int = 0, **kw) -> tuple[KvReceiver
     return rx, events
 
 
+@contextlib.asynccontextmanager
+async def transfer_rig(
+    eps: EndpointPool | None = None, **kw
+) -> AsyncIterator[tuple[PagePool, KvReceiver, list, EndpointPool, Transfers]]:
+    """A page pool, decode's receiver over it (``kw`` as for :func:`make_receiver`), prefill's
+    endpoint pool (a default one unless given) and a :class:`Transfers` driver; on the way out
+    prefill's endpoints are closed and the receiver stopped, whatever the test did."""
+    pool = make_pool()
+    rx, events = await make_receiver(pool, **kw)
+    eps = EndpointPool() if eps is None else eps
+    try:
+        yield pool, rx, events, eps, Transfers(pool, rx, eps)
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
 class Transfers:
     """Reserves pages on the receiver and sends distinct bytes into them through ``eps``."""
 
@@ -91,20 +110,13 @@ class Transfers:
 
 
 async def test_consecutive_transfers_share_one_endpoint():
-    pool = make_pool()
-    rx, events = await make_receiver(pool)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (pool, rx, events, eps, tr):
         for _ in range(3):
             await tr.run()
         assert (eps.opened, eps.reused, eps.discarded) == (1, 2, 0)
         assert rx.connections == 1 and rx.transfers_served == 3
         assert eps.idle("127.0.0.1", rx.port) == 1
         assert events == []
-    finally:
-        await eps.close()
-        await rx.stop()
     assert eps.open_endpoints == 0
     pool.check_integrity()
     assert pool.num_free == pool.num_pages
@@ -128,29 +140,18 @@ async def test_decode_without_reuse_gets_a_new_endpoint_per_transfer(monkeypatch
     answer and serves no second hello) is sent ``done`` and its endpoints are never pooled."""
     import kvfence.transfer as transfer
 
-    pool = make_pool()
-    rx, events = await make_receiver(pool)
-    eps = EndpointPool()
     monkeypatch.setattr(transfer, "PROTOCOL_VERSION", 1)
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (_pool, rx, events, eps, tr):
         await tr.run()
         await tr.run()
         assert (eps.opened, eps.reused, eps.open_endpoints) == (2, 0, 0)
         assert await eventually(lambda: rx.open_endpoints == 0)
         assert events == []
-    finally:
-        await eps.close()
-        await rx.stop()
 
 
 @pytest.mark.parametrize("failure", ["bad_auth", "timeout"])
 async def test_failed_transfer_discards_its_endpoint_and_the_next_uses_a_new_one(failure):
-    pool = make_pool()
-    rx, events = await make_receiver(pool, batch_timeout_s=0.5)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig(batch_timeout_s=0.5) as (pool, rx, events, eps, tr):
         await tr.run(batch_timeout_s=0.5)  # leaves one idle endpoint
         assert (eps.opened, eps.reused) == (1, 0)
         with pytest.raises(TransferError) as err:
@@ -168,19 +169,12 @@ async def test_failed_transfer_discards_its_endpoint_and_the_next_uses_a_new_one
         await tr.run(batch_timeout_s=0.5)
         assert (eps.opened, eps.discarded) == (2, 1) and rx.connections == 2
         assert any(kind in ("integrity_violation", "transfer_failed") for kind, _ in events)
-    finally:
-        await eps.close()
-        await rx.stop()
     pool.check_integrity()
 
 
 @pytest.mark.parametrize("when", ["during_hello", "mid_transfer"])
 async def test_cancelled_transfer_discards_its_endpoint(when):
-    pool = make_pool()
-    rx, _ = await make_receiver(pool)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (pool, rx, _, eps, tr):
         await tr.run()  # one idle endpoint
         task = asyncio.ensure_future(tr.run(stall=5.0 if when == "mid_transfer" else 0.0))
         if when == "mid_transfer":
@@ -195,9 +189,6 @@ async def test_cancelled_transfer_discards_its_endpoint(when):
         assert await eventually(lambda: rx.open_endpoints == 0)
         await tr.run()  # positive control, on a new endpoint
         assert eps.opened == 2
-    finally:
-        await eps.close()
-        await rx.stop()
     pool.check_integrity()
 
 
@@ -218,11 +209,7 @@ async def test_stale_pooled_endpoint_is_replaced_transparently(noticed):
     """Decode dropped every connection (as a restarted decode has none of them) while prefill
     held one idle: the next transfer still succeeds, on a new endpoint. ``noticed``: UCX already
     marked the endpoint closed (skipped when taken), else its hello fails and is said again."""
-    pool = make_pool()
-    rx, events = await make_receiver(pool)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (pool, rx, events, eps, tr):
         await tr.run()
         assert eps.idle("127.0.0.1", rx.port) == 1
         for ep in list(rx._endpoints):
@@ -241,9 +228,6 @@ async def test_stale_pooled_endpoint_is_replaced_transparently(noticed):
         await tr.run()  # and the new endpoint is pooled in turn
         assert eps.opened == 2 and rx.connections == 2
         assert events == []
-    finally:
-        await eps.close()
-        await rx.stop()
     pool.check_integrity()
 
 
@@ -252,11 +236,7 @@ async def test_warm_hello_that_decode_may_have_taken_is_not_said_again(monkeypat
     is final: decode may have accepted it (here it did, then lost the endpoint), and saying it
     again would at best be refused as a replay. The stale-endpoint test above is the control:
     there the hello never left and is said again on a new endpoint."""
-    pool = make_pool()
-    rx, events = await make_receiver(pool)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (pool, rx, events, eps, tr):
         await tr.run()
         original = rx._receive_pages
 
@@ -279,9 +259,6 @@ async def test_warm_hello_that_decode_may_have_taken_is_not_said_again(monkeypat
         monkeypatch.setattr(rx, "_receive_pages", original)
         await tr.run()  # positive control: the next transfer, on a new endpoint
         assert eps.opened == 2
-    finally:
-        await eps.close()
-        await rx.stop()
     pool.check_integrity()
 
 
@@ -310,11 +287,8 @@ async def test_pool_remembers_the_protocol_version_per_endpoint():
 
 
 async def test_pool_is_bounded_and_idle_endpoints_expire():
-    pool = make_pool()
-    rx, _ = await make_receiver(pool)
-    eps = EndpointPool(max_idle_per_peer=2, idle_timeout_s=0.3)
-    try:
-        tr = Transfers(pool, rx, eps)
+    bounded = EndpointPool(max_idle_per_peer=2, idle_timeout_s=0.3)
+    async with transfer_rig(eps=bounded) as (_pool, rx, _, eps, tr):
         await asyncio.gather(*[tr.run(n_pages=2) for _ in range(5)])
         assert eps.opened == 5  # concurrent transfers never share an endpoint
         assert eps.idle("127.0.0.1", rx.port) == 2 and eps.open_endpoints == 2
@@ -326,17 +300,10 @@ async def test_pool_is_bounded_and_idle_endpoints_expire():
         assert await eventually(lambda: eps._reaper is None or eps._reaper.done())
         await tr.run()
         assert eps.opened == 6
-    finally:
-        await eps.close()
-        await rx.stop()
 
 
 async def test_close_leaves_no_endpoint_on_either_side():
-    pool = make_pool()
-    rx, _ = await make_receiver(pool)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (_pool, rx, _, eps, tr):
         await asyncio.gather(*[tr.run(n_pages=2) for _ in range(3)])
         assert eps.open_endpoints == 3
         await eps.close()
@@ -345,9 +312,6 @@ async def test_close_leaves_no_endpoint_on_either_side():
         with pytest.raises(TransferError):
             await tr.run()  # a closed pool opens nothing
         assert eps.open_endpoints == 0
-    finally:
-        await eps.close()
-        await rx.stop()
     assert rx.open_endpoints == 0 and not rx._handlers
 
 
@@ -456,11 +420,7 @@ async def test_a_stray_page_left_on_a_reused_endpoint_cannot_land_in_the_next_tr
     tags name the reservation and batch, so the next transfer's receives never match it. The
     control sends the stray under the next transfer's own tag: then it does land, which shows
     that the tag is what keeps it out."""
-    pool = make_pool()
-    rx, _ = await make_receiver(pool)
-    eps = EndpointPool()
-    try:
-        tr = Transfers(pool, rx, eps)
+    async with transfer_rig() as (pool, rx, _, eps, tr):
         await tr.run(n_pages=1)  # res-1, leaves one idle endpoint
         host, _, port = rx.address.rpartition(":")
         ep = eps.take(host, int(port))
@@ -475,6 +435,3 @@ async def test_a_stray_page_left_on_a_reused_endpoint_cannot_land_in_the_next_tr
         else:
             with pytest.raises(AssertionError):
                 await tr.run(n_pages=1)  # page 0 of res-2 holds the stray's bytes
-    finally:
-        await eps.close()
-        await rx.stop()
