@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
+
+import grpc
 
 from kvfence.errors import Cancelled, KvfenceError
 from kvfence.logging import get_logger
@@ -162,6 +164,37 @@ class Run:
             return task.result()
         await _cancel(task, aw)
         raise self._interrupt.result()
+
+    async def read_stream(self, call: Any) -> AsyncGenerator[Any, None]:
+        """The messages of a grpc.aio response stream, to its end, guarded as :meth:`guard` guards
+        one await, but without a task and a wait per message (a decode stream has one message per
+        token or few): an interrupt cancels the call, which cancels the RPC on the node and ends
+        the read in progress, and the interrupt is raised in its place.
+
+        As in :meth:`guard`, a message that arrived wins, and a failure that raced an interrupt is
+        reported as the interrupt.
+        """
+        self.check()
+
+        def cancel(_: asyncio.Future[KvfenceError]) -> None:
+            call.cancel()
+
+        self._interrupt.add_done_callback(cancel)
+        try:
+            while True:
+                try:
+                    msg = await call.read()
+                except (asyncio.CancelledError, Exception):
+                    task = asyncio.current_task()
+                    # Our own task being cancelled (shutdown) is not the interrupt's doing.
+                    if self._interrupt.done() and not (task and task.cancelling()):
+                        raise self._interrupt.result() from None
+                    raise
+                if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    return
+                yield msg
+        finally:
+            self._interrupt.remove_done_callback(cancel)
 
     async def sleep(self, seconds: float) -> None:
         """Sleep, but wake (raising) at once when interrupted."""

@@ -366,25 +366,23 @@ class Pipeline:
         stream = DecodeStream(rec, manifest, prompt, detok)
         started = last = time.monotonic()
         try:
-            while True:
-                msg = await run.guard(call.read())
-                if not isinstance(msg, decode_pb2.DecodeResponse):  # grpc.aio.EOF
-                    break
-                if not stream.verified and msg.verified:
-                    transition(rec, RequestState.KV_VERIFIED)
-                    self._release_prefill_early(run)
-                    transition(rec, RequestState.DECODING)
-                out = stream.accept(msg)
-                if out is not None:
-                    now = time.monotonic()
-                    if stream.completion_tokens == len(out.token_ids):
-                        self.d.metrics.ttft_seconds.observe(now - started)
-                    else:  # per token of the message: decode may batch several in one
-                        gap = (now - last) / len(out.token_ids)
-                        for _ in out.token_ids:
-                            self.d.metrics.inter_token_seconds.observe(gap)
-                    last = now
-                    emit(out)
+            async with contextlib.aclosing(run.read_stream(call)) as messages:
+                async for msg in messages:
+                    if not stream.verified and msg.verified:
+                        transition(rec, RequestState.KV_VERIFIED)
+                        self._release_prefill_early(run)
+                        transition(rec, RequestState.DECODING)
+                    out = stream.accept(msg)
+                    if out is not None:
+                        now = time.monotonic()
+                        if stream.completion_tokens == len(out.token_ids):
+                            self.d.metrics.ttft_seconds.observe(now - started)
+                        else:  # per token of the message: decode may batch several in one
+                            gap = (now - last) / len(out.token_ids)
+                            for _ in out.token_ids:
+                                self.d.metrics.inter_token_seconds.observe(gap)
+                        last = now
+                        emit(out)
         except grpc.aio.AioRpcError as err:
             raise node_error(node, err) from None
         finally:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
+import grpc
 import pytest
+from asyncwait import eventually
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -133,3 +137,73 @@ def test_detokenizer_never_splits_characters(text: str, steps: list[int]) -> Non
     pieces.append(detok.flush())
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@contextlib.asynccontextmanager
+async def numbers_server() -> AsyncIterator[tuple[grpc.aio.Channel, asyncio.Event]]:
+    """A server whose one stream sends ``b"0"``, ``b"1"``, ... up to the count asked (b"3"), and
+    then hangs when asked (b"3+hang") until cancelled (the event it returns is set then)."""
+    cancelled = asyncio.Event()
+
+    async def numbers(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        count, _, hang = request.decode().partition("+")
+        for i in range(int(count)):
+            yield str(i).encode()
+        if hang:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "t.Numbers", {"Count": grpc.unary_stream_rpc_method_handler(numbers)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel, cancelled
+    finally:
+        await server.stop(None)
+
+
+async def test_read_stream_interrupt_cancels_the_rpc_and_raises() -> None:
+    async with numbers_server() as (channel, server_cancelled):
+        count = channel.unary_stream("/t.Numbers/Count")
+        # Control: without an interrupt every message comes, then the stream ends.
+        assert [m async for m in Run(make_record()).read_stream(count(b"3"))] == [b"0", b"1", b"2"]
+
+        run = Run(make_record())
+        call = count(b"2+hang")
+        got: list[bytes] = []
+
+        async def consume() -> None:
+            async for msg in run.read_stream(call):
+                got.append(msg)
+
+        task = asyncio.create_task(consume())
+        assert await eventually(lambda: len(got) == 2)
+        assert run.interrupt(Unavailable("node lost"))
+        with pytest.raises(Unavailable, match="node lost"):
+            await asyncio.wait_for(task, 5)
+        assert got == [b"0", b"1"]
+        assert call.cancelled()
+        await asyncio.wait_for(server_cancelled.wait(), 5)  # the node stopped working for it
+        with pytest.raises(Unavailable):  # an interrupted run reads no further stream
+            await anext(run.read_stream(count(b"3")))
+
+
+async def test_read_stream_lets_a_task_cancel_through_as_cancel() -> None:
+    """Cancelling the pipeline task (shutdown) is not the interrupt, even when one is pending."""
+    async with numbers_server() as (channel, _):
+        run = Run(make_record())
+        call = channel.unary_stream("/t.Numbers/Count")(b"0+hang")
+        task = asyncio.create_task(anext(run.read_stream(call)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        run.interrupt(Unavailable("node lost"))
+        with pytest.raises(asyncio.CancelledError):
+            await task
