@@ -96,7 +96,7 @@ import numpy as np
 import torch
 
 from kvfence import logging as kvlog
-from kvfence.kv.pool import PagePool, PageRef, PageState
+from kvfence.kv.pool import PagePool, PageRef, PageState, ucx_bytes
 
 LEN_TAG = 1
 BODY_TAG = 2
@@ -213,8 +213,7 @@ def pages_per_batch(max_batch_bytes: int, page_bytes: int) -> int:
 
 def page_buffer(t: torch.Tensor) -> Any:
     """A UCX-sendable view of one contiguous page (numpy on CPU, the CUDA tensor on GPU)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat if flat.is_cuda else flat.numpy()
+    return ucx_bytes(t.reshape(-1))
 
 
 def _send(ep: Any, buffer: Any, *, tag: int) -> Coroutine[Any, Any, Any]:

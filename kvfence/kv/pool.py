@@ -76,6 +76,13 @@ class PoolStats:
     quarantined: int
 
 
+def ucx_bytes(t: torch.Tensor) -> Any:
+    """``t``'s memory as bytes UCX can send or receive into, same shape but the last dimension in
+    bytes: a numpy view on the CPU, the CUDA tensor itself on a GPU (UCX takes both)."""
+    raw = t.view(torch.uint8)
+    return raw if raw.is_cuda else raw.numpy()
+
+
 class PagePool:
     """Fixed-size pool of KV pages with generation tags (see module docstring)."""
 
@@ -110,10 +117,8 @@ class PagePool:
         # Each page's bytes as a UCX-sendable buffer, and page_gen as numpy where the pool is on
         # the CPU: indexing them costs no torch dispatch, which on a transfer's path also means
         # no release of the GIL to ucxx's notifier thread (measured: tens of µs per call there).
-        flat = self.kv.view(num_pages, -1).view(torch.uint8)
-        on_cpu = self.kv.device.type == "cpu"
-        self._buffers: Any = flat.numpy() if on_cpu else flat
-        self._gen_host: Any = self.page_gen.numpy() if on_cpu else None
+        self._buffers: Any = ucx_bytes(self.kv.view(num_pages, -1))
+        self._gen_host: Any = self.page_gen.numpy() if self.kv.device.type == "cpu" else None
         # Host mirrors: bookkeeping must not synchronise with the device.
         self._gen = [0] * num_pages
         self._state = [PageState.FREE] * num_pages
