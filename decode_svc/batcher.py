@@ -40,6 +40,7 @@ class ActiveSeq:
     # KvfenceError).
     emit: Callable[[tuple[str, Any]], None]
     generated: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)  # accepted, not yet emitted (stream_interval)
 
 
 class DecodeBatcher:
@@ -53,6 +54,7 @@ class DecodeBatcher:
         detokenize: Callable[[list[int]], str],
         loop: asyncio.AbstractEventLoop,
         max_batch: int = 64,
+        stream_interval: int = 1,
     ):
         self.engine = engine
         self.pool = pool
@@ -60,6 +62,7 @@ class DecodeBatcher:
         self.detokenize = detokenize
         self.loop = loop
         self.max_batch = max_batch
+        self.stream_interval = stream_interval
         self._active: dict[str, ActiveSeq] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -110,14 +113,15 @@ class DecodeBatcher:
         self._post(seq, event)
 
     def _accept(self, seq: ActiveSeq, token: int) -> bool:
-        """Record a sampled token, emit it, and finish the sequence when a stop condition holds.
+        """Record a sampled token, and finish the sequence when a stop condition holds.
 
         Same rules, in the same order, as the colocated scheduler: EOS (kept in the ids, finish
         "eos"), then a stop string in the text (finish "stop"), then max_new_tokens ("length").
-        Returns whether the sequence finished."""
+        Tokens are emitted every ``stream_interval`` tokens, the first at once and the last ones
+        before the finish. Returns whether the sequence finished."""
         seq.generated.append(token)
+        seq.unsent.append(token)
         p = seq.params
-        self._post(seq, ("tokens", [token]))
         reason = None
         if token in self.eos_ids and not p.ignore_eos:
             reason = "eos"
@@ -125,6 +129,9 @@ class DecodeBatcher:
             reason = "stop"
         elif len(seq.generated) >= p.max_new_tokens:
             reason = "length"
+        if reason is not None or len(seq.generated) == 1 or len(seq.unsent) >= self.stream_interval:
+            self._post(seq, ("tokens", seq.unsent))
+            seq.unsent = []
         if reason is not None:
             self._finish(seq, ("finish", reason))
         return reason is not None

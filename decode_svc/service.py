@@ -119,6 +119,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             loaded.eos_token_ids,
             self.tokenizer.decode,
             asyncio.get_running_loop(),
+            max_batch=self.cfg.decode.max_batch,
+            stream_interval=self.cfg.decode.stream_interval,
         )
         self.batcher.start()
         self._reaper = asyncio.create_task(self._reap())

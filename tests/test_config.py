@@ -18,6 +18,11 @@ def test_yaml_and_env_overrides(tmp_path):
     assert cfg.node.role == Role.DECODE
     assert cfg.kv.page_size == 64
     assert cfg.kv.decode_pool.num_pages == 100
+    assert cfg.decode.stream_interval == 1  # the default: every token as it is sampled
+    assert (
+        load_config(path, environ={"KVFENCE__DECODE__STREAM_INTERVAL": "4"}).decode.stream_interval
+        == 4
+    )
     # control: without overrides the file's values stand
     plain = load_config(path, environ={})
     assert plain.node.role == Role.PREFILL and plain.kv.page_size == 32
@@ -35,6 +40,8 @@ def test_yaml_and_env_overrides(tmp_path):
         ({"model": {"dtype": "int3"}}, "model.dtype", "pattern"),
         ({"node": {"role": "router"}}, "node.role", "control-plane"),
         ({"transfer": {"bogus": 1}}, "transfer.bogus", "Extra inputs"),
+        ({"decode": {"stream_interval": 0}}, "decode.stream_interval", "greater than or equal"),
+        ({"decode": {"max_batch": 0}}, "decode.max_batch", "greater than or equal to 1"),
     ],
 )
 def test_bad_values_name_field_and_rule(data, field, rule):

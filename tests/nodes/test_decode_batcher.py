@@ -71,16 +71,9 @@ async def test_steps_deliver_their_events_together_and_match_the_colocated_engin
     batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode, loop)
     events: list[list] = [[] for _ in PROMPTS]
     seqs = [start_sequence(colo, i, p, new, events[i]) for i, p in enumerate(PROMPTS)]
-    batcher.start()
     try:
-        for s in seqs:
-            batcher.add(s)
-        for _ in range(500):
-            if all(e and e[-1][0] == "finish" for e in events):
-                break
-            await asyncio.sleep(0.01)
+        await run_batcher(batcher, seqs, events)
     finally:
-        batcher.stop()
         del loop.call_soon_threadsafe
     for e, w in zip(events, want, strict=True):
         tokens = [t for kind, value in e if kind == "tokens" for t in value]
@@ -88,3 +81,61 @@ async def test_steps_deliver_their_events_together_and_match_the_colocated_engin
     # The three first tokens posted by add(), then at most one wakeup per step; posting each
     # token and finish on its own would take 3 + 3 * (new - 1) + 3 = 3 * new + 3.
     assert wakeups <= 3 + batcher.steps < 3 * new + 3, (wakeups, batcher.steps)
+
+
+async def run_batcher(batcher: DecodeBatcher, seqs: list[ActiveSeq], events: list[list]) -> None:
+    batcher.start()
+    try:
+        for s in seqs:
+            batcher.add(s)
+        for _ in range(500):
+            if all(e and e[-1][0] == "finish" for e in events):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"sequences did not finish: {events}")
+    finally:
+        batcher.stop()
+
+
+async def test_stream_interval_groups_tokens_first_at_once_and_rest_with_the_finish():
+    new = 8
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    chunks = {}
+    for interval in (1, 3):
+        batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                                asyncio.get_running_loop(), stream_interval=interval)  # fmt: skip
+        events: list = []
+        seq = start_sequence(colo, interval, PROMPTS[2], new, events)
+        await run_batcher(batcher, [seq], [events])
+        assert events[-1] == ("finish", "length")
+        chunks[interval] = [value for kind, value in events[:-1] if kind == "tokens"]
+        assert len(chunks[interval]) == len(events) - 1  # nothing but tokens before the finish
+        colo.pool.release(f"seq-{interval}")
+    # Control: one token a message; with 3, the first alone, then threes, the rest at the end.
+    assert [len(c) for c in chunks[1]] == [1] * new
+    assert [len(c) for c in chunks[3]] == [1, 3, 3, 1]
+    assert [t for c in chunks[3] for t in c] == [t for c in chunks[1] for t in c]
+
+
+async def test_max_batch_bounds_each_step_and_the_waiting_sequences_still_finish():
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                            asyncio.get_running_loop(), max_batch=2)  # fmt: skip
+    sizes: list[int] = []
+    step = batcher._step
+
+    def recording(batch: list[ActiveSeq]) -> None:
+        sizes.append(len(batch))
+        step(batch)
+
+    batcher._step = recording  # type: ignore[method-assign]
+    events: list[list] = [[] for _ in PROMPTS]
+    seqs = [start_sequence(colo, i, p, 3 + 2 * i, events[i]) for i, p in enumerate(PROMPTS)]
+    await run_batcher(batcher, seqs, events)
+    want = colo.generate(
+        [GenerationRequest(p, SamplingParams(max_new_tokens=3 + 2 * i, ignore_eos=True))
+         for i, p in enumerate(PROMPTS)]
+    )  # fmt: skip
+    for e, w in zip(events, want, strict=True):
+        assert [t for kind, value in e if kind == "tokens" for t in value] == w.token_ids
+    assert max(sizes) == 2  # three sequences, never more than two in a step (and two at once)

@@ -162,6 +162,9 @@ transfer:
   reservation_timeout_s: {{ .Values.transfer.reservationTimeoutS }}
   endpoint_pool_max_idle: {{ int .Values.transfer.endpointPoolMaxIdle }}
   endpoint_idle_timeout_s: {{ .Values.transfer.endpointIdleTimeoutS }}
+decode:
+  max_batch: {{ int .Values.decode.maxBatch }}
+  stream_interval: {{ int .Values.decode.streamInterval }}
 control_plane:
   listen: {{ printf "0.0.0.0:%d" (int $cp.ports.grpc) | quote }}
   admin_listen: {{ printf "0.0.0.0:%d" (int $cp.ports.admin) | quote }}
