@@ -17,7 +17,8 @@ class RequestTiming:
     ttft_s: float
     total_s: float
     tokens: int
-    gaps_s: list[float] = field(default_factory=list)  # between chunks after the first
+    gaps_s: list[float] = field(default_factory=list)  # per token: a chunk's gap / its tokens
+    chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks after the first
 
 
 @dataclass
@@ -40,6 +41,14 @@ class LoadResult:
     def gaps(self) -> list[float]:
         return [g for t in self.timings for g in t.gaps_s]
 
+    def chunk_gaps(self) -> list[float]:
+        return [g for t in self.timings for g in t.chunk_gaps_s]
+
+    @property
+    def chunks(self) -> int:
+        """Messages that carried tokens."""
+        return sum(len(t.chunk_gaps_s) + 1 for t in self.timings if t.tokens)
+
 
 def make_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of byte-token ids (3..258), lengths in [lo, hi], the same for every seed."""
@@ -51,6 +60,7 @@ async def _one(client: AsyncClient, prompt: list[int], max_new: int) -> RequestT
     t0 = time.perf_counter()
     first = last = 0.0
     gaps: list[float] = []
+    chunk_gaps: list[float] = []
     tokens = 0
     async for chunk in client.stream(prompt_ids=prompt, max_new_tokens=max_new, ignore_eos=True):
         if not chunk.token_ids:
@@ -60,9 +70,10 @@ async def _one(client: AsyncClient, prompt: list[int], max_new: int) -> RequestT
             first = now - t0
         else:
             gaps.append((now - last) / len(chunk.token_ids))
+            chunk_gaps.append(now - last)
         last = now
         tokens += len(chunk.token_ids)
-    return RequestTiming(first, time.perf_counter() - t0, tokens, gaps)
+    return RequestTiming(first, time.perf_counter() - t0, tokens, gaps, chunk_gaps)
 
 
 async def drive(

@@ -157,6 +157,25 @@ def test_e2e_quick(tmp_path):
     assert isinstance(goal["decode_rss_met"], bool)
 
 
+def test_stream_interval_quick(tmp_path):
+    result = run_quick("stream_interval", tmp_path)
+    assert result["interval"] == 4 and result["workload"]["new_tokens"] == 16
+    (lv,) = result["levels"]
+    assert lv["concurrency"] == 4
+    for k in (1, 4):
+        side = lv[f"interval_{k}"]
+        assert isinstance(side["tokens_per_s"], float) and side["failed_requests"] == 0
+        assert_latency(side["ttft"])
+        assert_latency(side["message_gap"])
+        assert set(side["cpu_us_per_token"]) == {"control-plane", "prefill", "decode",
+                                                 "load_generator"}  # fmt: skip
+    # Not a speed: the interval reached decode. Its 16 tokens leave decode in at most 5
+    # messages (1 + 4 + 4 + 4 + 3), which nothing downstream splits.
+    assert lv["interval_4"]["tokens_per_message"] >= 16 / 5
+    assert lv["interval_1"]["tokens_per_message"] >= 1.0
+    assert isinstance(lv["ratio"], float)
+
+
 def test_bench_models_small_is_a_larger_llama_the_engine_loads(tmp_path, monkeypatch):
     # ``--model small`` must be a real checkpoint of the configured shape, not the tiny one again
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -1,0 +1,145 @@
+"""Stream-interval benchmark: what sending tokens in groups buys a CPU-bound stack, and costs.
+
+Two ``kvfence up`` stacks (1 prefill + 1 decode each) on the same checkpoint, both up at once, one
+with ``decode.stream_interval`` 1 (every token its own message, the default) and one with
+``--interval`` (default 4). The same closed-loop load as ``e2e.py`` (byte-token prompts of 24-40
+tokens, greedy, EOS ignored, ``concurrency`` streaming clients) drives one stack at a time, taking
+turns every round in a new seeded random order. Per stack and concurrency: tokens/s (median of the
+rounds), TTFT, the gap between the messages a client receives (its p99 is how bursty the stream
+is), tokens per message, and each process's CPU time per delivered token. ``ratio`` is tokens/s
+with the interval over tokens/s without. No goal: this measures a trade-off for operators.
+Prints one JSON object; ``--quick`` for a smoke run, ``--png PATH`` a chart, ``--model small`` the
+24.5M-parameter random Llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib
+import psutil
+from benchlib.load import make_prompts, run_load
+from benchlib.models import MODELS, bench_model
+from benchlib.stack import BenchStack
+
+
+def run_level(
+    stacks: dict[int, BenchStack], conc: int, n: int, new: int, rounds: int
+) -> dict[str, Any]:
+    prompts = make_prompts(n, 24, 40, seed=conc)
+    procs = {k: {**s.services(), "load_generator": psutil.Process()} for k, s in stacks.items()}
+    cpu_s = {k: dict.fromkeys(p, 0.0) for k, p in procs.items()}
+    runs: dict[int, list[Any]] = {k: [] for k in stacks}
+    order = list(stacks)
+    rng = random.Random(conc)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            before = _cpu_seconds(procs[k])
+            runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
+            for role, used in _cpu_seconds(procs[k]).items():
+                cpu_s[k][role] += used - before[role]
+    out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds}
+    for k, rs in runs.items():
+        failures = [f for r in rs for f in r.failures]
+        tokens = sum(r.tokens for r in rs)
+        assert tokens == new * (n * rounds - len(failures)), f"interval {k}: wrong token count"
+        out[f"interval_{k}"] = {
+            "tokens_per_s": benchlib.r(benchlib.median([r.tokens_per_s for r in rs]), 1),
+            "ttft": benchlib.summary_ms([t for r in rs for t in r.ttft()]),
+            "message_gap": benchlib.summary_ms([g for r in rs for g in r.chunk_gaps()]),
+            "tokens_per_message": benchlib.r(tokens / max(1, sum(r.chunks for r in rs)), 2),
+            "failed_requests": len(failures),
+            "cpu_us_per_token": {
+                role: benchlib.r(used / max(tokens, 1) * 1e6, 1) for role, used in cpu_s[k].items()
+            },
+        }
+    lo, hi = sorted(stacks)
+    out["ratio"] = benchlib.r(
+        out[f"interval_{hi}"]["tokens_per_s"] / out[f"interval_{lo}"]["tokens_per_s"], 3
+    )
+    return out
+
+
+def _cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
+    return {role: sum(p.cpu_times()[:2]) for role, p in procs.items()}
+
+
+def draw_png(result: dict[str, Any], path: Path) -> None:
+    plt = benchlib.pyplot(path)
+    levels = result["levels"]
+    xs = [lv["concurrency"] for lv in levels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for k in (1, result["interval"]):
+        name = f"interval_{k}"
+        ax1.plot(xs, [lv[name]["tokens_per_s"] for lv in levels], marker="o", label=name)
+        ax2.plot(xs, [lv[name]["message_gap"]["p99_ms"] for lv in levels], marker="o", label=name)
+    for ax, label in ((ax1, "tokens/s"), (ax2, "gap between messages p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="concurrency 4 only, few requests")
+    ap.add_argument("--png", type=Path, help="also draw tokens/s and message gaps here")
+    ap.add_argument("--interval", type=int, default=4, help="the interval compared with 1")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    args = ap.parse_args(argv)
+    if args.interval < 2:
+        ap.error("--interval must be at least 2 (it is compared with 1)")
+    new = 16 if args.quick else 32
+    levels_c = [4] if args.quick else [1, 16, 64]
+    rounds = 1 if args.quick else 3
+    checkpoint = bench_model(args.model)
+    levels = []
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
+        stacks = {
+            k: BenchStack(
+                Path(tmp) / f"stack-{k}",
+                config={"decode": {"stream_interval": k}},
+                args=["--model", str(checkpoint)],
+            )
+            for k in (1, args.interval)
+        }
+        benchlib.log("starting two kvfence up stacks")
+        with stacks[1], stacks[args.interval]:
+            for stack in stacks.values():  # first use of each stack's code paths: not measured
+                run_load(stack.target, stack.api_key, make_prompts(4, 24, 40), new, 4)
+            for conc in levels_c:
+                n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
+                benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
+                levels.append(run_level(stacks, conc, n, new, rounds))
+    result = {
+        "benchmark": "stream_interval",
+        "quick": args.quick,
+        "machine": benchlib.machine(),
+        "workload": {
+            "model": args.model,
+            "prompt_tokens": [24, 40],
+            "new_tokens": new,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "interval": args.interval,
+        "levels": levels,
+    }
+    if args.png:
+        draw_png(result, args.png)
+        result["png"] = str(args.png)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
