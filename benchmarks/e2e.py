@@ -19,7 +19,7 @@ Goals (reported, never asserted): disaggregated >= 0.9x colocated tokens/s at co
 colocated >= 1x transformers; decode RSS set by its pool, not by the number of requests (peak at
 the highest concurrency within 5% of the lowest). Prints one JSON object; ``--quick`` for a smoke
 run (concurrency 1 and 4, few requests), ``--png PATH`` a chart, ``--model small`` the same on a
-23M-parameter random Llama instead of the embedded tiny model.
+24.5M-parameter random Llama instead of the embedded tiny model.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         "--model",
         choices=MODELS,
         default="tiny",
-        help="checkpoint (benchlib/models.py): the embedded tiny model or a 23M random Llama",
+        help="checkpoint (benchlib/models.py): the embedded tiny model or a 24.5M random Llama",
     )
     args = ap.parse_args(argv)
     new = args.new or (16 if args.quick else 32)

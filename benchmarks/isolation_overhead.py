@@ -21,7 +21,7 @@ The per-request sum of (a)-(d) is divided by the measured end-to-end seconds per
 ``kvfence up`` stack (protections always on) running the same workload, at concurrency 1 (latency
 view) and at the batch size used above (throughput view). The goal (<= 1%) is reported, never
 asserted. Prints one JSON object; ``--quick`` for a smoke run, ``--png PATH`` a chart, ``--model
-small`` the same on a 23M-parameter random Llama instead of the embedded tiny model.
+small`` the same on a 24.5M-parameter random Llama instead of the embedded tiny model.
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         "--model",
         choices=MODELS,
         default="tiny",
-        help="checkpoint (benchlib/models.py): the embedded tiny model or a 23M random Llama",
+        help="checkpoint (benchlib/models.py): the embedded tiny model or a 24.5M random Llama",
     )
     args = ap.parse_args(argv)
     reps = 20 if args.quick else 300

@@ -4,7 +4,7 @@ The embedded model (hidden 128, 2 layers, 0.4M parameters) makes a decode step c
 µs, so per-call costs that do not grow with the model (Python dispatch, gRPC messages, a tag
 check per attention call) weigh far more on it than on any model people serve. ``small`` is a
 random Llama drawn the same way (``kvfence.model.tiny.write_tiny_model`` with another config),
-with the shape of a real small model (GQA, 8 layers, hidden 512: 23M parameters), so that the
+with the shape of a real small model (GQA, 8 layers, hidden 512: 24.5M parameters), so that the
 same scripts also show how those fractions move with the model. Both use the byte tokenizer.
 """
 
