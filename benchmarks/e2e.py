@@ -211,20 +211,15 @@ def _tps(level: dict[str, Any], name: str) -> float:
 
 
 def draw_png(result: dict[str, Any], path: Path) -> None:
-    plt = benchlib.pyplot(path)
-    levels = result["levels"]
-    xs = [lv["concurrency"] for lv in levels]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name in ("disaggregated", "colocated", "colocated_node_threads", "transformers"):
-        ax1.plot(xs, [lv[name]["tokens_per_s"] for lv in levels], marker="o", label=name)
-        ax2.plot(xs, [lv[name]["ttft"]["p50_ms"] for lv in levels], marker="o", label=name)
-    for ax, label in ((ax1, "tokens/s"), (ax2, "TTFT p50 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    benchlib.plot_by_concurrency(
+        path,
+        result["levels"],
+        ("disaggregated", "colocated", "colocated_node_threads", "transformers"),
+        [
+            ("tokens/s", lambda e: e["tokens_per_s"]),
+            ("TTFT p50 (ms)", lambda e: e["ttft"]["p50_ms"]),
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

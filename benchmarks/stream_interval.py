@@ -73,21 +73,15 @@ def _cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
 
 
 def draw_png(result: dict[str, Any], path: Path) -> None:
-    plt = benchlib.pyplot(path)
-    levels = result["levels"]
-    xs = [lv["concurrency"] for lv in levels]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for k in (1, result["interval"]):
-        name = f"interval_{k}"
-        ax1.plot(xs, [lv[name]["tokens_per_s"] for lv in levels], marker="o", label=name)
-        ax2.plot(xs, [lv[name]["message_gap"]["p99_ms"] for lv in levels], marker="o", label=name)
-    for ax, label in ((ax1, "tokens/s"), (ax2, "gap between messages p99 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    benchlib.plot_by_concurrency(
+        path,
+        result["levels"],
+        ("interval_1", f"interval_{result['interval']}"),
+        [
+            ("tokens/s", lambda e: e["tokens_per_s"]),
+            ("gap between messages p99 (ms)", lambda e: e["message_gap"]["p99_ms"]),
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -128,6 +128,28 @@ def pyplot(png: Path) -> Any:
     return plt
 
 
+def plot_by_concurrency(
+    path: Path,
+    levels: Sequence[dict[str, Any]],
+    names: Sequence[str],
+    panels: Sequence[tuple[str, Callable[[dict[str, Any]], float]]],
+) -> None:
+    """Charts side by side over concurrency (log2 axis), one line per name in ``names``; each
+    panel is a y label and what to plot of a level's entry for a name (``level[name]``)."""
+    plt = pyplot(path)
+    xs = [lv["concurrency"] for lv in levels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (label, value) in zip(axes[0], panels, strict=True):
+        for name in names:
+            ax.plot(xs, [value(lv[name]) for lv in levels], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def r(x: float, digits: int = 4) -> float:
     """Round for JSON; keeps nan/inf out (JSON has neither) by mapping them to -1."""
     if x is None or not math.isfinite(x):
