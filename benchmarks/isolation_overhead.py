@@ -7,8 +7,9 @@ protection, and the "on" side end to end through a real stack:
 (a) tag check: ``kernels`` reference paged attention (generation compare inside) against the same
     gather + attention arithmetic with the compare removed; and whole ``Engine.decode_step`` calls
     with either attention (so the decode inter-token latency on/off is measured directly), the
-    attention calls timed inside those steps (what the estimate below counts: between a step's
-    matmuls the check is out of cache and dearer than in a loop), and colocated end-to-end
+    step's attention plan and its calls (one a layer) timed inside those steps (what the
+    estimate below counts: between a step's matmuls the check is out of cache and dearer than in
+    a loop), and colocated end-to-end
     generation (tokens/s) with either, repetitions interleaved;
 (b) manifest verification per transfer (``kvfence.manifest.verify``: MAC, coverage, generations,
     checksums recomputed over the received pages) against none;
@@ -58,30 +59,48 @@ GOAL_FRACTION = 0.01
 PAGE_SIZE = 16
 
 
+class UncheckedPlan:
+    """The reference's plan (``kernels.reference.DecodeAttentionPlan``) with the generation
+    check, the page-id range check and the argument checks removed: the "off" baseline. It runs
+    the reference's own pieces (``_table_read`` and the valid slots once per step,
+    ``_attend_pages`` per layer), so that the difference is the check and nothing else."""
+
+    def __init__(
+        self,
+        kv_pages: torch.Tensor,
+        block_tables: torch.Tensor,
+        expected_gen: torch.Tensor,
+        page_gen: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ):
+        rows = reference._table_read(block_tables, seq_lens, kv_pages.shape[3])
+        assert rows is not None, "the benchmark's batches are valid"
+        self.hi, read, self.table = rows
+        self.valid = (
+            None
+            if read is None
+            else reference._valid_slots(self.table.shape[1] * kv_pages.shape[3], seq_lens)
+        )
+        self.kv_pages, self.scale = kv_pages, scale
+
+    def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = reference._attend_pages(
+            q, self.kv_pages, layer, self.table, self.hi, self.valid, self.scale
+        )
+        return out, torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+
+
 def attention_unchecked(
-    q: torch.Tensor,
-    kv_pages: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    expected_gen: torch.Tensor,
-    page_gen: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, kv_pages: torch.Tensor, layer: int, *shared: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's common path (``kernels.reference._attention_all_pages_current``) with the
-    generation check, the page-id range check and the argument checks removed: the "off"
-    baseline. It runs the reference's own pieces (``_table_read``, ``_attend_pages``), so that the
-    difference is the check and nothing else."""
-    rows = reference._table_read(block_tables, seq_lens, kv_pages.shape[3])
-    assert rows is not None, "the benchmark's batches are valid"
-    hi, read, table = rows
-    out = reference._attend_pages(q, kv_pages, layer, table, seq_lens, hi, read is None, scale)
-    return out, torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+    """One call of the "off" baseline (``paged_decode_attention``'s arguments)."""
+    return UncheckedPlan(kv_pages, *shared)(q, layer)
 
 
 # The engine reads ``kernels.<fn>`` at call time: swapping its module reference toggles the check.
 KERNELS_OFF = types.SimpleNamespace(
-    write_kv_pages=kernels.write_kv_pages, paged_decode_attention=attention_unchecked
+    write_kv_pages=kernels.write_kv_pages, plan_decode_attention=UncheckedPlan
 )
 
 
@@ -89,14 +108,24 @@ def set_tag_check(on: bool) -> None:
     engine_mod.kernels = kernels if on else KERNELS_OFF  # type: ignore[assignment]
 
 
-def _timed(fn: Any, sink: list[float]) -> Any:
-    def call(*args: Any) -> Any:
-        t0 = time.perf_counter()
-        out = fn(*args)
-        sink.append(time.perf_counter() - t0)
-        return out
+def _timed_plan(plan: Any, plans: list[float], calls: list[float]) -> Any:
+    """``plan`` (a ``plan_decode_attention``), timing each planning in ``plans`` and each call
+    of a plan it made in ``calls``."""
 
-    return call
+    def planned(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        attend = plan(*args)
+        plans.append(time.perf_counter() - t0)
+
+        def call(q: torch.Tensor, layer: int) -> Any:
+            t0 = time.perf_counter()
+            out = attend(q, layer)
+            calls.append(time.perf_counter() - t0)
+            return out
+
+        return call
+
+    return planned
 
 
 class Workload:
@@ -149,13 +178,14 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
     # The attention calls are also timed inside whole decode steps, between the step's matmuls:
     # there the check's code and data are no longer in cache and it costs 1.5-3x what it costs
     # timed in a loop. A whole step's on/off difference would show that too, but on a model whose
-    # step is milliseconds long it drowns in the step's own noise.
-    in_step: dict[bool, list[float]] = {True: [], False: []}
+    # step is milliseconds long it drowns in the step's own noise. A step plans its attention
+    # once and calls it once per layer; both are timed.
+    in_step: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
     kernels_in_step = {
         on: types.SimpleNamespace(
             write_kv_pages=kernels.write_kv_pages,
-            paged_decode_attention=_timed(
-                kernels.paged_decode_attention if on else attention_unchecked, in_step[on]
+            plan_decode_attention=_timed_plan(
+                kernels.plan_decode_attention if on else UncheckedPlan, *in_step[on]
             ),
         )
         for on in (True, False)
@@ -171,17 +201,24 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
     steps = benchlib.interleaved({"on": lambda: step(True), "off": lambda: step(False)}, reps)
     attn_on, attn_off = benchlib.median(attn["on"]), benchlib.median(attn["off"])
     step_on, step_off = benchlib.median(steps["on"]), benchlib.median(steps["off"])
-    situ_on, situ_off = benchlib.median(in_step[True]), benchlib.median(in_step[False])
+    plan_on, plan_off = (benchlib.median(in_step[on][0]) for on in (True, False))
+    situ_on, situ_off = (benchlib.median(in_step[on][1]) for on in (True, False))
     layers = w.args.num_layers
+    per_step = (plan_on - plan_off) + (situ_on - situ_off) * layers
     return {
         "attention_us": {"on": benchlib.r(attn_on * 1e6, 2), "off": benchlib.r(attn_off * 1e6, 2)},
         "attention_check_us_per_step": benchlib.r((attn_on - attn_off) * layers * 1e6, 2),
+        "plan_in_step_us": {
+            "on": benchlib.r(plan_on * 1e6, 2),
+            "off": benchlib.r(plan_off * 1e6, 2),
+        },
         "attention_in_step_us": {
             "on": benchlib.r(situ_on * 1e6, 2),
             "off": benchlib.r(situ_off * 1e6, 2),
         },
-        "attention_in_step_check_us_per_step": benchlib.r((situ_on - situ_off) * layers * 1e6, 2),
-        # of which argument validation (shapes/dtypes only), also removed from "off"
+        "attention_in_step_check_us_per_step": benchlib.r(per_step * 1e6, 2),
+        # of "attention_us" (one unplanned call): argument validation (shapes/dtypes only),
+        # also removed from "off"; within a step, the shared arguments are checked at planning
         "arg_checks_us_per_call": benchlib.r(arg_checks * 1e6, 2),
         "decode_step_itl": {
             "on": benchlib.summary_ms(steps["on"]),
@@ -189,7 +226,7 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
         },
         "decode_step_delta_us": benchlib.r((step_on - step_off) * 1e6, 2),
         "decode_step_overhead_fraction": benchlib.r((step_on - step_off) / step_off),
-        "_per_step_s": max(0.0, (situ_on - situ_off) * layers),
+        "_per_step_s": max(0.0, per_step),
     }
 
 

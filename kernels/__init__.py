@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "checksum_seed",
     "page_checksum",
     "paged_decode_attention",
+    "plan_decode_attention",
     "scrub_pages",
     "write_kv_pages",
 ]
@@ -113,8 +115,30 @@ def paged_decode_attention(
         expected_gen``, an id outside the pool, or ``seq_len`` needs more pages than ``max_pages``.
         A flagged row reads no K/V and its output is zeros; the caller must fail that request.
     """
-    return _impl(q.device).paged_decode_attention(  # type: ignore[no-any-return]
-        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens, scale
+    return plan_decode_attention(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)(
+        q, layer
+    )
+
+
+def plan_decode_attention(
+    kv_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`paged_decode_attention` for every layer of one decode step, planned once.
+
+    The arguments the layers share are checked once, here, and what the batch reads is worked
+    out once; the returned function ``attend(q, layer) -> (out, error_flags)`` then gives what
+    ``paged_decode_attention(q, kv_pages, layer, ...)`` gives, and checks the generations of
+    the pages it reads against ``page_gen`` as it is at *that* call: a page that changes owner
+    between two layers of a step is flagged at the next layer. The plan holds the tensors it was
+    given; they must not change while it is used (``page_gen`` excepted: that is what it checks).
+    """
+    return _impl(kv_pages.device).plan_decode_attention(  # type: ignore[no-any-return]
+        kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale
     )
 
 

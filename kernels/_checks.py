@@ -54,74 +54,51 @@ def check_attention_args(
     page_gen: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    """Raises ValueError naming the first argument that breaks the attention contract.
-
-    This runs once per layer per decode step, so a valid call is accepted by one expression over
-    the tensors' metadata (about a third of the time of the checks one by one); only a call it
-    does not accept goes through the checks one by one, which name what is wrong.
-    """
-    pool, qs, bt = kv_pages.shape, q.shape, block_tables.shape
-    if (
-        len(pool) == 6
-        and pool[2] == 2
-        and kv_pages.dtype in POOL_DTYPES
-        and kv_pages.is_contiguous()
-        and 0 <= layer < pool[1]
-        and len(qs) == 3
-        and qs[2] == pool[5]
-        and pool[4] > 0
-        and qs[1] % pool[4] == 0
-        and q.dtype == kv_pages.dtype
-        and block_tables.dtype == torch.int32
-        and expected_gen.dtype == torch.int64
-        and page_gen.dtype == torch.int64
-        and seq_lens.dtype == torch.int32
-        and len(bt) == 2
-        and bt[0] == qs[0]
-        and expected_gen.shape == bt
-        and page_gen.shape == (pool[0],)
-        and seq_lens.shape == (qs[0],)
-        and _one_device(q, kv_pages, block_tables, expected_gen, page_gen, seq_lens)
-    ):
-        return
-    _check_attention_args_one_by_one(
-        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens
-    )
+    """Raises ValueError naming the first argument that breaks the attention contract: what
+    :func:`check_attention_plan` and :func:`check_attention_call` check, in that order."""
+    check_attention_plan(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
+    check_attention_call(q, kv_pages, layer, block_tables.shape[0])
 
 
-def _one_device(*tensors: torch.Tensor) -> bool:
-    if all(t.is_cpu for t in tensors):
-        return True
-    device = tensors[0].device
-    return all(t.device == device for t in tensors)
-
-
-def _check_attention_args_one_by_one(
-    q: torch.Tensor,
+def check_attention_plan(
     kv_pages: torch.Tensor,
-    layer: int,
     block_tables: torch.Tensor,
     expected_gen: torch.Tensor,
     page_gen: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
+    """The arguments every layer of a decode step shares (checked once per step).
+
+    A valid set is accepted by one expression over the tensors' metadata (about a third of the
+    time of the checks one by one); only a set it does not accept goes through the checks one by
+    one, which name what is wrong.
+    """
+    pool, bt = kv_pages.shape, block_tables.shape
+    if (
+        len(pool) == 6
+        and pool[2] == 2
+        and kv_pages.dtype in POOL_DTYPES
+        and kv_pages.is_contiguous()
+        and pool[4] > 0
+        and block_tables.dtype == torch.int32
+        and expected_gen.dtype == torch.int64
+        and page_gen.dtype == torch.int64
+        and seq_lens.dtype == torch.int32
+        and len(bt) == 2
+        and expected_gen.shape == bt
+        and page_gen.shape == (pool[0],)
+        and seq_lens.shape == (bt[0],)
+        and _one_device(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
+    ):
+        return
     check_pool(kv_pages)
-    check_layer(kv_pages, layer)
-    check_same_device(q, kv_pages, block_tables, expected_gen, page_gen, seq_lens)
-    num_kv_heads, head_dim = kv_pages.shape[4], kv_pages.shape[5]
-    if q.dim() != 3 or q.shape[2] != head_dim:
-        raise ValueError(f"q must be [B, num_heads, {head_dim}], got {tuple(q.shape)}")
-    if q.dtype != kv_pages.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the pool dtype {kv_pages.dtype}")
-    if q.shape[1] % num_kv_heads != 0:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    batch = q.shape[0]
+    check_same_device(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
     check_dtype("block_tables", block_tables, torch.int32)
     check_dtype("expected_gen", expected_gen, torch.int64)
     check_dtype("page_gen", page_gen, torch.int64)
     check_dtype("seq_lens", seq_lens, torch.int32)
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_pages], got {block_tables.shape}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_pages], got {tuple(block_tables.shape)}")
     if expected_gen.shape != block_tables.shape:
         raise ValueError(
             f"expected_gen shape {tuple(expected_gen.shape)} differs from block_tables "
@@ -129,8 +106,41 @@ def _check_attention_args_one_by_one(
         )
     if page_gen.shape != (kv_pages.shape[0],):
         raise ValueError(f"page_gen must be [{kv_pages.shape[0]}], got {tuple(page_gen.shape)}")
+    batch = block_tables.shape[0]
     if seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens must be [{batch}], got {tuple(seq_lens.shape)}")
+
+
+def check_attention_call(q: torch.Tensor, kv_pages: torch.Tensor, layer: int, batch: int) -> None:
+    """One layer's query and layer index against a pool (and a batch) already checked by
+    :func:`check_attention_plan` (checked on every call)."""
+    pool, qs = kv_pages.shape, q.shape
+    if (
+        0 <= layer < pool[1]
+        and len(qs) == 3
+        and qs[0] == batch
+        and qs[2] == pool[5]
+        and qs[1] % pool[4] == 0
+        and q.dtype == kv_pages.dtype
+        and ((q.is_cpu and kv_pages.is_cpu) or q.device == kv_pages.device)
+    ):
+        return
+    check_layer(kv_pages, layer)
+    check_same_device(q, kv_pages)
+    num_kv_heads, head_dim = kv_pages.shape[4], kv_pages.shape[5]
+    if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [{batch}, num_heads, {head_dim}], got {tuple(q.shape)}")
+    if q.dtype != kv_pages.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the pool dtype {kv_pages.dtype}")
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
+def _one_device(*tensors: torch.Tensor) -> bool:
+    if all(t.is_cpu for t in tensors):
+        return True
+    device = tensors[0].device
+    return all(t.device == device for t in tensors)
 
 
 def check_write_args(

@@ -8,6 +8,7 @@ Everything is vectorised over tokens; the only Python loops run over pages or ch
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -53,15 +54,106 @@ def paged_decode_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``kernels.paged_decode_attention`` (same contract)."""
-    _checks.check_attention_args(q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens)
-    fast = _attention_all_pages_current(
-        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens, scale
+    return plan_decode_attention(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)(
+        q, layer
     )
-    if fast is not None:
-        return fast
-    return _attention_flagging(
-        q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens, scale
-    )
+
+
+def plan_decode_attention(
+    kv_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> DecodeAttentionPlan:
+    """Torch reference of ``kernels.plan_decode_attention`` (same contract)."""
+    return DecodeAttentionPlan(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)
+
+
+class DecodeAttentionPlan:
+    """One decode step's attention on the CPU: what the batch reads is worked out once, and
+    every call attends one layer and checks the generations of those pages anew.
+
+    The common case takes few tensor ops per call: every page read is in the pool and current.
+    Its check is one gather of the generations of exactly the pages read (which also
+    range-checks their ids) and one compare, against a list of the generations expected of them
+    made once per step. On a CPU with a small model the per-op dispatch cost, not arithmetic, is
+    what the check costs. Any other batch (a seq_len <= 0 or beyond the table, a page id outside
+    the pool, a stale generation) goes through ``_attention_flagging``, which flags rows.
+    """
+
+    def __init__(
+        self,
+        kv_pages: torch.Tensor,
+        block_tables: torch.Tensor,
+        expected_gen: torch.Tensor,
+        page_gen: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ):
+        _checks.check_attention_plan(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
+        self.kv_pages, self.page_gen, self.scale = kv_pages, page_gen, scale
+        self.block_tables, self.expected_gen, self.seq_lens = block_tables, expected_gen, seq_lens
+        self.batch = block_tables.shape[0]
+        self._reads = self._what_is_read()
+
+    def _what_is_read(self) -> _Reads | None:
+        """The short path's inputs; None when no call can take it (every call flags instead)."""
+        if self.batch == 0:
+            return None
+        rows = _table_read(self.block_tables, self.seq_lens, self.kv_pages.shape[3])
+        if rows is None:
+            return None
+        hi, read, table = rows
+        expected = self.expected_gen[:, : table.shape[1]]
+        if read is None:  # every row reads every entry of ``table``
+            return _Reads(hi, table, table.reshape(-1), expected.reshape(-1), None)
+        valid = _valid_slots(table.shape[1] * self.kv_pages.shape[3], self.seq_lens)
+        return _Reads(hi, table, table[read], expected[read], valid)
+
+    def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q`` [B, num_heads, head_dim] over ``layer``; (out, error_flags)."""
+        _checks.check_attention_call(q, self.kv_pages, layer, self.batch)
+        fast = self._all_pages_current(q, layer)
+        if fast is not None:
+            return fast
+        return _attention_flagging(
+            q, self.kv_pages, layer, self.block_tables, self.expected_gen, self.page_gen,
+            self.seq_lens, self.scale,
+        )  # fmt: skip
+
+    def _all_pages_current(
+        self, q: torch.Tensor, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The short path; None, having read no K/V, when any row needs the flagging path.
+
+        (A numpy version of the check over views of the same memory was twice as fast timed in a
+        loop but 1.3-1.6x slower inside real decode steps, between the matmuls, where torch's
+        code is warm and numpy's is not.)
+        """
+        r = self._reads
+        if r is None:
+            return None
+        try:  # index_select refuses an id outside [0, num_pages), a negative one included
+            # (``torch.take`` would be one op, but it wraps a negative id around to a real page.)
+            current = self.page_gen.index_select(0, r.ids)
+        except IndexError:
+            return None
+        if not torch.equal(current, r.generations):
+            return None
+        out = _attend_pages(q, self.kv_pages, layer, r.table, r.hi, r.valid, self.scale)
+        return out, torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+
+
+class _Reads(NamedTuple):
+    """What a planned batch reads on the short path (a tuple: built once per decode step)."""
+
+    hi: int  # the longest seq_len
+    table: torch.Tensor  # (B, n) int64 page ids; entries a row does not read are page 0
+    ids: torch.Tensor  # (N,) int64: the ids of the pages read, each once per row reading it
+    generations: torch.Tensor  # (N,) int64: the generation expected of each
+    valid: torch.Tensor | None  # (B, n * page_size) bool: the slots each row reads; None: hi each
 
 
 def _attention_all_pages_current(
@@ -74,50 +166,10 @@ def _attention_all_pages_current(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The common case in few tensor ops: every page read is in the pool and current.
-
-    Returns None, having read no K/V, when any row needs the flagging path: a seq_len <= 0 or
-    beyond the table, a page id outside the pool, or a stale generation. On a CPU with a small
-    model the per-op dispatch cost, not arithmetic, is what the check costs, so the check here is
-    one gather (which also range-checks the ids) and one compare; the rest is the attention.
-    """
-    batch = q.shape[0]
-    if batch == 0:
-        return None
-    rows = _table_read(block_tables, seq_lens, kv_pages.shape[3])
-    if rows is None:
-        return None
-    hi, read, table = rows
-    if not _all_current(page_gen, table, expected_gen, read):
-        return None
-    out = _attend_pages(q, kv_pages, layer, table, seq_lens, hi, read is None, scale)
-    return out, torch.zeros(batch, dtype=torch.bool, device=q.device)
-
-
-def _all_current(
-    page_gen: torch.Tensor,
-    table: torch.Tensor,
-    expected_gen: torch.Tensor,
-    read: torch.Tensor | None,
-) -> bool:
-    """Whether every id in ``table`` (B, n) (int64) lies in the pool and its page's generation
-    equals ``expected_gen[:, :n]`` right now; entries a row does not read (``read`` False;
-    ``_table_read`` set them to page 0) hold any value and are not compared.
-
-    Two torch ops: a gather that also range-checks the ids, and one compare. (A numpy version
-    over views of the same memory was twice as fast timed in a loop but 1.3-1.6x slower inside
-    real decode steps, between the matmuls, where torch's code is warm and numpy's is not.)
-    """
-    try:  # index_select refuses an id outside [0, num_pages), a negative one included
-        # (``torch.take`` would be one op, but it wraps a negative id around to a real page.)
-        # view_as, not view(table.shape): a torch.Size argument costs 1.7 µs more per call.
-        current = page_gen.index_select(0, table.reshape(-1)).view_as(table)
-    except IndexError:
-        return False
-    expected = expected_gen[:, : table.shape[1]]
-    if read is not None:
-        expected = torch.where(read, expected, current)
-    return torch.equal(current, expected)
+    """The short path of one call (see :class:`DecodeAttentionPlan`); None when it declines."""
+    plan = DecodeAttentionPlan(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)
+    _checks.check_attention_call(q, kv_pages, layer, plan.batch)
+    return plan._all_pages_current(q, layer)
 
 
 def _table_read(
@@ -140,24 +192,28 @@ def _table_read(
     return hi, read, table.to(torch.int64)
 
 
+def _valid_slots(slots: int, seq_lens: torch.Tensor) -> torch.Tensor:
+    """(B, slots) bool: which of the first ``slots`` slots each row reads (those before its
+    seq_len)."""
+    return torch.arange(slots, device=seq_lens.device)[None, :] < seq_lens[:, None]
+
+
 def _attend_pages(
     q: torch.Tensor,
     kv_pages: torch.Tensor,
     layer: int,
     table: torch.Tensor,
-    seq_lens: torch.Tensor,
     hi: int,
-    uniform: bool,
+    valid: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of each row over the pages of its ``table`` row (int64, ids in the pool), up to
-    its seq_len; ``uniform`` when every row's length is ``hi``. In q's dtype."""
+    """Attention of each row over the pages of its ``table`` row (int64, ids in the pool): over
+    the slots ``valid`` (B, n * page_size) marks, or when it is None over the first ``hi`` slots
+    (every row has length ``hi``: no mask at all). In q's dtype."""
     k, v = _gather(kv_pages, layer, table)
-    if uniform:  # every row reads exactly its first hi slots: no mask at all
+    if valid is None:
         out = _attend(q, k[:, :hi], v[:, :hi], None, scale)
     else:
-        seq = seq_lens.to(torch.int64)
-        valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq[:, None]  # (B, T)
         out = _attend(q, k, v, valid, scale)
     return out.to(q.dtype)
 

@@ -126,53 +126,92 @@ def paged_decode_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher of ``kernels.paged_decode_attention`` (same contract)."""
-    _checks.check_attention_args(q, kv_pages, layer, block_tables, expected_gen, page_gen, seq_lens)
-    _check_runnable(q.device)
-    for name, t in (("q", q), ("block_tables", block_tables), ("expected_gen", expected_gen)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    if not (page_gen.is_contiguous() and seq_lens.is_contiguous()):
-        raise ValueError("page_gen and seq_lens must be contiguous")
-    batch, num_heads, head_dim = q.shape
-    num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    err = torch.zeros(batch, dtype=torch.bool, device=q.device)
-    if batch == 0:
-        return out, err
-    block_d = triton.next_power_of_2(head_dim)
-    # Keep the (BLOCK_T, BLOCK_D) K and V tiles near 8K elements so they stay in registers.
-    block_t = max(16, min(64, 8192 // block_d))
-    _paged_decode_kernel[(batch, num_heads)](
-        q,
-        kv_pages,
-        block_tables,
-        expected_gen,
-        page_gen,
-        seq_lens,
-        out,
-        err,
-        float(scale),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        expected_gen.stride(0),
-        layer * kv_pages.stride(1),
-        kv_pages.stride(0),
-        kv_pages.stride(2),
-        kv_pages.stride(3),
-        kv_pages.stride(4),
-        num_pages,
-        block_tables.shape[1],
-        page_size,
-        num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_T=block_t,
-        BLOCK_P=64,
+    return plan_decode_attention(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)(
+        q, layer
     )
-    return out, err
+
+
+def plan_decode_attention(
+    kv_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> DecodeAttentionPlan:
+    """Triton version of ``kernels.plan_decode_attention`` (same contract)."""
+    return DecodeAttentionPlan(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)
+
+
+class DecodeAttentionPlan:
+    """The shared arguments checked once; each call launches the kernel for one layer, and the
+    kernel loads ``page_gen`` for every page it reads, at that launch."""
+
+    def __init__(
+        self,
+        kv_pages: torch.Tensor,
+        block_tables: torch.Tensor,
+        expected_gen: torch.Tensor,
+        page_gen: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ):
+        _checks.check_attention_plan(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
+        _check_runnable(kv_pages.device)
+        for name, t in (("block_tables", block_tables), ("expected_gen", expected_gen)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension")
+        if not (page_gen.is_contiguous() and seq_lens.is_contiguous()):
+            raise ValueError("page_gen and seq_lens must be contiguous")
+        self.kv_pages, self.block_tables, self.expected_gen = kv_pages, block_tables, expected_gen
+        self.page_gen, self.seq_lens, self.scale = page_gen, seq_lens, float(scale)
+        self.batch = block_tables.shape[0]
+
+    def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv_pages, block_tables, expected_gen = self.kv_pages, self.block_tables, self.expected_gen
+        _checks.check_attention_call(q, kv_pages, layer, self.batch)
+        if q.stride(-1) != 1:
+            raise ValueError("q must be contiguous in its last dimension")
+        batch, num_heads, head_dim = q.shape
+        num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        err = torch.zeros(batch, dtype=torch.bool, device=q.device)
+        if batch == 0:
+            return out, err
+        block_d = triton.next_power_of_2(head_dim)
+        # Keep the (BLOCK_T, BLOCK_D) K and V tiles near 8K elements so they stay in registers.
+        block_t = max(16, min(64, 8192 // block_d))
+        _paged_decode_kernel[(batch, num_heads)](
+            q,
+            kv_pages,
+            block_tables,
+            expected_gen,
+            self.page_gen,
+            self.seq_lens,
+            out,
+            err,
+            self.scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            block_tables.stride(0),
+            expected_gen.stride(0),
+            layer * kv_pages.stride(1),
+            kv_pages.stride(0),
+            kv_pages.stride(2),
+            kv_pages.stride(3),
+            kv_pages.stride(4),
+            num_pages,
+            block_tables.shape[1],
+            page_size,
+            num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_T=block_t,
+            BLOCK_P=64,
+        )
+        return out, err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ Isolation rules this module keeps:
 * decode writes the new token's K/V only where the target page still carries the expected
   generation; a row whose page moved on is skipped and flagged, so a stale block table never writes
   into another owner's page;
-* every page that decode attention reads is tag-checked *inside* ``kernels.paged_decode_attention``;
-  a flagged row must never produce a token (the caller fails it with IntegrityError).
+* every page that decode attention reads is tag-checked *inside* the attention kernel, at every
+  layer (``kernels.plan_decode_attention``: planned once a step, checked at each layer's call); a
+  flagged row must never produce a token (the caller fails it with IntegrityError).
 
 With a small model a decode step is dominated by per-step host work, not arithmetic, so the hot path
 keeps it small: :class:`DecodeBatch` holds the block tables and expected generations as tensors that
@@ -231,14 +232,15 @@ class Engine:
         # A stale target page is never written (slot -1) and the row is flagged.
         slot_mapping = torch.where(page_ok, target * ps + pos % ps, -1)  # (B,) int64
         flags = ~page_ok
+        # Planned once for the step's layers; every layer's call checks the pages it reads anew.
+        attention = kernels.plan_decode_attention(
+            self.pool.kv, block_tables, expected_gen, self.pool.page_gen, seq_lens, self.scale
+        )
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             nonlocal flags
             kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_mapping)
-            out, bad = kernels.paged_decode_attention(
-                q, self.pool.kv, layer, block_tables, expected_gen, self.pool.page_gen,
-                seq_lens, self.scale,
-            )  # fmt: skip
+            out, bad = attention(q, layer)
             flags = flags | bad
             return out
 

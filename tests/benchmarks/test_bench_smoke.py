@@ -106,8 +106,9 @@ def test_isolation_overhead_quick(tmp_path):
     assert set(result["tag_check"]) == {"1", "8"}
     for tag in result["tag_check"].values():
         assert set(tag["attention_us"]) == {"on", "off"}
-        assert set(tag["attention_in_step_us"]) == {"on", "off"}
-        assert tag["attention_in_step_us"]["on"] > 0 and tag["attention_in_step_us"]["off"] > 0
+        for key in ("plan_in_step_us", "attention_in_step_us"):
+            assert set(tag[key]) == {"on", "off"}
+            assert tag[key]["on"] > 0 and tag[key]["off"] > 0
         assert set(tag["decode_step_itl"]) == {"on", "off"}
         assert_latency(tag["decode_step_itl"]["on"])
         assert isinstance(tag["decode_step_overhead_fraction"], float)

@@ -20,11 +20,33 @@ from kernels import triton_impl
 IN_PLACE = {"write_kv_pages": 2, "scrub_pages": 0}  # launcher -> index of the pool argument
 
 
+def planned_attention(
+    kv_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    expected_gen: torch.Tensor,
+    page_gen: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    q: torch.Tensor,
+    bump: int,
+) -> tuple:
+    """One plan for layers 0 and 1, page ``bump`` changing owner in between: both results."""
+    attend = triton_impl.plan_decode_attention(
+        kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale
+    )
+    first = attend(q, 0)
+    page_gen[bump] += 1
+    return first, attend(q, 1)
+
+
+HELPERS = {"planned_attention": planned_attention}
+
+
 def main(cases_path: str, results_path: str) -> None:
     cases = torch.load(cases_path)
     results = {}
     for name, (fn, args) in cases.items():
-        ret = getattr(triton_impl, fn)(*args)
+        ret = (HELPERS[fn] if fn in HELPERS else getattr(triton_impl, fn))(*args)
         results[name] = args[IN_PLACE[fn]] if fn in IN_PLACE else ret
     torch.save(results, results_path)
 

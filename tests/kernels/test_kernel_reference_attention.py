@@ -147,3 +147,57 @@ def test_the_short_path_declines_every_case_that_needs_a_flag(make_pool, make_ba
     assert uniform(alias_last_page) is None
     assert uniform(lambda b: b.expected_gen[1, 2].sub_(1)) is None
     assert uniform(lambda b: b.block_tables[1, 1].fill_(pool.kv.shape[0])) is None
+
+
+def plan_args(pool, batch) -> tuple:
+    """``plan_decode_attention``'s arguments: ``paged_decode_attention``'s without q and layer."""
+    _, kv, _, *rest = batch.args(pool, layer=0)
+    return (kv, *rest)
+
+
+@pytest.mark.parametrize("lens", [[5, 20, 33], [16, 16]])  # mixed lengths, and one length
+def test_a_plan_gives_each_layer_what_one_call_gives(make_pool, make_batch, lens):
+    pool = make_pool(num_layers=3)
+    batch = make_batch(pool, lens)
+    attend = kernels.plan_decode_attention(*plan_args(pool, batch))
+    for layer in range(3):
+        q = torch.randn_like(batch.q)
+        got = attend(q, layer)
+        want = reference.paged_decode_attention(q, *batch.args(pool, layer)[1:])
+        assert torch.equal(got[0], want[0])
+        assert got[1].tolist() == want[1].tolist() == [False] * len(lens)
+    # Control: the layers hold different K/V, so the loop above could tell them apart.
+    assert not torch.equal(attend(batch.q, 0)[0], attend(batch.q, 1)[0])
+
+
+def test_a_plan_checks_the_generations_anew_at_every_layer(make_pool, make_batch):
+    pool = make_pool(num_layers=2)
+    batch = make_batch(pool, [20, 20, 33])
+    attend = kernels.plan_decode_attention(*plan_args(pool, batch))
+    _, flags0 = attend(batch.q, 0)
+    assert flags0.tolist() == [False, False, False]  # control: every page current at layer 0
+    # Between the layers of the step, sequence 1's second page changes owner.
+    pool.page_gen[batch.block_tables[1, 1].long()] += 1
+    out1, flags1 = attend(batch.q, 1)
+    assert flags1.tolist() == [False, True, False]
+    assert torch.equal(out1[1], torch.zeros_like(out1[1]))
+    want = reference.paged_decode_attention(*batch.args(pool, layer=1))
+    assert torch.equal(out1, want[0]) and torch.equal(flags1, want[1])
+
+
+def test_a_plan_rejects_shared_arguments_at_once_and_a_bad_layer_or_query_per_call(
+    make_pool, make_batch
+):
+    pool = make_pool()
+    batch = make_batch(pool, [5])
+    kv, tables, *rest = plan_args(pool, batch)
+    with pytest.raises(ValueError, match="block_tables must have dtype"):
+        kernels.plan_decode_attention(kv, tables.long(), *rest)
+    attend = kernels.plan_decode_attention(kv, tables, *rest)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        attend(batch.q, 2)
+    with pytest.raises(ValueError, match=r"q must be \[1, num_heads, 32\]"):
+        attend(torch.cat([batch.q, batch.q]), 0)  # two rows for a batch of one
+    with pytest.raises(ValueError, match="q dtype"):
+        attend(batch.q.half(), 0)
+    assert attend(batch.q, 1)[1].tolist() == [False]  # control: the same plan, good arguments

@@ -79,6 +79,14 @@ def _page_cases(make_pool) -> dict:
     return cases
 
 
+def _planned_case(make_pool, make_batch) -> tuple:
+    """A plan used for two layers; sequence 1's second page changes owner in between."""
+    pool = make_pool(num_pages=24, seed=6)
+    batch = make_batch(pool, [20, 20, 33], seed=7)
+    _, kv, _, *rest = batch.args(pool, 0)
+    return (kv, *rest, batch.q, int(batch.block_tables[1, 1]))
+
+
 @pytest.fixture(scope="module")
 def runs(make_pool, make_batch, tmp_path_factory):
     """Build all cases, run the Triton launchers once in an interpreter subprocess."""
@@ -88,6 +96,7 @@ def runs(make_pool, make_batch, tmp_path_factory):
         name: ("paged_decode_attention", b.args(p, layer)) for name, (p, b, layer) in attn.items()
     }
     jobs.update(pages)
+    jobs["planned"] = ("planned_attention", _planned_case(make_pool, make_batch))
     tmp = tmp_path_factory.mktemp("interpret")
     torch.save(jobs, tmp / "cases.pt")
     env = dict(
@@ -171,3 +180,17 @@ def test_checksum_is_bit_identical(runs, name):
     assert got.dtype == torch.int64
     assert got.tolist() == want.tolist()
     assert len(set(want.tolist())) == len(want)  # control: distinct pages, distinct sums
+
+
+def test_a_plan_checks_the_generations_anew_at_every_layer(runs, make_pool, make_batch):
+    _, _, results = runs
+    (out0, flags0), (out1, flags1) = results["planned"]
+    kv, tables, expected, page_gen, lens, scale, q, bump = _planned_case(make_pool, make_batch)
+    want0 = reference.paged_decode_attention(q, kv, 0, tables, expected, page_gen, lens, scale)
+    assert flags0.tolist() == want0[1].tolist() == [False, False, False]  # control
+    torch.testing.assert_close(out0, want0[0], atol=1e-5, rtol=1e-5)
+    page_gen[bump] += 1  # as the runner did between the two layers
+    want1 = reference.paged_decode_attention(q, kv, 1, tables, expected, page_gen, lens, scale)
+    assert flags1.tolist() == want1[1].tolist() == [False, True, False]
+    assert int(out1[1].count_nonzero()) == 0
+    torch.testing.assert_close(out1, want1[0], atol=1e-5, rtol=1e-5)
