@@ -343,6 +343,11 @@ def bench_per_request(w: Workload, reps: int) -> dict[str, Any]:
             ),
             "ops_transfer": lambda: (w.pool.begin_ops(ids), w.pool.end_ops(ids)),
             "ops_decode_step": lambda: (w.pool.begin_ops(batch_ids), w.pool.end_ops(batch_ids)),
+            # a step of one sequence (the latency view) counts one page, not the batch's
+            "ops_decode_step_1": lambda: (
+                w.pool.begin_ops(batch_ids[:1]),
+                w.pool.end_ops(batch_ids[:1]),
+            ),
             "prefill_forward": lambda: w.engine.prefill(prompt, prefill_refs),  # type: ignore[arg-type]
             "nothing": lambda: None,
         },
@@ -392,7 +397,8 @@ def estimate(
         "manifest_verify": net["verify"],
         "prefill_checksum": net["prefill_checksum"],
         "tail_scrub": net["tail_scrub"],
-        "deferred_release_ops": net["ops_transfer"] + steps * net["ops_decode_step"] / batch,
+        "deferred_release_ops": net["ops_transfer"]
+        + steps * net["ops_decode_step" if batch > 1 else "ops_decode_step_1"] / batch,
     }
 
 

@@ -113,7 +113,14 @@ def test_isolation_overhead_quick(tmp_path):
         assert_latency(tag["decode_step_itl"]["on"])
         assert isinstance(tag["decode_step_overhead_fraction"], float)
     per_req = result["per_request_us"]
-    for key in ("verify", "prefill_checksum", "tail_scrub", "ops_transfer", "ops_decode_step"):
+    for key in (
+        "verify",
+        "prefill_checksum",
+        "tail_scrub",
+        "ops_transfer",
+        "ops_decode_step",
+        "ops_decode_step_1",
+    ):
         assert isinstance(per_req[key], float)
     assert set(result["colocated_e2e_on_off"]["tokens_per_s"]) == {"on", "off"}
     for conc in ("1", "8"):
