@@ -59,18 +59,6 @@ def paged_decode_attention(
     )
 
 
-def plan_decode_attention(
-    kv_pages: torch.Tensor,
-    block_tables: torch.Tensor,
-    expected_gen: torch.Tensor,
-    page_gen: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> DecodeAttentionPlan:
-    """Torch reference of ``kernels.plan_decode_attention`` (same contract)."""
-    return DecodeAttentionPlan(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)
-
-
 class DecodeAttentionPlan:
     """One decode step's attention on the CPU: what the batch reads is worked out once, and
     every call attends one layer and checks the generations of those pages anew.
@@ -144,6 +132,10 @@ class DecodeAttentionPlan:
             return None
         out = _attend_pages(q, self.kv_pages, layer, r.table, r.hi, r.valid, self.scale)
         return out, torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+
+
+# Torch reference of ``kernels.plan_decode_attention`` (same contract): its class makes the plan.
+plan_decode_attention = DecodeAttentionPlan
 
 
 class _Reads(NamedTuple):

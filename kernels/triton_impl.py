@@ -131,18 +131,6 @@ def paged_decode_attention(
     )
 
 
-def plan_decode_attention(
-    kv_pages: torch.Tensor,
-    block_tables: torch.Tensor,
-    expected_gen: torch.Tensor,
-    page_gen: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> DecodeAttentionPlan:
-    """Triton version of ``kernels.plan_decode_attention`` (same contract)."""
-    return DecodeAttentionPlan(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)
-
-
 class DecodeAttentionPlan:
     """The shared arguments checked once; each call launches the kernel for one layer, and the
     kernel loads ``page_gen`` for every page it reads, at that launch."""
@@ -212,6 +200,10 @@ class DecodeAttentionPlan:
             BLOCK_P=64,
         )
         return out, err
+
+
+# Triton version of ``kernels.plan_decode_attention`` (same contract): its class makes the plan.
+plan_decode_attention = DecodeAttentionPlan
 
 
 # --------------------------------------------------------------------------------------------------
