@@ -29,6 +29,8 @@ from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
 from benchlib.stack import BenchStack
 
+DECODE_POOL_TOKENS = 8192
+
 
 def run_level(
     stacks: dict[int, BenchStack], conc: int, n: int, new: int, rounds: int
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
             k: BenchStack(
                 Path(tmp) / f"stack-{k}",
                 config={"decode": {"stream_interval": k}},
-                args=["--model", str(checkpoint)],
+                # as e2e.py: room for every request at concurrency 64 at once
+                args=["--model", str(checkpoint), "--decode-pool-tokens", str(DECODE_POOL_TOKENS)],
             )
             for k in (1, args.interval)
         }
