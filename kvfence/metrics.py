@@ -102,7 +102,8 @@ class Metrics:
         )
         self.inter_token_seconds = Histogram(
             "inter_token_seconds",
-            "Time between consecutive tokens.",
+            "Time between consecutive tokens (a message of several counts each at its gap "
+            "divided by their number).",
             buckets=TOKEN_BUCKETS,
             namespace=NAMESPACE,
             registry=r,
