@@ -148,22 +148,6 @@ class _Reads(NamedTuple):
     valid: torch.Tensor | None  # (B, n * page_size) bool: the slots each row reads; None: hi each
 
 
-def _attention_all_pages_current(
-    q: torch.Tensor,
-    kv_pages: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    expected_gen: torch.Tensor,
-    page_gen: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The short path of one call (see :class:`DecodeAttentionPlan`); None when it declines."""
-    plan = DecodeAttentionPlan(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)
-    _checks.check_attention_call(q, kv_pages, layer, plan.batch)
-    return plan._all_pages_current(q, layer)
-
-
 def _table_read(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
 ) -> tuple[int, torch.Tensor | None, torch.Tensor] | None:

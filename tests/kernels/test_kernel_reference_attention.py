@@ -99,6 +99,12 @@ def test_rejects_bad_arguments(make_pool, make_batch):
         reference.paged_decode_attention(batch.q[:, :3], *args[1:])
 
 
+def short_path(q, kv_pages, layer, *shared):
+    """The reference's short path for one call (``paged_decode_attention``'s arguments); None
+    when it declines, having read no K/V."""
+    return reference.DecodeAttentionPlan(kv_pages, *shared)._all_pages_current(q, layer)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_short_path_equals_the_flagging_path_bit_for_bit(make_pool, make_batch, dtype):
     # The reference takes a few-op path when every page read is current and falls back to the
@@ -108,7 +114,7 @@ def test_the_short_path_equals_the_flagging_path_bit_for_bit(make_pool, make_bat
     batch.block_tables[0, 1:] = 10**6  # unread entries may hold anything
     batch.expected_gen[1, 1:] = -5
     args = batch.args(pool, layer=1)
-    short = reference._attention_all_pages_current(*args)
+    short = short_path(*args)
     assert short is not None
     full = reference._attention_flagging(*args)
     assert torch.equal(short[0], full[0]) and torch.equal(short[1], full[1])
@@ -121,7 +127,7 @@ def test_the_short_path_declines_every_case_that_needs_a_flag(make_pool, make_ba
     def short(edit) -> object:
         batch = make_batch(pool, [20, 33], max_pages=4)
         edit(batch)
-        return reference._attention_all_pages_current(*batch.args(pool, layer=0))
+        return short_path(*batch.args(pool, layer=0))
 
     assert short(lambda b: None) is not None  # control: a clean batch takes it
     assert short(lambda b: b.expected_gen[1, 2].sub_(1)) is None  # stale page
@@ -141,7 +147,7 @@ def test_the_short_path_declines_every_case_that_needs_a_flag(make_pool, make_ba
     def uniform(edit) -> object:  # every row the same length: the path without a read mask
         batch = make_batch(pool, [33, 33], max_pages=4)
         edit(batch)
-        return reference._attention_all_pages_current(*batch.args(pool, layer=0))
+        return short_path(*batch.args(pool, layer=0))
 
     assert uniform(lambda b: None) is not None
     assert uniform(alias_last_page) is None
