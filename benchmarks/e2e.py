@@ -35,11 +35,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-import psutil
 import torch
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, RssSampler
+from benchlib.stack import BenchStack, CpuMeter, RssSampler
 
 from kvfence.cli.stack import local_threads
 from kvfence.model.colocated import ColocatedEngine
@@ -142,16 +141,11 @@ def level(
         "colocated_node_threads": [],
         "transformers": [],
     }
-    # CPU time of each stack process and of this one (the load generator) over the disaggregated
-    # runs: where a token's cost goes when the stack, not the model, is the bound
-    procs = {**stack.services(), "load_generator": psutil.Process()}
-    cpu_s = dict.fromkeys(procs, 0.0)
+    cpu = CpuMeter(stack)  # over the disaggregated runs
 
     def disaggregated() -> dict[str, Any]:
-        before = _cpu_seconds(procs)
-        res = run_load(stack.target, stack.api_key, prompts, new, conc)
-        for role, used in _cpu_seconds(procs).items():
-            cpu_s[role] += used - before[role]
+        with cpu.measure():
+            res = run_load(stack.target, stack.api_key, prompts, new, conc)
         return {
             "wall_s": res.wall_s,
             "tokens": res.tokens,
@@ -191,19 +185,12 @@ def level(
         if name == "disaggregated":
             out[name]["failed_requests"] = len(failures)
             out[name]["failures_sample"] = sorted(set(failures))[:3]
-            out[name]["cpu_us_per_token"] = {
-                role: benchlib.r(used / max(ok, 1) * 1e6, 1) for role, used in cpu_s.items()
-            }
+            out[name]["cpu_us_per_token"] = cpu.us_per_token(ok)
     disagg, colo_tps, colo_node_tps, hf_tps = (out[k]["tokens_per_s"] for k in runs)
     out["disaggregated_vs_colocated"] = benchlib.r(disagg / colo_tps, 3)
     out["disaggregated_vs_colocated_node_threads"] = benchlib.r(disagg / colo_node_tps, 3)
     out["colocated_vs_transformers"] = benchlib.r(colo_tps / hf_tps, 3)
     return out
-
-
-def _cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """User + system CPU seconds each process has used so far (threads included)."""
-    return {role: sum(p.cpu_times()[:2]) for role, p in procs.items()}
 
 
 def _tps(level: dict[str, Any], name: str) -> float:

@@ -24,10 +24,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-import psutil
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack
+from benchlib.stack import BenchStack, CpuMeter
 
 DECODE_POOL_TOKENS = 8192
 
@@ -36,18 +35,15 @@ def run_level(
     stacks: dict[int, BenchStack], conc: int, n: int, new: int, rounds: int
 ) -> dict[str, Any]:
     prompts = make_prompts(n, 24, 40, seed=conc)
-    procs = {k: {**s.services(), "load_generator": psutil.Process()} for k, s in stacks.items()}
-    cpu_s = {k: dict.fromkeys(p, 0.0) for k, p in procs.items()}
+    cpu = {k: CpuMeter(s) for k, s in stacks.items()}
     runs: dict[int, list[Any]] = {k: [] for k in stacks}
     order = list(stacks)
     rng = random.Random(conc)
     for _ in range(rounds):
         rng.shuffle(order)
         for k in order:
-            before = _cpu_seconds(procs[k])
-            runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
-            for role, used in _cpu_seconds(procs[k]).items():
-                cpu_s[k][role] += used - before[role]
+            with cpu[k].measure():
+                runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
     out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds}
     for k, rs in runs.items():
         failures = [f for r in rs for f in r.failures]
@@ -59,19 +55,13 @@ def run_level(
             "message_gap": benchlib.summary_ms([g for r in rs for g in r.chunk_gaps()]),
             "tokens_per_message": benchlib.r(tokens / max(1, sum(r.chunks for r in rs)), 2),
             "failed_requests": len(failures),
-            "cpu_us_per_token": {
-                role: benchlib.r(used / max(tokens, 1) * 1e6, 1) for role, used in cpu_s[k].items()
-            },
+            "cpu_us_per_token": cpu[k].us_per_token(tokens),
         }
     lo, hi = sorted(stacks)
     out["ratio"] = benchlib.r(
         out[f"interval_{hi}"]["tokens_per_s"] / out[f"interval_{lo}"]["tokens_per_s"], 3
     )
     return out
-
-
-def _cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    return {role: sum(p.cpu_times()[:2]) for role, p in procs.items()}
 
 
 def draw_png(result: dict[str, Any], path: Path) -> None:

@@ -1,14 +1,41 @@
-"""The local stack benchmarks run (:class:`kvfence.localstack.LocalStack`) and RSS sampling."""
+"""The local stack benchmarks run (:class:`kvfence.localstack.LocalStack`), RSS sampling, and
+the CPU time a load costs each process."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
 from kvfence.localstack import LocalStack
 
 BenchStack = LocalStack  # start / stop / services / node_rpc_counts / api_key
+
+
+class CpuMeter:
+    """User + system CPU seconds (threads included) of a stack's processes and of this one, the
+    load generator, summed over the spans :meth:`measure` covers: where a token's cost goes when
+    the stack, not the model, is the bound."""
+
+    def __init__(self, stack: LocalStack):
+        self.procs = {**stack.services(), "load_generator": psutil.Process()}
+        self.used = dict.fromkeys(self.procs, 0.0)
+
+    def _now(self) -> dict[str, float]:
+        return {role: sum(p.cpu_times()[:2]) for role, p in self.procs.items()}
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        before = self._now()
+        yield
+        for role, used in self._now().items():
+            self.used[role] += used - before[role]
+
+    def us_per_token(self, tokens: int) -> dict[str, float]:
+        """Each process's CPU µs per delivered token over everything measured."""
+        return {role: round(used / max(tokens, 1) * 1e6, 1) for role, used in self.used.items()}
 
 
 class RssSampler:
