@@ -1,13 +1,14 @@
 """Prefill node: runs the prompt, writes KV into its own pages and sends them to decode.
 
 For each ``Prefill`` call: allocate local pages for the prompt (RESOURCE_EXHAUSTED when the pool
-has no room now), run the model off the event loop, sample the first token, zero the unused tail of
-the last page, checksum every page (seeded by reservation and page index), send the pages over UCX
-in bounded batches (on an idle endpoint to that decode node when the node's ``EndpointPool`` has
-one; see kvfence/transfer.py), and return the signed manifest. The source pages stay held until
-the control plane calls ``Release`` (decode verified, or the request ended), or until
-``reservation_timeout_s`` passes without one, so a control plane that vanished cannot pin the pool
-forever.
+has no room now), run the model off the event loop (prompts that wait for the engine thread share
+a forward pass, up to ``prefill.max_batch_tokens``: prefill_svc/batcher.py), sample the first
+token, zero the unused tail of the last page, checksum every page (seeded by reservation and page
+index), send the pages over UCX in bounded batches (on an idle endpoint to that decode node when
+the node's ``EndpointPool`` has one; see kvfence/transfer.py), and return the signed manifest.
+The source pages stay held until the control plane calls ``Release`` (decode verified, or the
+request ended), or until ``reservation_timeout_s`` passes without one, so a control plane that
+vanished cannot pin the pool forever.
 
 Released pages are never reused while this node still touches them: the forward pass (on the
 engine thread, which a cancelled call cannot stop) and this call's checksums and UCX send each
@@ -24,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -47,7 +47,6 @@ from kvfence.events import EventBus
 from kvfence.faults import Fault, FaultHook
 from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
-from kvfence.model.sampling import sample_one
 from kvfence.node import NodeRuntime, sampling_from_proto
 from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from kvfence.server import abort
@@ -58,6 +57,7 @@ from kvfence.transfer import (
     TransferError,
     send_pages,
 )
+from prefill_svc.batcher import PrefillBatcher
 
 log = kvlog.get_logger("prefill")
 
@@ -79,8 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.bus = bus
         self.metrics = metrics
         self.faults = FaultHook(cfg.node.fault_file if cfg.node.fault_hook else None)
-        # One engine thread: the model never runs on the event loop, and steps do not interleave.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
+        self.batcher = PrefillBatcher(rt.engine, self.pool, cfg.prefill.max_batch_tokens)
         self.held: dict[str, Held] = {}
         # Idle UCX endpoints to decode nodes, reused by later transfers (kvfence/transfer.py).
         self.endpoints = EndpointPool(
@@ -102,7 +101,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self.endpoints.close()
         for request_id in list(self.held):
             self._release(request_id)
-        self.executor.shutdown(wait=True)
+        self.batcher.close()
 
     # ---- RPCs --------------------------------------------------------------------------------
     async def Prefill(
@@ -185,7 +184,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.pool.begin_ops(ids)
         try:
             self.pool.begin_ops(ids)
-            job = self.executor.submit(self._run_model, tokens, refs, req)
+            job = self.batcher.submit(tokens, refs, sampling)  # type: ignore[arg-type]
             job.add_done_callback(lambda _: self.pool.end_ops(ids))
             first = await asyncio.wrap_future(job)
             held = self.held.get(req.request_id)
@@ -219,18 +218,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self._send(req, outbound, None)
         self.metrics.requests_total.labels(status="OK").inc()
         return prefill_pb2.PrefillResponse(manifest=m, pages_sent=len(outbound), bytes_sent=sent)
-
-    def _run_model(
-        self, tokens: list[int], refs: list[PageRef], req: prefill_pb2.PrefillRequest
-    ) -> int:
-        """Engine thread: forward pass, first token, tail zeroing. Returns the first token."""
-        logits = self.rt.engine.prefill(tokens, refs)  # type: ignore[attr-defined]
-        first = sample_one(logits, sampling_from_proto(req.sampling), 0)  # type: ignore[arg-type]
-        tail = len(tokens) % self.pool.page_size
-        if tail:
-            # The last page's unused slots would otherwise carry whatever the page held before.
-            kernels.scrub_pages(self.pool.kv, torch.tensor([refs[-1].page_id]), tail)
-        return first
 
     def _manifest(
         self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int

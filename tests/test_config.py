@@ -19,6 +19,7 @@ def test_yaml_and_env_overrides(tmp_path):
     assert cfg.kv.page_size == 64
     assert cfg.kv.decode_pool.num_pages == 100
     assert cfg.decode.stream_interval == 1  # the default: every token as it is sampled
+    assert cfg.prefill.max_batch_tokens == 4096
     assert (
         load_config(path, environ={"KVFENCE__DECODE__STREAM_INTERVAL": "4"}).decode.stream_interval
         == 4
@@ -42,6 +43,7 @@ def test_yaml_and_env_overrides(tmp_path):
         ({"transfer": {"bogus": 1}}, "transfer.bogus", "Extra inputs"),
         ({"decode": {"stream_interval": 0}}, "decode.stream_interval", "greater than or equal"),
         ({"decode": {"max_batch": 0}}, "decode.max_batch", "greater than or equal to 1"),
+        ({"prefill": {"max_batch_tokens": 0}}, "prefill.max_batch_tokens", "greater than or equal"),
     ],
 )
 def test_bad_values_name_field_and_rule(data, field, rule):

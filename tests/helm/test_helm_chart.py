@@ -253,14 +253,15 @@ def test_config_map_and_pod_env_load_as_kvfence_config(
             assert cfg.node.ucx_host == "10.1.2.3"
 
 
-def test_decode_batching_values_reach_the_config(helm_home: Path) -> None:
-    def decode_cfg(sets: list[str]) -> tuple[int, int]:
+def test_batching_values_reach_the_config(helm_home: Path) -> None:
+    def batching(sets: list[str]) -> tuple[int, int, int]:
         text = find(render(helm_home, sets=sets), "ConfigMap", f"{FULLNAME}-config")
         cfg = parse_config(yaml.safe_load(text["data"]["config.yaml"]), environ={})
-        return cfg.decode.max_batch, cfg.decode.stream_interval
+        return cfg.decode.max_batch, cfg.decode.stream_interval, cfg.prefill.max_batch_tokens
 
-    assert decode_cfg([]) == (64, 1)  # control: the defaults, as kvfence's own
-    assert decode_cfg(["decode.maxBatch=128", "decode.streamInterval=4"]) == (128, 4)
+    assert batching([]) == (64, 1, 4096)  # control: the defaults, as kvfence's own
+    sets = ["decode.maxBatch=128", "decode.streamInterval=4", "prefill.maxBatchTokens=512"]
+    assert batching(sets) == (128, 4, 512)
 
 
 def test_hook_configmap_is_created_before_the_hook_job(helm_home: Path) -> None:
@@ -299,6 +300,7 @@ PATH_WITH_SHAPE = [
         (["prefill.replicas=-1"], ["prefill.replicas=0"], "/prefill/replicas"),
         (["decode.replicas=-2"], ["decode.replicas=3"], "/decode/replicas"),
         (["decode.streamInterval=0"], ["decode.streamInterval=4"], "/decode/streamInterval"),
+        (["prefill.maxBatchTokens=0"], ["prefill.maxBatchTokens=1"], "/prefill/maxBatchTokens"),
         (["controlPlane.replicas=-1"], ["controlPlane.replicas=0"], "/controlPlane/replicas"),
         (["model.name=null"], ["model.name=glm"], "missing property 'name'"),
         (["model.name="], ["model.name=glm"], "/model/name"),

@@ -196,14 +196,14 @@ async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_e
     _, pre, dstub, pstub = nodes
     pool, engine = pre.rt.pool, pre.rt.engine
     entered, go = threading.Event(), threading.Event()
-    real_prefill = engine.prefill
+    real_prefill = engine.prefill_many
 
-    def held_prefill(tokens, refs):
+    def held_prefill(prompts, pages):
         entered.set()
         assert go.wait(30)
-        return real_prefill(tokens, refs)
+        return real_prefill(prompts, pages)
 
-    engine.prefill = held_prefill
+    engine.prefill_many = held_prefill
     try:
         prompt = list(range(3, 40))  # 3 pages
         _, call = await reserve_and_prefill(dstub, pstub, "mid", prompt)
@@ -233,7 +233,7 @@ async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_e
         await dstub.Release(prefill_pb2.ReleaseRequest(request_id="mid"))
     finally:
         go.set()
-        engine.prefill = real_prefill
+        engine.prefill_many = real_prefill
     pool.check_integrity()
 
 

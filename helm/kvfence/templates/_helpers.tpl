@@ -162,6 +162,8 @@ transfer:
   reservation_timeout_s: {{ .Values.transfer.reservationTimeoutS }}
   endpoint_pool_max_idle: {{ int .Values.transfer.endpointPoolMaxIdle }}
   endpoint_idle_timeout_s: {{ .Values.transfer.endpointIdleTimeoutS }}
+prefill:
+  max_batch_tokens: {{ int .Values.prefill.maxBatchTokens }}
 decode:
   max_batch: {{ int .Values.decode.maxBatch }}
   stream_interval: {{ int .Values.decode.streamInterval }}

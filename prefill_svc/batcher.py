@@ -1,0 +1,150 @@
+"""Prefill passes on one engine thread, several prompts to a pass.
+
+A prompt that arrives while the engine thread is busy waits in a queue; when the thread is free it
+takes every prompt waiting, in arrival order, up to ``max_batch_tokens`` prompt tokens (the first
+always, however long), and runs them in one forward pass (``Engine.prefill_many``). On a CPU a pass
+over four prompts of ~32 tokens costs about 0.7x per token what four passes of one do on the
+bundled 24.5M-parameter model (the GEMMs amortise their weight reads over more rows), and the
+colocated scheduler already batches its prefills the same way. A prompt that arrives to an idle
+thread runs at once, alone: batching never adds a wait.
+
+A prompt's future is a ``concurrent.futures.Future``: cancelling it before its pass starts drops
+the prompt (its pages were never touched); once its pass has started it runs to the end, and the
+future's done callbacks fire when the pass is over, so a caller can hold its pages until then.
+
+Each prompt fails alone: a page found at the wrong generation fails that prompt (IntegrityError)
+and the others of the pass go on; if a whole pass raises, each of its prompts is run again by
+itself so that only the one at fault fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kernels
+from kvfence import logging as kvlog
+from kvfence.kv.pool import PagePool, PageRef
+from kvfence.model.sampling import SamplingParams, sample
+
+log = kvlog.get_logger("prefill.batcher")
+
+
+@dataclass
+class _Prompt:
+    tokens: list[int]
+    refs: list[PageRef]
+    sampling: SamplingParams
+    future: Future[int] = field(default_factory=Future)
+
+
+class PrefillBatcher:
+    """Queues prompts and runs them in batched forward passes on one thread (module docstring)."""
+
+    def __init__(self, engine: Any, pool: PagePool, max_batch_tokens: int = 4096):
+        if max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+        self.engine = engine
+        self.pool = pool
+        self.max_batch_tokens = max_batch_tokens
+        # One engine thread: the model never runs on the event loop, and passes do not interleave.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
+        self._lock = threading.Lock()
+        self._waiting: deque[_Prompt] = deque()
+        self._draining = False  # a drain is queued on, or running on, the engine thread
+        self._closed = False
+        self.passes = 0  # forward passes run (tests and the benchmark read it)
+        self.prompts = 0  # prompts run in them
+
+    def submit(
+        self, tokens: list[int], refs: list[PageRef], sampling: SamplingParams
+    ) -> Future[int]:
+        """Queue one prompt; the future resolves to its first token (sampling draw 0)."""
+        prompt = _Prompt(tokens, refs, sampling)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("prefill batcher is closed")
+            self._waiting.append(prompt)
+            if not self._draining:
+                self._draining = True
+                self._thread.submit(self._drain)
+        return prompt.future
+
+    def close(self) -> None:
+        """Cancel what has not started, wait for the pass that has."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+        for prompt in waiting:
+            prompt.future.cancel()
+        self._thread.shutdown(wait=True)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _take(self) -> list[_Prompt]:
+        """The next pass: waiting prompts in order, within the token budget, not cancelled."""
+        batch: list[_Prompt] = []
+        tokens = 0
+        with self._lock:
+            while self._waiting:
+                nxt = self._waiting[0]
+                if batch and tokens + len(nxt.tokens) > self.max_batch_tokens:
+                    break
+                self._waiting.popleft()
+                if nxt.future.set_running_or_notify_cancel():  # False: cancelled while waiting
+                    batch.append(nxt)
+                    tokens += len(nxt.tokens)
+            if not batch:
+                self._draining = False
+        return batch
+
+    def _drain(self) -> None:
+        while batch := self._take():
+            self.passes += 1
+            self.prompts += len(batch)
+            try:
+                firsts = self._run(batch)
+            except Exception as err:
+                if len(batch) == 1:
+                    batch[0].future.set_exception(err)
+                    continue
+                log.warning("prefill pass failed; running its prompts one by one", error=repr(err))
+                firsts = []
+                for prompt in batch:
+                    try:
+                        firsts.extend(self._run([prompt]))
+                    except Exception as one_err:
+                        firsts.append(one_err)
+            for prompt, first in zip(batch, firsts, strict=True):
+                if isinstance(first, BaseException):
+                    prompt.future.set_exception(first)
+                else:
+                    prompt.future.set_result(first)
+
+    def _run(self, batch: Sequence[_Prompt]) -> list[int | BaseException]:
+        """One forward pass: first tokens (or the prompt's IntegrityError), tails zeroed."""
+        logits, errors = self.engine.prefill_many(
+            [p.tokens for p in batch], [p.refs for p in batch]
+        )
+        firsts: list[int | BaseException] = list(
+            sample(logits, [p.sampling for p in batch], [0] * len(batch))
+        )
+        page_size = self.pool.page_size
+        tails, last_pages = [], []
+        for i, (prompt, err) in enumerate(zip(batch, errors, strict=True)):
+            if err is not None:
+                firsts[i] = err
+                continue
+            tail = len(prompt.tokens) % page_size
+            if tail:
+                tails.append(tail)
+                last_pages.append(prompt.refs[-1].page_id)
+        if last_pages:
+            # The last page's unused slots would otherwise carry whatever the page held before.
+            kernels.scrub_pages(self.pool.kv, torch.tensor(last_pages), torch.tensor(tails))
+        return firsts
