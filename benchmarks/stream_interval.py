@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, CpuMeter
+from benchlib.stack import BenchStack, compare_stacks
 
 DECODE_POOL_TOKENS = 8192
 
@@ -34,29 +33,8 @@ DECODE_POOL_TOKENS = 8192
 def run_level(
     stacks: dict[int, BenchStack], conc: int, n: int, new: int, rounds: int
 ) -> dict[str, Any]:
-    prompts = make_prompts(n, 24, 40, seed=conc)
-    cpu = {k: CpuMeter(s) for k, s in stacks.items()}
-    runs: dict[int, list[Any]] = {k: [] for k in stacks}
-    order = list(stacks)
-    rng = random.Random(conc)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            with cpu[k].measure():
-                runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
-    out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds}
-    for k, rs in runs.items():
-        failures = [f for r in rs for f in r.failures]
-        tokens = sum(r.tokens for r in rs)
-        assert tokens == new * (n * rounds - len(failures)), f"interval {k}: wrong token count"
-        out[f"interval_{k}"] = {
-            "tokens_per_s": benchlib.r(benchlib.median([r.tokens_per_s for r in rs]), 1),
-            "ttft": benchlib.summary_ms([t for r in rs for t in r.ttft()]),
-            "message_gap": benchlib.summary_ms([g for r in rs for g in r.chunk_gaps()]),
-            "tokens_per_message": benchlib.r(tokens / max(1, sum(r.chunks for r in rs)), 2),
-            "failed_requests": len(failures),
-            "cpu_us_per_token": cpu[k].us_per_token(tokens),
-        }
+    sides = compare_stacks({f"interval_{k}": s for k, s in stacks.items()}, conc, n, new, rounds)
+    out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds, **sides}
     lo, hi = sorted(stacks)
     out["ratio"] = benchlib.r(
         out[f"interval_{hi}"]["tokens_per_s"] / out[f"interval_{lo}"]["tokens_per_s"], 3

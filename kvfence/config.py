@@ -137,10 +137,15 @@ class PrefillConfig(_Strict):
     """How a prefill node batches its prompts."""
 
     # Prompts that wait while the engine thread is busy run together in one forward pass, in
-    # arrival order, up to this many prompt tokens (a longer prompt still runs, alone). On a CPU
-    # a pass of four ~32-token prompts costs about 0.7x per token what four passes of one do
-    # (prefill_svc/batcher.py). Activations grow with it. 1 runs every prompt alone.
-    max_batch_tokens: int = Field(default=4096, ge=1, le=1 << 20)
+    # arrival order, up to this many prompt tokens (a longer prompt still runs, alone); 1 runs
+    # every prompt alone. On this CPU a pass of four ~32-token prompts costs about 0.7x per token
+    # what four passes of one do, but a long pass delays every prompt that arrives during it, and
+    # the requests it releases together reach decode, finish and come back together: with the
+    # bundled small model at concurrency 64 (benchmarks/RESULTS.md) 128-512 gave 842-905 tokens/s
+    # against 747-750 one by one and 708-732 at 4096, with TTFT p50 growing with the value. An
+    # accelerator runs more tokens in the same time, so its best value is likely larger (not
+    # measured here).
+    max_batch_tokens: int = Field(default=256, ge=1, le=1 << 20)
 
 
 class DecodeConfig(_Strict):

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 NAMESPACE = "kvfence"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
 
 
@@ -105,6 +106,14 @@ class Metrics:
             "Time between consecutive tokens (a message of several counts each at its gap "
             "divided by their number).",
             buckets=TOKEN_BUCKETS,
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.prefill_pass_prompts = Histogram(
+            "prefill_pass_prompts",
+            "Prompts run in one prefill forward pass (prefill.max_batch_tokens bounds their "
+            "tokens).",
+            buckets=PASS_BUCKETS,
             namespace=NAMESPACE,
             registry=r,
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,12 +47,19 @@ class _Prompt:
 class PrefillBatcher:
     """Queues prompts and runs them in batched forward passes on one thread (module docstring)."""
 
-    def __init__(self, engine: Any, pool: PagePool, max_batch_tokens: int = 4096):
+    def __init__(
+        self,
+        engine: Any,
+        pool: PagePool,
+        max_batch_tokens: int = 256,
+        on_pass: Callable[[int], None] | None = None,
+    ):
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self.engine = engine
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
+        self.on_pass = on_pass  # called on the engine thread with each pass's prompt count
         # One engine thread: the model never runs on the event loop, and passes do not interleave.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
         self._lock = threading.Lock()
@@ -107,6 +114,8 @@ class PrefillBatcher:
         while batch := self._take():
             self.passes += 1
             self.prompts += len(batch)
+            if self.on_pass is not None:
+                self.on_pass(len(batch))
             try:
                 firsts = self._run(batch)
             except Exception as err:

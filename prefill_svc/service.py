@@ -79,7 +79,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.bus = bus
         self.metrics = metrics
         self.faults = FaultHook(cfg.node.fault_file if cfg.node.fault_hook else None)
-        self.batcher = PrefillBatcher(rt.engine, self.pool, cfg.prefill.max_batch_tokens)
+        self.batcher = PrefillBatcher(
+            rt.engine,
+            self.pool,
+            cfg.prefill.max_batch_tokens,
+            on_pass=metrics.prefill_pass_prompts.observe,
+        )
         self.held: dict[str, Held] = {}
         # Idle UCX endpoints to decode nodes, reused by later transfers (kvfence/transfer.py).
         self.endpoints = EndpointPool(

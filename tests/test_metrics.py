@@ -21,6 +21,7 @@ def make_metrics(service: str = "decode") -> Metrics:
     m.pages.labels(state="quarantined").set(1)
     m.ttft_seconds.observe(0.2)
     m.inter_token_seconds.observe(0.02)
+    m.prefill_pass_prompts.observe(3)
     m.rpcs_total.labels(method="Reserve").inc()
     m.events_dropped_total.inc(7)
     return m
@@ -37,6 +38,7 @@ EXPECTED = [
     'kvfence_pages{service="decode",state="quarantined"} 1.0',
     'kvfence_ttft_seconds_count{service="decode"} 1.0',
     'kvfence_inter_token_seconds_bucket{le="0.025",service="decode"} 1.0',
+    'kvfence_prefill_pass_prompts_bucket{le="4.0",service="decode"} 1.0',
     'kvfence_rpcs_total{method="Reserve",service="decode"} 1.0',
     'kvfence_events_dropped_total{service="decode"} 7.0',
 ]

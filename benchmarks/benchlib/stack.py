@@ -1,14 +1,18 @@
-"""The local stack benchmarks run (:class:`kvfence.localstack.LocalStack`), RSS sampling, and
-the CPU time a load costs each process."""
+"""The local stack benchmarks run (:class:`kvfence.localstack.LocalStack`), RSS sampling, the
+CPU time a load costs each process, and the same load on several stacks in turn."""
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psutil
 
+import benchlib
+from benchlib.load import LoadResult, make_prompts, run_load
 from kvfence.localstack import LocalStack
 
 BenchStack = LocalStack  # start / stop / services / node_rpc_counts / api_key
@@ -81,3 +85,36 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def compare_stacks(
+    stacks: dict[str, LocalStack], conc: int, n: int, new: int, rounds: int
+) -> dict[str, Any]:
+    """The same closed-loop load (``n`` prompts of 24-40 tokens, ``new`` tokens each,
+    ``concurrency`` clients) on each stack, one at a time, in a new seeded order every round; per
+    stack: tokens/s (median of the rounds), TTFT, the gap between the messages a client receives,
+    tokens per message, failures, and each process's CPU µs per delivered token."""
+    prompts = make_prompts(n, 24, 40, seed=conc)
+    cpu = {k: CpuMeter(s) for k, s in stacks.items()}
+    runs: dict[str, list[LoadResult]] = {k: [] for k in stacks}
+    order = list(stacks)
+    rng = random.Random(conc)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            with cpu[k].measure():
+                runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
+    out: dict[str, Any] = {}
+    for k, rs in runs.items():
+        failures = [f for r in rs for f in r.failures]
+        tokens = sum(r.tokens for r in rs)
+        assert tokens == new * (n * rounds - len(failures)), f"{k}: wrong token count"
+        out[k] = {
+            "tokens_per_s": benchlib.r(benchlib.median([r.tokens_per_s for r in rs]), 1),
+            "ttft": benchlib.summary_ms([t for r in rs for t in r.ttft()]),
+            "message_gap": benchlib.summary_ms([g for r in rs for g in r.chunk_gaps()]),
+            "tokens_per_message": benchlib.r(tokens / max(1, sum(r.chunks for r in rs)), 2),
+            "failed_requests": len(failures),
+            "cpu_us_per_token": cpu[k].us_per_token(tokens),
+        }
+    return out

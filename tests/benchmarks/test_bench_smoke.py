@@ -184,6 +184,21 @@ def test_stream_interval_quick(tmp_path):
     assert isinstance(lv["ratio"], float)
 
 
+def test_prefill_batching_quick(tmp_path):
+    result = run_quick("prefill_batching", tmp_path)
+    assert result["values"] == [1, 256, 4096] and result["workload"]["new_tokens"] == 16
+    (lv,) = result["levels"]
+    assert lv["concurrency"] == 4
+    for v in result["values"]:
+        side = lv[f"max_batch_tokens_{v}"]
+        assert isinstance(side["tokens_per_s"], float) and side["failed_requests"] == 0
+        assert_latency(side["ttft"])
+        assert set(side["cpu_us_per_token"]) == {"control-plane", "prefill", "decode",
+                                                 "load_generator"}  # fmt: skip
+    assert lv["ratio"]["max_batch_tokens_1"] == 1.0
+    assert all(isinstance(x, float) for x in lv["ratio"].values())
+
+
 def test_bench_models_small_is_a_larger_llama_the_engine_loads(tmp_path, monkeypatch):
     # ``--model small`` must be a real checkpoint of the configured shape, not the tiny one again
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

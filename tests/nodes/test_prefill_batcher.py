@@ -81,7 +81,8 @@ def test_waiting_prompts_share_a_pass_and_get_what_a_pass_of_their_own_gives(
     engine = make_engine(loaded)
     engine.pool.kv.fill_(7.0)  # what pages held before: the tail of a last page must not keep it
     gate = Gate(engine)
-    batcher = PrefillBatcher(engine, engine.pool, max_batch_tokens=budget)
+    seen: list[int] = []
+    batcher = PrefillBatcher(engine, engine.pool, max_batch_tokens=budget, on_pass=seen.append)
     try:
         refs, futures = queue_behind_first(batcher, gate, engine, PROMPTS, "b")
         gate.go.set()
@@ -90,6 +91,7 @@ def test_waiting_prompts_share_a_pass_and_get_what_a_pass_of_their_own_gives(
         batcher.close()
     assert gate.passes == passes  # at 44: 9 + 3 = 12 fit,, + 33 does not
     assert batcher.passes == len(passes) and batcher.prompts == len(PROMPTS)
+    assert seen == passes  # what the prefill_pass_prompts metric observes
     assert got == want
     for r_alone, r_batch, p in zip(alone_refs, refs, PROMPTS, strict=True):
         kv_alone = alone.pool.kv[[r.page_id for r in r_alone]]
