@@ -141,7 +141,7 @@ class PrefillConfig(_Strict):
     # every prompt alone. On this CPU a pass of four ~32-token prompts costs about 0.7x per token
     # what four passes of one do, but a long pass delays every prompt that arrives during it, and
     # the requests it releases together reach decode, finish and come back together: with the
-    # bundled small model at concurrency 64 (benchmarks/RESULTS.md) 128-512 gave 842-905 tokens/s
+    # bundled small model at concurrency 64 (benchmarks/RESULTS.md) 128-512 gave 831-905 tokens/s
     # against 747-750 one by one and 708-732 at 4096, with TTFT p50 growing with the value. An
     # accelerator runs more tokens in the same time, so its best value is likely larger (not
     # measured here).
