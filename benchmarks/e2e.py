@@ -38,7 +38,7 @@ import benchlib
 import torch
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, CpuMeter, RssSampler
+from benchlib.stack import PROMPT_TOKENS, BenchStack, CpuMeter, RssSampler, workload
 
 from kvfence.cli.stack import local_threads
 from kvfence.model.colocated import ColocatedEngine
@@ -134,7 +134,7 @@ def level(
     rounds: int,
 ) -> dict[str, Any]:
     """``rounds`` interleaved runs of each backend at one concurrency; medians of tokens/s."""
-    prompts = make_prompts(n, 24, 40, seed=conc)
+    prompts = make_prompts(n, *PROMPT_TOKENS, seed=conc)
     runs: dict[str, list[dict]] = {
         "disaggregated": [],
         "colocated": [],
@@ -256,12 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         "quick": args.quick,
         "machine": benchlib.machine(),
         "workload": {
-            "model": args.model,
+            **workload(args.model, new),
             "parameters": sum(p.numel() for p in colo.loaded.model.parameters()),
-            "prompt_tokens": [24, 40],
-            "new_tokens": new,
-            "greedy": True,
-            "ignore_eos": True,
             "decode_pool_tokens": decode_pool_tokens,
         },
         "levels": levels,

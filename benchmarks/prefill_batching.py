@@ -24,9 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, compare_stacks
+from benchlib.stack import BenchStack, compare_by_concurrency, workload
 
 DECODE_POOL_TOKENS = 8192  # as e2e.py: room for every request at concurrency 64 at once
 
@@ -35,14 +34,10 @@ def key(value: int) -> str:
     return f"max_batch_tokens_{value}"
 
 
-def run_level(
-    stacks: dict[int, BenchStack], conc: int, n: int, new: int, rounds: int
-) -> dict[str, Any]:
-    sides = compare_stacks({key(v): s for v, s in stacks.items()}, conc, n, new, rounds)
-    out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds, **sides}
-    base = sides[key(next(iter(stacks)))]["tokens_per_s"]
-    out["ratio"] = {k: benchlib.r(side["tokens_per_s"] / base, 3) for k, side in sides.items()}
-    return out
+def add_ratios(level: dict[str, Any], values: list[int]) -> dict[str, Any]:
+    base = level[key(values[0])]["tokens_per_s"]
+    level["ratio"] = {key(v): benchlib.r(level[key(v)]["tokens_per_s"] / base, 3) for v in values}
+    return level
 
 
 def draw_png(result: dict[str, Any], path: Path) -> None:
@@ -78,7 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     levels_c = [4] if args.quick else [16, 64]
     rounds = 1 if args.quick else 3
     checkpoint = bench_model(args.model)
-    levels = []
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         stacks = {
             v: BenchStack(
@@ -92,25 +86,15 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.ExitStack() as running:
             for stack in stacks.values():
                 running.enter_context(stack)
-            for stack in stacks.values():  # first use of each stack's code paths: not measured
-                run_load(stack.target, stack.api_key, make_prompts(4, 24, 40), new, 4)
-            for conc in levels_c:
-                n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
-                benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
-                levels.append(run_level(stacks, conc, n, new, rounds))
+            named = {key(v): s for v, s in stacks.items()}
+            levels = compare_by_concurrency(named, levels_c, new, rounds, args.quick)
     result = {
         "benchmark": "prefill_batching",
         "quick": args.quick,
         "machine": benchlib.machine(),
-        "workload": {
-            "model": args.model,
-            "prompt_tokens": [24, 40],
-            "new_tokens": new,
-            "greedy": True,
-            "ignore_eos": True,
-        },
+        "workload": workload(args.model, new),
         "values": values,
-        "levels": levels,
+        "levels": [add_ratios(lv, values) for lv in levels],
     }
     if args.png:
         draw_png(result, args.png)

@@ -23,23 +23,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, compare_stacks
+from benchlib.stack import BenchStack, compare_by_concurrency, workload
 
 DECODE_POOL_TOKENS = 8192
 
 
-def run_level(
-    stacks: dict[int, BenchStack], conc: int, n: int, new: int, rounds: int
-) -> dict[str, Any]:
-    sides = compare_stacks({f"interval_{k}": s for k, s in stacks.items()}, conc, n, new, rounds)
-    out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds, **sides}
-    lo, hi = sorted(stacks)
-    out["ratio"] = benchlib.r(
-        out[f"interval_{hi}"]["tokens_per_s"] / out[f"interval_{lo}"]["tokens_per_s"], 3
+def add_ratio(level: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    level["ratio"] = benchlib.r(
+        level[f"interval_{hi}"]["tokens_per_s"] / level[f"interval_{lo}"]["tokens_per_s"], 3
     )
-    return out
+    return level
 
 
 def draw_png(result: dict[str, Any], path: Path) -> None:
@@ -67,7 +61,6 @@ def main(argv: list[str] | None = None) -> None:
     levels_c = [4] if args.quick else [1, 16, 64]
     rounds = 1 if args.quick else 3
     checkpoint = bench_model(args.model)
-    levels = []
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         stacks = {
             k: BenchStack(
@@ -80,25 +73,15 @@ def main(argv: list[str] | None = None) -> None:
         }
         benchlib.log("starting two kvfence up stacks")
         with stacks[1], stacks[args.interval]:
-            for stack in stacks.values():  # first use of each stack's code paths: not measured
-                run_load(stack.target, stack.api_key, make_prompts(4, 24, 40), new, 4)
-            for conc in levels_c:
-                n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
-                benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
-                levels.append(run_level(stacks, conc, n, new, rounds))
+            named = {f"interval_{k}": s for k, s in stacks.items()}
+            levels = compare_by_concurrency(named, levels_c, new, rounds, args.quick)
     result = {
         "benchmark": "stream_interval",
         "quick": args.quick,
         "machine": benchlib.machine(),
-        "workload": {
-            "model": args.model,
-            "prompt_tokens": [24, 40],
-            "new_tokens": new,
-            "greedy": True,
-            "ignore_eos": True,
-        },
+        "workload": workload(args.model, new),
         "interval": args.interval,
-        "levels": levels,
+        "levels": [add_ratio(lv, 1, args.interval) for lv in levels],
     }
     if args.png:
         draw_png(result, args.png)

@@ -87,6 +87,36 @@ class RssSampler:
         self._thread.join()
 
 
+PROMPT_TOKENS = (24, 40)  # the closed-loop load's prompt lengths (e2e.py's too)
+
+
+def workload(model: str, new: int) -> dict[str, Any]:
+    """The JSON description of that load."""
+    return {
+        "model": model,
+        "prompt_tokens": list(PROMPT_TOKENS),
+        "new_tokens": new,
+        "greedy": True,
+        "ignore_eos": True,
+    }
+
+
+def compare_by_concurrency(
+    stacks: dict[str, LocalStack], levels_c: list[int], new: int, rounds: int, quick: bool
+) -> list[dict[str, Any]]:
+    """Warm every stack up (not measured), then :func:`compare_stacks` at each concurrency:
+    ``max(4 * c, 16)`` requests (``max(2 * c, 4)`` when ``quick``) per stack and round."""
+    for stack in stacks.values():  # first use of each stack's code paths
+        run_load(stack.target, stack.api_key, make_prompts(4, *PROMPT_TOKENS), new, 4)
+    levels = []
+    for conc in levels_c:
+        n = max(2 * conc, 4) if quick else max(4 * conc, 16)
+        benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
+        sides = compare_stacks(stacks, conc, n, new, rounds)
+        levels.append({"concurrency": conc, "requests": n, "rounds": rounds, **sides})
+    return levels
+
+
 def compare_stacks(
     stacks: dict[str, LocalStack], conc: int, n: int, new: int, rounds: int
 ) -> dict[str, Any]:
@@ -94,7 +124,7 @@ def compare_stacks(
     ``concurrency`` clients) on each stack, one at a time, in a new seeded order every round; per
     stack: tokens/s (median of the rounds), TTFT, the gap between the messages a client receives,
     tokens per message, failures, and each process's CPU µs per delivered token."""
-    prompts = make_prompts(n, 24, 40, seed=conc)
+    prompts = make_prompts(n, *PROMPT_TOKENS, seed=conc)
     cpu = {k: CpuMeter(s) for k, s in stacks.items()}
     runs: dict[str, list[LoadResult]] = {k: [] for k in stacks}
     order = list(stacks)
