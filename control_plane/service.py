@@ -259,7 +259,7 @@ async def serve(cfg: ClusterConfig, stop_event: asyncio.Event, **kwargs: Any) ->
     await cp.start()
     metrics_port = None
     if cfg.node.metrics_port is not None:
-        metrics_port = cp.metrics.serve(cfg.node.metrics_port)
+        metrics_port = cp.metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host)
         log.info("metrics served", port=metrics_port)
     try:
         await stop_event.wait()

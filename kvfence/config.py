@@ -104,6 +104,9 @@ class NodeConfig(_Strict):
     ucx_host: str = "127.0.0.1"
     ucx_port: int = Field(default=0, ge=0, le=65535)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    # Address the Prometheus endpoint binds. 127.0.0.1 keeps it on this machine; where Prometheus
+    # scrapes the pod's address it must be 0.0.0.0 (the Helm chart sets that).
+    metrics_host: str = "127.0.0.1"
     # Test-only fault hook in the transfer path (kvfence/faults.py); never reachable from the
     # public API. Both must be set for it to act.
     fault_hook: bool = False

@@ -75,3 +75,15 @@ def test_serve_over_http_on_an_ephemeral_port() -> None:
     assert b'status="DATA_LOSS"' not in body and b'status="DATA_LOSS"' in again
     assert m.port is None
     m.stop()  # idempotent
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_serve_binds_the_host_it_is_given(host: str) -> None:
+    m = Metrics("decode")
+    port = m.serve(0, host)
+    try:
+        assert m._server is not None and m._server.server_address[0] == host
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b"kvfence_pages" in body  # reachable either way from this machine
+    finally:
+        m.stop()

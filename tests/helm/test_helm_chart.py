@@ -248,6 +248,10 @@ def test_config_map_and_pod_env_load_as_kvfence_config(
         cfg = parse_config(yaml.safe_load(text), environ=env)
         assert cfg.node.role == role
         assert cfg.node.node_id == "pod-0"
+        # Prometheus scrapes the pod's address on the port the pod declares (the default host,
+        # 127.0.0.1, would refuse it)
+        (metrics_port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
+        assert (cfg.node.metrics_host, cfg.node.metrics_port) == ("0.0.0.0", metrics_port)
         if role != Role.CONTROL_PLANE:
             assert cfg.node.advertise.startswith("10.1.2.3:")
             assert cfg.node.ucx_host == "10.1.2.3"

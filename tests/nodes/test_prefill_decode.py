@@ -258,3 +258,33 @@ async def test_bad_prefill_input_is_invalid_argument(nodes, prompt, sampling, ok
     await pstub.Release(prefill_pb2.ReleaseRequest(request_id="bad-in"))
     await dstub.Release(prefill_pb2.ReleaseRequest(request_id="bad-in"))
     assert pre.rt.pool.num_free == pre.rt.pool.num_pages
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+async def test_a_node_serves_its_metrics_where_configured(tiny_dir, tmp_path, host):
+    import urllib.request
+
+    cfg = make_cfg(tiny_dir, tmp_path, node={"metrics_port": 0, "metrics_host": host})
+    dec = await start_node(cfg, Role.DECODE, register=False)
+    pre = await start_node(cfg, Role.PREFILL, register=False)
+    dch = grpc.aio.insecure_channel(dec.address)
+    pch = grpc.aio.insecure_channel(pre.address)
+    try:
+        assert pre.metrics._server.server_address[0] == host
+        await run_request(
+            decode_pb2_grpc.DecodeStub(dch),
+            prefill_pb2_grpc.PrefillStub(pch),
+            "m",
+            "t",
+            [5, 6, 7],
+            2,
+        )
+        url = f"http://127.0.0.1:{pre.metrics.port}/metrics"
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        await dch.close()
+        await pch.close()
+        await pre.stop(grace=1)
+        await dec.stop(grace=1)
+    assert 'kvfence_prefill_pass_prompts_count{service="prefill"} 1.0' in body
+    assert pre.metrics.port is None  # stopped with the node

@@ -68,6 +68,8 @@ spec:
               value: {{ $v.ports.ucx | int | quote }}
             - name: KVFENCE__NODE__METRICS_PORT
               value: {{ $v.ports.metrics | int | quote }}
+            - name: KVFENCE__NODE__METRICS_HOST  # Prometheus scrapes the pod's address
+              value: "0.0.0.0"
             - name: UCX_TLS
               value: {{ $v.ucx.tls | quote }}
             {{- with $v.ucx.netDevices }}
