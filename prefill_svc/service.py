@@ -11,9 +11,10 @@ request ended), or until ``reservation_timeout_s`` passes without one, so a cont
 vanished cannot pin the pool forever.
 
 Released pages are never reused while this node still touches them: the forward pass (on the
-engine thread, which a cancelled call cannot stop) and this call's checksums and UCX send each
-count as an outstanding operation on the pages, so a ``Release`` (or a cancel, or a failure) in the
-middle leaves them QUARANTINED until both have ended (``PagePool.begin_ops``). A call releases
+engine thread; a call cancelled while its prompt waits for a pass drops it, one cancelled later
+cannot stop it) and this call's checksums and UCX send each count as an outstanding operation on
+the pages, so a ``Release`` (or a cancel, or a failure) in the middle leaves them QUARANTINED
+until both have ended (``PagePool.begin_ops``). A call releases
 only the pages it allocated itself: a duplicate ``Prefill`` for a request already here is refused
 without touching the first one's pages. Bad input (a token outside the vocabulary, a sampled
 request without a seed) is INVALID_ARGUMENT, found before any page is taken.
