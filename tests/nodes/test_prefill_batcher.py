@@ -41,7 +41,7 @@ def alloc(engine: Engine, prompts: list[list[int]], tag: str) -> list[list[PageR
 
 class Gate:
     """Wraps ``engine.prefill_many``: records each pass's prompt count; the first pass waits for
-    ``open()`` so that the next prompts queue up behind it."""
+    ``go.set()`` so that the next prompts queue up behind it."""
 
     def __init__(self, engine: Engine, fail_when=None):
         self.real = engine.prefill_many
