@@ -1,7 +1,7 @@
 """Prefill-batching benchmark: what sharing a forward pass between waiting prompts buys, and costs.
 
 One ``kvfence up`` stack (1 prefill + 1 decode) per value of ``prefill.max_batch_tokens`` (default
-values: 1, every prompt alone; 256, kvfence's default; 4096), all up at once on the same
+values: 1, every prompt alone; 128, kvfence's default; 4096), all up at once on the same
 checkpoint. The closed-loop load of ``e2e.py`` (byte-token prompts of 24-40 tokens, greedy, EOS
 ignored, ``concurrency`` streaming clients) drives one stack at a time, taking turns every round in
 a new seeded random order. Per stack and concurrency: tokens/s (median of the rounds), TTFT, the
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--png", type=Path, help="also draw tokens/s and TTFT here")
     ap.add_argument(
         "--values",
-        default="1,256,4096",
+        default="1,128,4096",
         help="prefill.max_batch_tokens values, comma-separated; ratios are against the first",
     )
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         values = [int(v) for v in args.values.split(",")]
     except ValueError:
-        ap.error("--values must be integers, e.g. 1,256,4096")
+        ap.error("--values must be integers, e.g. 1,128,4096")
     if len(values) < 2 or len(set(values)) != len(values) or min(values) < 1:
         ap.error("--values needs at least two different values, each >= 1")
     new = 16 if args.quick else 32

@@ -143,12 +143,13 @@ class PrefillConfig(_Strict):
     # arrival order, up to this many prompt tokens (a longer prompt still runs, alone); 1 runs
     # every prompt alone. On this CPU a pass of four ~32-token prompts costs about 0.7x per token
     # what four passes of one do, but a long pass delays every prompt that arrives during it, and
-    # the requests it releases together reach decode, finish and come back together: with the
-    # bundled small model at concurrency 64 (benchmarks/RESULTS.md) 128-512 gave 831-905 tokens/s
-    # against 747-750 one by one and 708-732 at 4096, with TTFT p50 growing with the value. An
+    # the requests it releases together reach decode, finish and come back together. With the
+    # bundled small model (benchmarks/RESULTS.md, prefill_batching.py) 128 gave 1.08-1.12x the
+    # tokens/s of 1 at concurrency 64 and 1.02-1.05x at 16, where 256 gave 1.11-1.15x and
+    # 0.99-1.02x and raised TTFT p50 at 16 from 58-79 ms to 164-228 (128: 119-120). An
     # accelerator runs more tokens in the same time, so its best value is likely larger (not
     # measured here).
-    max_batch_tokens: int = Field(default=256, ge=1, le=1 << 20)
+    max_batch_tokens: int = Field(default=128, ge=1, le=1 << 20)
 
 
 class DecodeConfig(_Strict):

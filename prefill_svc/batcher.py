@@ -53,7 +53,7 @@ class PrefillBatcher:
         self,
         engine: Any,
         pool: PagePool,
-        max_batch_tokens: int = 256,
+        max_batch_tokens: int = 128,
         on_pass: Callable[[int], None] | None = None,
     ):
         if max_batch_tokens < 1:

@@ -19,7 +19,7 @@ def test_yaml_and_env_overrides(tmp_path):
     assert cfg.kv.page_size == 64
     assert cfg.kv.decode_pool.num_pages == 100
     assert cfg.decode.stream_interval == 1  # the default: every token as it is sampled
-    assert cfg.prefill.max_batch_tokens == 256
+    assert cfg.prefill.max_batch_tokens == 128
     assert (
         load_config(path, environ={"KVFENCE__DECODE__STREAM_INTERVAL": "4"}).decode.stream_interval
         == 4

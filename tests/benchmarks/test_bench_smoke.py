@@ -186,7 +186,7 @@ def test_stream_interval_quick(tmp_path):
 
 def test_prefill_batching_quick(tmp_path):
     result = run_quick("prefill_batching", tmp_path)
-    assert result["values"] == [1, 256, 4096] and result["workload"]["new_tokens"] == 16
+    assert result["values"] == [1, 128, 4096] and result["workload"]["new_tokens"] == 16
     (lv,) = result["levels"]
     assert lv["concurrency"] == 4
     for v in result["values"]:

@@ -263,7 +263,7 @@ def test_batching_values_reach_the_config(helm_home: Path) -> None:
         cfg = parse_config(yaml.safe_load(text["data"]["config.yaml"]), environ={})
         return cfg.decode.max_batch, cfg.decode.stream_interval, cfg.prefill.max_batch_tokens
 
-    assert batching([]) == (64, 1, 256)  # control: the defaults, as kvfence's own
+    assert batching([]) == (64, 1, 128)  # control: the defaults, as kvfence's own
     sets = ["decode.maxBatch=128", "decode.streamInterval=4", "prefill.maxBatchTokens=512"]
     assert batching(sets) == (128, 4, 512)
 
