@@ -117,7 +117,10 @@ class PrefillBatcher:
             self.passes += 1
             self.prompts += len(batch)
             if self.on_pass is not None:
-                self.on_pass(len(batch))
+                try:
+                    self.on_pass(len(batch))
+                except Exception:  # a metric must not stop the engine thread
+                    log.exception("prefill pass callback failed")
             try:
                 firsts = self._run(batch)
             except Exception as err:

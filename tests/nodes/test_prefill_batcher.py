@@ -177,3 +177,20 @@ def test_close_cancels_what_waits_and_refuses_more(loaded):
         batcher.submit(PROMPTS[0], refs[0], GREEDY)
     with pytest.raises(ValueError):
         PrefillBatcher(engine, engine.pool, max_batch_tokens=0)
+
+
+def test_a_failing_pass_callback_does_not_stop_the_engine_thread(loaded):
+    engine = make_engine(loaded)
+
+    def broken(n: int) -> None:
+        raise RuntimeError("metrics down")
+
+    batcher = PrefillBatcher(engine, engine.pool, on_pass=broken)
+    try:
+        refs = alloc(engine, PROMPTS[:2], "cb")
+        first = batcher.submit(PROMPTS[0], refs[0], GREEDY).result(30)
+        second = batcher.submit(PROMPTS[1], refs[1], GREEDY).result(30)  # the thread still runs
+    finally:
+        batcher.close()
+    assert isinstance(first, int) and isinstance(second, int)
+    assert batcher.passes == 2
