@@ -123,7 +123,7 @@ class PrefillBatcher:
                     log.exception("prefill pass callback failed")
             try:
                 firsts = self._run(batch)
-            except Exception as err:
+            except Exception as err:  # every future must resolve, whatever the pass raised
                 if len(batch) == 1:
                     batch[0].future.set_exception(err)
                     continue
