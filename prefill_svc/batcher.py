@@ -68,7 +68,7 @@ class PrefillBatcher:
         self._waiting: deque[_Prompt] = deque()
         self._draining = False  # a drain is queued on, or running on, the engine thread
         self._closed = False
-        self.passes = 0  # forward passes run (tests and the benchmark read it)
+        self.passes = 0  # forward passes run (the tests read these two; operators, on_pass)
         self.prompts = 0  # prompts run in them
 
     def submit(
