@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -167,12 +166,8 @@ def level(
         "colocated_node_threads": colocated_node_threads,
         "transformers": lambda: hf.run(prompts, new, conc),
     }
-    order = list(backends)
-    rng = random.Random(conc)
-    for _ in range(rounds):
-        rng.shuffle(order)  # a new order every round: no backend always follows the same one
-        for name in order:
-            runs[name].append(backends[name]())
+    for name in benchlib.turns(list(backends), rounds, seed=conc):
+        runs[name].append(backends[name]())
     out: dict[str, Any] = {"concurrency": conc, "requests": n, "rounds": rounds}
     for name, rs in runs.items():
         failures = [f for r in rs for f in r.get("failures", [])]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -265,19 +264,15 @@ async def bench_case(
             await fn()
             if name == "kvfence":
                 cold_s = time.perf_counter() - t0
-        order = list(fns.items())
-        rng = random.Random(n_pages)
-        for _ in range(reps):
-            # A new order every repetition: the method right after memcpy pays for torch's
-            # intra-op threads still spinning (measured: 2-4x on a 2-core machine). Rotating one
-            # fixed order, as this did before, kept the same method (kvfence) always right after
-            # memcpy: 2 MiB transfers read 0.46-0.93 of raw that way and 0.97-1.01 with memcpy
-            # and the others swapped for raw ucxx.
-            rng.shuffle(order)
-            for name, fn in order:
-                t0 = time.perf_counter()
-                await fn()
-                times[name].append(time.perf_counter() - t0)
+        # A new order every repetition: the method right after memcpy pays for torch's intra-op
+        # threads still spinning (measured: 2-4x on a 2-core machine). Rotating one fixed order,
+        # as this did before, kept the same method (kvfence) always right after memcpy: 2 MiB
+        # transfers read 0.46-0.93 of raw that way and 0.97-1.01 with memcpy and the others
+        # swapped for raw ucxx.
+        for name in benchlib.turns(list(fns), reps, seed=n_pages):
+            t0 = time.perf_counter()
+            await fns[name]()
+            times[name].append(time.perf_counter() - t0)
         # every path really moved the bytes (memcpy writes last: check one page)
         await memcpy_once()
         assert torch.equal(pool.kv[n_pages - 1], src[n_pages - 1])

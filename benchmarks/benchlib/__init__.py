@@ -13,9 +13,9 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 # The repository before this folder: ``benchmarks/kernels.py`` must not shadow the kernels package.
@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 MACHINE_NOTE = "shared, noisy"
+T = TypeVar("T")
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -63,30 +64,35 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
     }
 
 
+def turns(names: Sequence[T], rounds: int, seed: int) -> Iterator[T]:
+    """Every name once per round, ``rounds`` times, in a new (seeded) random order each round, so
+    that a noisy shared machine slows every variant alike. Not one fixed order: there each
+    variant always runs right after the same other one and pays for its after-effects (a copy's
+    intra-op threads still spinning, a forward pass that flushed the caches) every time."""
+    order = list(names)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        yield from order
+
+
 def interleaved(
     fns: dict[str, Callable[[], object]], reps: int, sync: Callable[[], None] | None = None
 ) -> dict[str, list[float]]:
-    """Seconds per call of each function, taking turns every repetition (after one warm-up call
-    each), so that a noisy shared machine slows every variant alike. The order is a new (seeded)
-    random one every repetition: in one fixed order each function always runs right after the
-    same other one, and pays for its after-effects (a copy's intra-op threads still spinning, a
-    forward pass that flushed the caches) every time. ``sync`` (a device synchronisation) runs
-    before and after each timed call, outside nothing but the clock."""
+    """Seconds per call of each function, taking :func:`turns` every repetition (after one
+    warm-up call each). ``sync`` (a device synchronisation) runs before and after each timed
+    call, outside nothing but the clock."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns.items())
-    rng = random.Random(len(order))
-    for _ in range(reps):
-        rng.shuffle(order)
-        for name, fn in order:
-            if sync is not None:
-                sync()
-            t0 = time.perf_counter()
-            fn()
-            if sync is not None:
-                sync()
-            times[name].append(time.perf_counter() - t0)
+    for name in turns(list(fns), reps, seed=len(fns)):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fns[name]()
+        if sync is not None:
+            sync()
+        times[name].append(time.perf_counter() - t0)
     return times
 
 

@@ -3,7 +3,6 @@ CPU time a load costs each process, and the same load on several stacks in turn.
 
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,13 +126,9 @@ def compare_stacks(
     prompts = make_prompts(n, *PROMPT_TOKENS, seed=conc)
     cpu = {k: CpuMeter(s) for k, s in stacks.items()}
     runs: dict[str, list[LoadResult]] = {k: [] for k in stacks}
-    order = list(stacks)
-    rng = random.Random(conc)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            with cpu[k].measure():
-                runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
+    for k in benchlib.turns(list(stacks), rounds, seed=conc):
+        with cpu[k].measure():
+            runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
     out: dict[str, Any] = {}
     for k, rs in runs.items():
         failures = [f for r in rs for f in r.failures]
