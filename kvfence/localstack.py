@@ -56,12 +56,14 @@ class LocalStack:
         decode: int = 1,
         config: dict[str, Any] | None = None,
         args: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ):
         self.state_dir = state_dir
         self.prefill = prefill
         self.decode = decode
         self.config = config or {}
         self.args = args or []
+        self.env = env or {}  # added to this process's environment for `up` and its services
         self.proc: subprocess.Popen[bytes] | None = None
         self.up: dict[str, Any] = {}
         self.children: list[Any] = []  # psutil.Process of every service `up` started
@@ -82,7 +84,12 @@ class LocalStack:
             base = self.state_dir / "base-config.yaml"
             base.write_text(yaml.safe_dump(self.config))
             cmd += ["--config", str(base)]
-        env = {**os.environ, "UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        env = {
+            **os.environ,
+            "UCX_TLS": "tcp,self",
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+            **self.env,
+        }
         self._log = (self.state_dir / "up.out").open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         up_json = self.state_dir / "up.json"
