@@ -123,10 +123,26 @@ def test_isolation_overhead_quick(tmp_path):
     ):
         assert isinstance(per_req[key], float)
     assert set(result["colocated_e2e_on_off"]["tokens_per_s"]) == {"on", "off"}
+    stacks = result["stack_e2e_on_off"]
     for conc in ("1", "8"):
-        stack = result["stack_e2e_protections_on"][conc]
-        assert isinstance(stack["tokens_per_s"], float)
-        assert_latency(stack["inter_token_latency"])
+        level = stacks[conc]
+        for side in ("on", "off"):
+            assert level[side]["failed_requests"] == 0
+            assert level[side]["tokens_per_s"] > 0
+            assert_latency(level[side]["inter_token_latency"])
+            assert_latency(level[side]["ttft"])
+            cpu = level[side]["cpu_us_per_token"]
+            assert set(cpu) == {"control-plane", "prefill", "decode", "load_generator"}
+            assert level[side]["stack_cpu_us_per_token"] > 0
+        assert isinstance(level["overhead_fraction"], float)
+        assert isinstance(level["cpu_overhead_fraction"], float)
+    # The off stack's nodes ran without protections, and reported it (the script checks that
+    # they, and no node of the on stack, ran the patches: else it fails).
+    assert stacks["same_tokens_on_and_off"] is True
+    calls = stacks["off_stack_patched_calls"]
+    assert calls["decode"]["unchecked_attention_plans"] > 0
+    assert calls["decode"]["manifest_verifications_skipped"] > 0
+    assert calls["prefill"]["page_checksums_skipped"] > 0
     for view in ("latency_view", "throughput_view"):
         est = result["estimate"][view]
         assert set(est["per_request_us"]) == {
@@ -137,7 +153,13 @@ def test_isolation_overhead_quick(tmp_path):
             "deferred_release_ops",
         }
         assert isinstance(est["fraction_of_e2e"], float)
-    assert result["goal"]["max_fraction"] == 0.01
+    goal = result["goal"]
+    assert goal["max_fraction"] == 0.01
+    assert set(goal["cpu_overhead_fraction"]) == set(goal["tokens_per_s_overhead_fraction"])
+    assert set(goal["cpu_overhead_fraction"]) == {"1", "8"}
+    for key in ("estimate_met", "cpu_met", "met"):
+        assert isinstance(goal[key], bool)
+    assert goal["met"] == (goal["estimate_met"] and goal["cpu_met"])
     assert isinstance(result["goal"]["met"], bool)
 
 
