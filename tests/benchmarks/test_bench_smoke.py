@@ -32,12 +32,14 @@ def _bench_processes() -> set[int]:
     return found
 
 
-def run_quick(name: str, tmp_path: Path, timeout: float = 150) -> dict[str, Any]:
+def run_quick(
+    name: str, tmp_path: Path, *extra: str, timeout: float = 150, draws: bool = True
+) -> dict[str, Any]:
     before = _bench_processes()
     png = tmp_path / f"{name}.png"
     args = ["--png", str(png)] if HAS_MPL else []
     proc = subprocess.run(
-        [sys.executable, str(BENCH / f"{name}.py"), "--quick", *args],
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick", *extra, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -51,7 +53,7 @@ def run_quick(name: str, tmp_path: Path, timeout: float = 150) -> dict[str, Any]
     machine = result["machine"]
     assert isinstance(machine["nproc"], int) and isinstance(machine["cpu"], str)
     assert machine["note"] == "shared, noisy"
-    assert png.exists() == HAS_MPL
+    assert png.exists() == (HAS_MPL and draws)
     assert _bench_processes() - before == set(), "the benchmark left stack processes running"
     return result
 
@@ -138,7 +140,7 @@ def test_isolation_overhead_quick(tmp_path):
         assert isinstance(level["cpu_overhead_fraction"], float)
     # The off stack's nodes ran without protections, and reported it (the script checks that
     # they, and no node of the on stack, ran the patches: else it fails).
-    assert stacks["same_tokens_on_and_off"] is True
+    assert stacks["same_tokens"] is True
     calls = stacks["off_stack_patched_calls"]
     assert calls["decode"]["unchecked_attention_plans"] > 0
     assert calls["decode"]["manifest_verifications_skipped"] > 0
@@ -153,6 +155,7 @@ def test_isolation_overhead_quick(tmp_path):
             "deferred_release_ops",
         }
         assert isinstance(est["fraction_of_e2e"], float)
+    assert "a_a" not in result
     goal = result["goal"]
     assert goal["max_fraction"] == 0.01
     assert set(goal["cpu_overhead_fraction"]) == set(goal["tokens_per_s_overhead_fraction"])
@@ -239,3 +242,28 @@ def test_bench_models_small_is_a_larger_llama_the_engine_loads(tmp_path, monkeyp
     assert n_small > 50 * sum(p.numel() for p in tiny.model.parameters())
     with pytest.raises(ValueError, match="unknown benchmark model"):
         bench_model("huge")
+
+
+def test_isolation_overhead_a_a_quick(tmp_path):
+    """Two identical, protected stacks: the same measures, and no node ran without
+    protections (the default run above is the control in which the off stack's nodes did)."""
+    result = run_quick("isolation_overhead", tmp_path, "--a-a", draws=False)
+    assert result["a_a"] is True
+    assert set(result) == {
+        "benchmark",
+        "quick",
+        "machine",
+        "workload",
+        "a_a",
+        "stack_e2e_on_on_again",
+    }
+    stacks = result["stack_e2e_on_on_again"]
+    for conc in ("1", "8"):
+        level = stacks[conc]
+        for side in ("on", "on_again"):
+            assert level[side]["failed_requests"] == 0
+            assert level[side]["stack_cpu_us_per_token"] > 0
+            assert_latency(level[side]["inter_token_latency"])
+        assert isinstance(level["cpu_overhead_fraction"], float)
+    assert stacks["same_tokens"] is True
+    assert stacks["off_stack_patched_calls"] == {}
