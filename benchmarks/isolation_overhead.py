@@ -493,7 +493,7 @@ def draw_png(result: dict[str, Any], path: Path) -> None:
     ax2.bar(list(bars), list(bars.values()), color="tab:orange")
     ax2.tick_params(axis="x", labelrotation=20)
     ax2.axhline(GOAL_FRACTION * 100, ls="--", color="tab:red", label="goal")
-    ax2.set_ylabel("% of end-to-end time")
+    ax2.set_ylabel("cost, % (time or stack CPU per token)")
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path)
