@@ -64,6 +64,23 @@ def assert_latency(summary: dict[str, Any]) -> None:
     assert all(isinstance(summary[k], float) for k in ("p50_ms", "p99_ms", "mean_ms"))
 
 
+def assert_two_stacks(stacks: dict[str, Any], sides: tuple[str, str]) -> None:
+    """isolation_overhead's two stacks at concurrency 1 and 8, and their same greedy tokens."""
+    for conc in ("1", "8"):
+        level = stacks[conc]
+        for side in sides:
+            assert level[side]["failed_requests"] == 0
+            assert level[side]["tokens_per_s"] > 0
+            assert_latency(level[side]["inter_token_latency"])
+            assert_latency(level[side]["ttft"])
+            cpu = level[side]["cpu_us_per_token"]
+            assert set(cpu) == {"control-plane", "prefill", "decode", "load_generator"}
+            assert level[side]["stack_cpu_us_per_token"] > 0
+        assert isinstance(level["overhead_fraction"], float)
+        assert isinstance(level["cpu_overhead_fraction"], float)
+    assert stacks["same_tokens"] is True
+
+
 def test_admission_quick(tmp_path):
     result = run_quick("admission", tmp_path)
     assert isinstance(result["admissible_limit"], int)
@@ -126,21 +143,9 @@ def test_isolation_overhead_quick(tmp_path):
         assert isinstance(per_req[key], float)
     assert set(result["colocated_e2e_on_off"]["tokens_per_s"]) == {"on", "off"}
     stacks = result["stack_e2e_on_off"]
-    for conc in ("1", "8"):
-        level = stacks[conc]
-        for side in ("on", "off"):
-            assert level[side]["failed_requests"] == 0
-            assert level[side]["tokens_per_s"] > 0
-            assert_latency(level[side]["inter_token_latency"])
-            assert_latency(level[side]["ttft"])
-            cpu = level[side]["cpu_us_per_token"]
-            assert set(cpu) == {"control-plane", "prefill", "decode", "load_generator"}
-            assert level[side]["stack_cpu_us_per_token"] > 0
-        assert isinstance(level["overhead_fraction"], float)
-        assert isinstance(level["cpu_overhead_fraction"], float)
+    assert_two_stacks(stacks, ("on", "off"))
     # The off stack's nodes ran without protections, and reported it (the script checks that
     # they, and no node of the on stack, ran the patches: else it fails).
-    assert stacks["same_tokens"] is True
     calls = stacks["off_stack_patched_calls"]
     assert calls["decode"]["unchecked_attention_plans"] > 0
     assert calls["decode"]["manifest_verifications_skipped"] > 0
@@ -258,12 +263,5 @@ def test_isolation_overhead_a_a_quick(tmp_path):
         "stack_e2e_on_on_again",
     }
     stacks = result["stack_e2e_on_on_again"]
-    for conc in ("1", "8"):
-        level = stacks[conc]
-        for side in ("on", "on_again"):
-            assert level[side]["failed_requests"] == 0
-            assert level[side]["stack_cpu_us_per_token"] > 0
-            assert_latency(level[side]["inter_token_latency"])
-        assert isinstance(level["cpu_overhead_fraction"], float)
-    assert stacks["same_tokens"] is True
+    assert_two_stacks(stacks, ("on", "on_again"))
     assert stacks["off_stack_patched_calls"] == {}
