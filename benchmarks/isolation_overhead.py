@@ -339,8 +339,10 @@ def bench_stacks(w: Workload, model: Path, quick: bool, a_a: bool = False) -> di
     protections: "on" as shipped, "off" with its nodes patched at start-up
     (``benchlib.unprotected``). At concurrency 1 and ``batch``, the same requests on each, one
     stack at a time in a new seeded order every round. Per stack: tokens/s (median of the
-    rounds), inter-token latency and TTFT over all rounds; ``overhead_fraction``: tokens/s off
-    over on, minus 1, with the spread of that ratio round by round (the machine's noise).
+    rounds), inter-token latency and TTFT over all rounds, CPU µs per delivered token of each
+    process; ``overhead_fraction``: tokens/s off over on, minus 1, with the spread of that ratio
+    round by round (the machine's noise); ``cpu_overhead_fraction``: the stack's CPU per token
+    (control plane, prefill, decode) on over off, minus 1.
 
     ``a_a``: the second stack is protected too (named ``on_again``), which measures how far two
     identical stacks read apart here: the noise floor of every figure above."""
@@ -355,7 +357,7 @@ def bench_stacks(w: Workload, model: Path, quick: bool, a_a: bool = False) -> di
             "on": BenchStack(Path(tmp) / "on", args=args),
             second: BenchStack(Path(tmp) / second, args=args, env={} if a_a else stack_env(report)),
         }
-        benchlib.log("starting two kvfence up stacks: protections on, and off")
+        benchlib.log(f"starting two kvfence up stacks: on, and {second}")
         with stacks["on"], stacks[second]:
             node_pids = {
                 k: {p.pid for role, p in st.services().items() if role != "control-plane"}
@@ -398,6 +400,8 @@ def _same_tokens(stacks: dict[str, BenchStack], prompts: list[list[int]], new: i
 
 
 def _stack_sides(runs: dict[str, list[Any]], cpu: dict[str, CpuMeter], n: int) -> dict[str, Any]:
+    """One concurrency level of :func:`bench_stacks`: each stack's measures and the ratios of the
+    second stack (off, or on again) to the first (on)."""
     sides: dict[str, Any] = {}
     for k, rs in runs.items():
         timings = [t for r in rs for t in r.timings]
