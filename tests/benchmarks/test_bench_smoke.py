@@ -144,6 +144,7 @@ def test_isolation_overhead_quick(tmp_path):
     assert set(result["colocated_e2e_on_off"]["tokens_per_s"]) == {"on", "off"}
     stacks = result["stack_e2e_on_off"]
     assert_two_stacks(stacks, ("on", "off"))
+    assert stacks["started_first"] == "on"
     # The off stack's nodes ran without protections, and reported it (the script checks that
     # they, and no node of the on stack, ran the patches: else it fails).
     calls = stacks["off_stack_patched_calls"]
@@ -252,7 +253,7 @@ def test_bench_models_small_is_a_larger_llama_the_engine_loads(tmp_path, monkeyp
 def test_isolation_overhead_a_a_quick(tmp_path):
     """Two identical, protected stacks: the same measures, and no node ran without
     protections (the default run above is the control in which the off stack's nodes did)."""
-    result = run_quick("isolation_overhead", tmp_path, "--a-a", draws=False)
+    result = run_quick("isolation_overhead", tmp_path, "--a-a", "--second-first", draws=False)
     assert result["a_a"] is True
     assert set(result) == {
         "benchmark",
@@ -264,4 +265,5 @@ def test_isolation_overhead_a_a_quick(tmp_path):
     }
     stacks = result["stack_e2e_on_on_again"]
     assert_two_stacks(stacks, ("on", "on_again"))
+    assert stacks["started_first"] == "on_again"
     assert stacks["off_stack_patched_calls"] == {}
