@@ -396,8 +396,8 @@ def _balanced_turns(names: list[str], rounds: int, seed: int) -> Iterator[str]:
     """Both stacks once a round, each first in half the rounds, the rounds in a seeded random
     order. ``benchlib.turns`` shuffles every round on its own, and with a fixed seed its
     imbalance is the same in every run (at concurrency 1, eight rounds: the second stack first
-    six times): identical stacks then read apart in the same direction run after run (the
-    stack listed first the dearer in 7 of 8 small-model A/A readings, by +0.2% to +1.5%)."""
+    six times), so any effect of going first would lean every run the same way. (Identical
+    stacks did read apart in one direction, and still do with this order: RESULTS.md.)"""
     a, b = names
     orders = [(a, b), (b, a)] * (rounds // 2) + [(a, b)] * (rounds % 2)
     random.Random(seed).shuffle(orders)
