@@ -13,7 +13,6 @@ smoke run, ``--png PATH`` a chart.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -137,10 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             and measured["control_moved_counters"],
         },
     }
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ run (concurrency 1 and 4, few requests), ``--png PATH`` a chart, ``--model small
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -283,10 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             "decode_rss_met": decode_growth <= GOAL_RSS_GROWTH,
         },
     }
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

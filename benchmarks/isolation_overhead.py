@@ -42,7 +42,6 @@ model.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -567,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.a_a:
         w = Workload(colo, args.prompt, args.new, args.batch)
-        print(json.dumps({
+        benchlib.emit({
             "benchmark": "isolation_overhead",
             "quick": args.quick,
             "machine": benchlib.machine(),
@@ -576,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
             "stack_e2e_on_on_again": bench_stacks(
                 w, model, args.quick, a_a=True, second_first=args.second_first
             ),
-        }))  # fmt: skip
+        })  # fmt: skip
         return
     benchlib.log("tag check: attention and decode steps")
     per_batch = {b: Workload(colo, args.prompt, args.new, b) for b in sorted({1, args.batch})}
@@ -631,10 +630,7 @@ def main(argv: list[str] | None = None) -> None:
             "met": max(fractions) <= GOAL_FRACTION and max(cpu_overhead.values()) <= GOAL_FRACTION,
         },
     }
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

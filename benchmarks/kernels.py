@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import platform
 import sys
 from collections.abc import Callable
@@ -185,10 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         # Peak is not queryable; the copy in the same run is the practical device bandwidth.
         result["device_copy_gb_per_s"] = result["pages"]["gb_per_s"]["copy"]
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -96,10 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         "values": values,
         "levels": [add_ratios(lv, values) for lv in levels],
     }
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Prints one JSON object; ``--quick`` for a smoke run, ``--png PATH`` a chart, ``-
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -83,10 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         "interval": args.interval,
         "levels": [add_ratio(lv, 1, args.interval) for lv in levels],
     }
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -446,10 +445,7 @@ def main(argv: list[str] | None = None) -> None:
             "vs_grpc_met_all_sizes": all(s["goal_vs_grpc_met"] for s in sizes),
         },
     }
-    if args.png:
-        draw_png(result, args.png)
-        result["png"] = str(args.png)
-    print(json.dumps(result))
+    benchlib.emit(result, args.png, draw_png)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Every script prints one JSON object on stdout and nothing else there; progress g
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -119,6 +120,19 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "note": MACHINE_NOTE,
     }
+
+
+def emit(
+    result: dict[str, Any],
+    png: Path | None = None,
+    draw: Callable[[dict[str, Any], Path], None] | None = None,
+) -> None:
+    """A script's output: with ``png`` (its ``--png``), ``draw`` it there first and name it in the
+    result; then the result as the one JSON line on stdout."""
+    if png is not None and draw is not None:
+        draw(result, png)
+        result["png"] = str(png)
+    print(json.dumps(result))
 
 
 def pyplot(png: Path) -> Any:
