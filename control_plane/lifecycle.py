@@ -98,12 +98,15 @@ class RequestRecord:
         return time.monotonic() - self.created_at
 
 
-def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fields: Any) -> None:
-    """Move ``record`` to ``dst``; :class:`IllegalTransition` for a move the diagram forbids."""
+def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fields: Any) -> float:
+    """Move ``record`` to ``dst``; :class:`IllegalTransition` for a move the diagram forbids.
+    Returns the seconds the request spent in the state it left."""
     src = record.state
     if not allowed(src, dst):
         raise IllegalTransition(f"request {record.request_id}: {src} -> {dst} is not allowed")
-    record.history.append((src, time.monotonic()))
+    now = time.monotonic()
+    entered = record.history[-1][1] if record.history else record.created_at
+    record.history.append((src, now))
     record.state = dst
     if reason:
         record.reason = reason
@@ -116,6 +119,7 @@ def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fie
         reason=reason or None,
         **fields,
     )
+    return now - entered
 
 
 class Run:

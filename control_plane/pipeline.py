@@ -120,12 +120,21 @@ class Pipeline:
             await self._release_all(run)
             self.d.metrics.requests_total.labels(status=status).inc()
 
+    def _transition(
+        self, rec: RequestRecord, dst: RequestState, reason: str = "", **fields: Any
+    ) -> None:
+        """``transition``, and the time spent in the state left into ``request_state_seconds``
+        (where an operator sees whether requests wait for decode pages, prefill or decode)."""
+        src = rec.state
+        seconds = transition(rec, dst, reason, **fields)
+        self.d.metrics.request_state_seconds.labels(state=src.value.lower()).observe(seconds)
+
     def _fail(self, run: Run, err: KvfenceError) -> None:
         rec = run.record
         if rec.terminal:  # REJECTED at admission
             return
         dst = RequestState.CANCELLED if isinstance(err, Cancelled) else RequestState.FAILED
-        transition(rec, dst, reason=f"{err.code.name}: {err.reason}")
+        self._transition(rec, dst, reason=f"{err.code.name}: {err.reason}")
         self.d.events.emit(
             "request_failed",
             request_id=rec.request_id,
@@ -156,7 +165,7 @@ class Pipeline:
         except KvfenceError as err:
             self._reject(run, err)
             raise
-        transition(rec, RequestState.ADMITTED, prompt_tokens=rec.prompt_tokens)
+        self._transition(rec, RequestState.ADMITTED, prompt_tokens=rec.prompt_tokens)
         return prompt
 
     def _check_serving(self) -> None:
@@ -170,7 +179,7 @@ class Pipeline:
 
     def _reject(self, run: Run, err: KvfenceError) -> None:
         rec = run.record
-        transition(rec, RequestState.REJECTED, reason=f"{err.code.name}: {err.reason}")
+        self._transition(rec, RequestState.REJECTED, reason=f"{err.code.name}: {err.reason}")
         self._count_rejection(rec, err)
 
     def _count_rejection(self, rec: RequestRecord, err: KvfenceError) -> None:
@@ -192,7 +201,7 @@ class Pipeline:
         self, run: Run, prompt: Prompt, tenant: Tenant, deadline: float, emit: Emit
     ) -> None:
         node, reservation = await self._reserve(run, prompt, tenant, deadline)
-        transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
+        self._transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
         manifest = await self._prefill(run, prompt, reservation, deadline)
         await self._decode(run, prompt, node, reservation, manifest, deadline, emit)
 
@@ -281,7 +290,7 @@ class Pipeline:
     ) -> common_pb2.KvManifest:
         """Run the prompt on the least busy prefill node; wait and retry while all are full."""
         rec = run.record
-        transition(rec, RequestState.PREFILLING)
+        self._transition(rec, RequestState.PREFILLING)
         loop = asyncio.get_running_loop()
         give_up = deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
         req = prefill_pb2.PrefillRequest(
@@ -369,9 +378,9 @@ class Pipeline:
             async with contextlib.aclosing(run.read_stream(call)) as messages:
                 async for msg in messages:
                     if not stream.verified and msg.verified:
-                        transition(rec, RequestState.KV_VERIFIED)
+                        self._transition(rec, RequestState.KV_VERIFIED)
                         self._release_prefill_early(run)
-                        transition(rec, RequestState.DECODING)
+                        self._transition(rec, RequestState.DECODING)
                     out = stream.accept(msg)
                     if out is not None:
                         now = time.monotonic()
@@ -389,7 +398,7 @@ class Pipeline:
             if not call.done():
                 call.cancel()
         final = stream.finish()
-        transition(rec, RequestState.FINISHED, completion_tokens=stream.completion_tokens)
+        self._transition(rec, RequestState.FINISHED, completion_tokens=stream.completion_tokens)
         emit(final)
 
     # -- release -----------------------------------------------------------------------------------

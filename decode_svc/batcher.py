@@ -55,6 +55,7 @@ class DecodeBatcher:
         loop: asyncio.AbstractEventLoop,
         max_batch: int = 64,
         stream_interval: int = 1,
+        on_step: Callable[[int], None] | None = None,
     ):
         self.engine = engine
         self.pool = pool
@@ -63,6 +64,7 @@ class DecodeBatcher:
         self.loop = loop
         self.max_batch = max_batch
         self.stream_interval = stream_interval
+        self.on_step = on_step  # called on the engine thread with each step's number of rows
         self._active: dict[str, ActiveSeq] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -176,6 +178,8 @@ class DecodeBatcher:
             [len(s.generated) for s in batch],
         )
         self.steps += 1
+        if self.on_step is not None:
+            self.on_step(len(batch))
         for seq, token in zip(batch, tokens, strict=True):
             if token is None:  # a tag check failed: this row produced no token
                 self._finish(

@@ -121,6 +121,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             asyncio.get_running_loop(),
             max_batch=self.cfg.decode.max_batch,
             stream_interval=self.cfg.decode.stream_interval,
+            on_step=self.metrics.decode_step_rows.observe,
         )
         self.batcher.start()
         self._reaper = asyncio.create_task(self._reap())

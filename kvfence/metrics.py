@@ -21,6 +21,12 @@ NAMESPACE = "kvfence"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Time in one request state: from well under a millisecond (a transition the control plane makes
+# at once) to minutes (a long generation in DECODING).
+STATE_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 300.0,
+)  # fmt: skip
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
 
 
@@ -114,6 +120,23 @@ class Metrics:
             "Prompts run in one prefill forward pass (prefill.max_batch_tokens bounds their "
             "tokens).",
             buckets=PASS_BUCKETS,
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.decode_step_rows = Histogram(
+            "decode_step_rows",
+            "Sequences in one decode step (decode.max_batch bounds them): a decode node whose "
+            "steps run far fewer rows than requests are in flight is waiting on prefill.",
+            buckets=PASS_BUCKETS,
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.request_state_seconds = Histogram(
+            "request_state_seconds",
+            "Time a request spent in one lifecycle state (observed when it left it; labels are "
+            "the states of control_plane/lifecycle.py in lower case).",
+            ["state"],
+            buckets=STATE_BUCKETS,
             namespace=NAMESPACE,
             registry=r,
         )

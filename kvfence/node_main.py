@@ -72,7 +72,8 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
     await bus.start()
     metrics = Metrics(role.value)
     if cfg.node.metrics_port is not None:
-        metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host)
+        # the port actually bound, which is how port 0 (any free port) can be found
+        log.info("metrics served", port=metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host))
     receiver = None
     if role == Role.DECODE:
         from decode_svc.service import DecodeServicer

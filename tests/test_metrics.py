@@ -22,6 +22,8 @@ def make_metrics(service: str = "decode") -> Metrics:
     m.ttft_seconds.observe(0.2)
     m.inter_token_seconds.observe(0.02)
     m.prefill_pass_prompts.observe(3)
+    m.decode_step_rows.observe(12)
+    m.request_state_seconds.labels(state="prefilling").observe(0.04)
     m.rpcs_total.labels(method="Reserve").inc()
     m.events_dropped_total.inc(7)
     return m
@@ -39,6 +41,9 @@ EXPECTED = [
     'kvfence_ttft_seconds_count{service="decode"} 1.0',
     'kvfence_inter_token_seconds_bucket{le="0.025",service="decode"} 1.0',
     'kvfence_prefill_pass_prompts_bucket{le="4.0",service="decode"} 1.0',
+    'kvfence_decode_step_rows_bucket{le="8.0",service="decode"} 0.0',
+    'kvfence_decode_step_rows_bucket{le="16.0",service="decode"} 1.0',
+    'kvfence_request_state_seconds_bucket{le="0.05",service="decode",state="prefilling"} 1.0',
     'kvfence_rpcs_total{method="Reserve",service="decode"} 1.0',
     'kvfence_events_dropped_total{service="decode"} 7.0',
 ]

@@ -4,6 +4,7 @@ metrics."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,33 @@ async def test_metrics_count_requests_and_rejections(cluster: Cluster) -> None:
         'kvfence_admission_rejections_total{reason="OVER_ADMISSIBLE_LIMIT",'
         'service="control-plane"} 1.0'
     ) in text
+
+
+def state_counts(text: str) -> dict[str, float]:
+    """request_state_seconds' observation count per state, from the exposition text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvfence_request_state_seconds_count{"):
+            state = line.split('state="')[1].split('"')[0]
+            out[state] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_metrics_time_each_state_a_request_left(cluster: Cluster) -> None:
+    with pytest.raises(InvalidArgument):  # rejected at admission: it left RECEIVED only
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=1000)
+    assert state_counts(cluster.cp.metrics.render().decode()) == {"received": 1.0}
+    t0 = time.monotonic()
+    await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=3)
+    wall = time.monotonic() - t0
+    text = cluster.cp.metrics.render().decode()
+    assert state_counts(text) == {
+        "received": 2.0,
+        **dict.fromkeys(["admitted", "reserved", "prefilling", "kv_verified", "decoding"], 1.0),
+    }
+    spent = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvfence_request_state_seconds_sum{")
+    )
+    assert 0 < spent <= wall + 0.01  # the states of one request (and a rejection) in its time

@@ -139,3 +139,25 @@ async def test_max_batch_bounds_each_step_and_the_waiting_sequences_still_finish
     for e, w in zip(events, want, strict=True):
         assert [t for kind, value in e if kind == "tokens" for t in value] == w.token_ids
     assert max(sizes) == 2  # three sequences, never more than two in a step (and two at once)
+
+
+async def test_on_step_reports_the_rows_of_every_step():
+    """What the decode_step_rows metric observes: each step's rows, as the step ran them."""
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    seen: list[int] = []
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                            asyncio.get_running_loop(), on_step=seen.append)  # fmt: skip
+    ran: list[int] = []
+    step = batcher._step
+
+    def recording(batch: list[ActiveSeq]) -> None:
+        ran.append(len(batch))
+        step(batch)
+
+    batcher._step = recording  # type: ignore[method-assign]
+    events: list[list] = [[] for _ in PROMPTS]
+    # 2, 4 and 6 new tokens: the first token comes from prefill, so 1, 3 and 5 steps each
+    seqs = [start_sequence(colo, i, p, 2 + 2 * i, events[i]) for i, p in enumerate(PROMPTS)]
+    await run_batcher(batcher, seqs, events)
+    assert seen == ran and batcher.steps == len(seen)
+    assert sum(seen) == 1 + 3 + 5  # one row per token decoded after the first
