@@ -14,7 +14,12 @@ order each round):
   batches of ``concurrency`` with left padding, all requests queued at t=0; TTFT is the first call
   of a logits processor (the end of the batch's prefill).
 
-It also samples the resident set size of every stack process during each concurrency's runs.
+It also samples the resident set size of every stack process during each concurrency's runs, and
+reads the stack's own metrics over the disaggregated runs: ``decode_rows_per_step`` (how full
+decode's steps were) and ``request_state_ms`` (the mean time a request spent in each lifecycle
+state: ``admitted`` is the wait for and the Reserve of decode pages, ``prefilling`` the prefill
+pass and the KV transfer, ``decoding`` the rest), which tell why the stack runs slower than the
+colocated engine at a given concurrency.
 Goals (reported, never asserted): disaggregated >= 0.9x colocated tokens/s at concurrency >= 16;
 colocated >= 1x transformers; decode RSS set by its pool, not by the number of requests (peak at
 the highest concurrency within 5% of the lowest). Prints one JSON object; ``--quick`` for a smoke
@@ -36,7 +41,15 @@ import benchlib
 import torch
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import PROMPT_TOKENS, BenchStack, CpuMeter, RssSampler, workload
+from benchlib.stack import (
+    METRICS_CONFIG,
+    PROMPT_TOKENS,
+    BenchStack,
+    CpuMeter,
+    RssSampler,
+    StackMetrics,
+    workload,
+)
 
 from kvfence.cli.stack import local_threads
 from kvfence.model.colocated import ColocatedEngine
@@ -124,6 +137,7 @@ class HfRunner:
 
 def level(
     stack: BenchStack,
+    metrics: StackMetrics,
     colo: ColocatedEngine,
     hf: HfRunner,
     conc: int,
@@ -140,9 +154,10 @@ def level(
         "transformers": [],
     }
     cpu = CpuMeter(stack)  # over the disaggregated runs
+    metrics.used.clear()
 
     def disaggregated() -> dict[str, Any]:
-        with cpu.measure():
+        with metrics.measure(), cpu.measure():  # scraped outside the CPU and the wall time
             res = run_load(stack.target, stack.api_key, prompts, new, conc)
         return {
             "wall_s": res.wall_s,
@@ -180,6 +195,9 @@ def level(
             out[name]["failed_requests"] = len(failures)
             out[name]["failures_sample"] = sorted(set(failures))[:3]
             out[name]["cpu_us_per_token"] = cpu.us_per_token(ok)
+            # why the stack is slower: how full decode's steps were, and where requests waited
+            out[name]["decode_rows_per_step"] = metrics.decode_rows_per_step()
+            out[name]["request_state_ms"] = metrics.state_ms()
     disagg, colo_tps, colo_node_tps, hf_tps = (out[k]["tokens_per_s"] for k in runs)
     out["disaggregated_vs_colocated"] = benchlib.r(disagg / colo_tps, 3)
     out["disaggregated_vs_colocated_node_threads"] = benchlib.r(disagg / colo_node_tps, 3)
@@ -232,15 +250,17 @@ def main(argv: list[str] | None = None) -> None:
         benchlib.log("starting kvfence up")
         stack = BenchStack(
             Path(tmp) / "stack",
+            config=METRICS_CONFIG,
             args=["--model", str(checkpoint), "--decode-pool-tokens", str(decode_pool_tokens)],
         )
         with stack, RssSampler(stack.services()) as sampler:
+            metrics = StackMetrics(stack)
             rss["idle"] = sampler.peaks_mb()
             for conc in levels_c:
                 n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
                 benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
                 sampler.reset()
-                levels.append(level(stack, colo, hf, conc, n, new, rounds))
+                levels.append(level(stack, metrics, colo, hf, conc, n, new, rounds))
                 rss[str(conc)] = sampler.peaks_mb()
     lo, hi = rss[str(levels_c[0])], rss[str(max_c)]
     decode_growth = (hi["decode"] - lo["decode"]) / lo["decode"]

@@ -3,7 +3,10 @@ CPU time a load costs each process, and the same load on several stacks in turn.
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +42,75 @@ class CpuMeter:
     def us_per_token(self, tokens: int) -> dict[str, float]:
         """Each process's CPU µs per delivered token over everything measured."""
         return {role: round(used / max(tokens, 1) * 1e6, 1) for role, used in self.used.items()}
+
+
+# A stack started with this config serves every service's Prometheus metrics on a free port.
+METRICS_CONFIG: dict[str, Any] = {"node": {"metrics_port": 0}}
+
+
+class StackMetrics:
+    """The Prometheus metrics of a stack started with :data:`METRICS_CONFIG`, summed over the
+    spans :meth:`measure` covers: how many rows the decode node's steps ran, and how long requests
+    spent in each state of their lifecycle (control plane), under a given load.
+
+    Each service logs the port it bound ("metrics served"); the service a port belongs to is the
+    ``service`` label of what it serves."""
+
+    def __init__(self, stack: LocalStack):
+        self.urls: dict[str, str] = {}
+        for log in sorted((stack.state_dir / "logs").glob("*.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if '"metrics served"' not in line:
+                    continue
+                url = f"http://127.0.0.1:{json.loads(line)['port']}/metrics"
+                text = urllib.request.urlopen(url, timeout=10).read().decode()
+                service = text.split('service="', 1)[1].split('"', 1)[0]
+                self.urls[service] = url
+        missing = {"control-plane", "prefill", "decode"} - set(self.urls)
+        if missing:
+            raise RuntimeError(f"no metrics port logged by {sorted(missing)}")
+        self.used: Counter[tuple[str, str, str]] = Counter()
+
+    def _now(self) -> Counter[tuple[str, str, str]]:
+        """(service, sample name, its labels but the service) -> value, for every sample."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: Counter[tuple[str, str, str]] = Counter()
+        for service, url in self.urls.items():
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    labels = ",".join(
+                        f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "service"
+                    )
+                    out[(service, sample.name, labels)] = sample.value
+        return out
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        before = self._now()
+        yield
+        for key, value in self._now().items():
+            self.used[key] += value - before.get(key, 0.0)
+
+    def _mean(self, service: str, name: str, labels: str = "") -> float | None:
+        count = self.used[(service, f"{name}_count", labels)]
+        return self.used[(service, f"{name}_sum", labels)] / count if count else None
+
+    def decode_rows_per_step(self) -> float | None:
+        """The mean number of sequences in a decode step (None when no step ran)."""
+        mean = self._mean("decode", "kvfence_decode_step_rows")
+        return None if mean is None else round(mean, 2)
+
+    def state_ms(self) -> dict[str, float]:
+        """Mean milliseconds a request spent in each lifecycle state it left."""
+        out = {}
+        for service, name, labels in list(self.used):
+            if service == "control-plane" and name == "kvfence_request_state_seconds_count":
+                mean = self._mean(service, "kvfence_request_state_seconds", labels)
+                if mean is not None:
+                    out[labels.removeprefix("state=")] = round(mean * 1e3, 2)
+        return out
 
 
 class RssSampler:

@@ -183,6 +183,13 @@ def test_e2e_quick(tmp_path):
         cpu = lv["disaggregated"]["cpu_us_per_token"]
         assert set(cpu) == {"control-plane", "prefill", "decode", "load_generator"}
         assert all(v > 0 for v in cpu.values())
+        # the stack's own metrics: one request at a time decodes alone; four share steps
+        rows = lv["disaggregated"]["decode_rows_per_step"]
+        assert rows == 1.0 if lv["concurrency"] == 1 else 1.0 <= rows <= 4.0
+        states = lv["disaggregated"]["request_state_ms"]
+        assert set(states) == {"received", "admitted", "reserved", "prefilling", "kv_verified",
+                               "decoding"}  # fmt: skip
+        assert all(v >= 0 for v in states.values()) and states["decoding"] > 0
         assert isinstance(lv["disaggregated_vs_colocated"], float)
         assert isinstance(lv["disaggregated_vs_colocated_node_threads"], float)
         assert isinstance(lv["colocated_vs_transformers"], float)
