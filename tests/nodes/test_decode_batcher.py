@@ -117,10 +117,8 @@ async def test_stream_interval_groups_tokens_first_at_once_and_rest_with_the_fin
     assert [t for c in chunks[3] for t in c] == [t for c in chunks[1] for t in c]
 
 
-async def test_max_batch_bounds_each_step_and_the_waiting_sequences_still_finish():
-    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
-    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
-                            asyncio.get_running_loop(), max_batch=2)  # fmt: skip
+def record_step_sizes(batcher: DecodeBatcher) -> list[int]:
+    """The number of sequences of every step the batcher runs from now on, as it runs it."""
     sizes: list[int] = []
     step = batcher._step
 
@@ -129,6 +127,14 @@ async def test_max_batch_bounds_each_step_and_the_waiting_sequences_still_finish
         step(batch)
 
     batcher._step = recording  # type: ignore[method-assign]
+    return sizes
+
+
+async def test_max_batch_bounds_each_step_and_the_waiting_sequences_still_finish():
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                            asyncio.get_running_loop(), max_batch=2)  # fmt: skip
+    sizes = record_step_sizes(batcher)
     events: list[list] = [[] for _ in PROMPTS]
     seqs = [start_sequence(colo, i, p, 3 + 2 * i, events[i]) for i, p in enumerate(PROMPTS)]
     await run_batcher(batcher, seqs, events)
@@ -147,14 +153,7 @@ async def test_on_step_reports_the_rows_of_every_step():
     seen: list[int] = []
     batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
                             asyncio.get_running_loop(), on_step=seen.append)  # fmt: skip
-    ran: list[int] = []
-    step = batcher._step
-
-    def recording(batch: list[ActiveSeq]) -> None:
-        ran.append(len(batch))
-        step(batch)
-
-    batcher._step = recording  # type: ignore[method-assign]
+    ran = record_step_sizes(batcher)
     events: list[list] = [[] for _ in PROMPTS]
     # 2, 4 and 6 new tokens: the first token comes from prefill, so 1, 3 and 5 steps each
     seqs = [start_sequence(colo, i, p, 2 + 2 * i, events[i]) for i, p in enumerate(PROMPTS)]
