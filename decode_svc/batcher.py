@@ -179,7 +179,10 @@ class DecodeBatcher:
         )
         self.steps += 1
         if self.on_step is not None:
-            self.on_step(len(batch))
+            try:
+                self.on_step(len(batch))
+            except Exception:  # a metric must not fail the batch's requests
+                log.exception("decode step callback failed")
         for seq, token in zip(batch, tokens, strict=True):
             if token is None:  # a tag check failed: this row produced no token
                 self._finish(

@@ -160,3 +160,23 @@ async def test_on_step_reports_the_rows_of_every_step():
     await run_batcher(batcher, seqs, events)
     assert seen == ran and batcher.steps == len(seen)
     assert sum(seen) == 1 + 3 + 5  # one row per token decoded after the first
+
+
+async def test_a_failing_on_step_fails_no_request():
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+
+    def broken(rows: int) -> None:
+        raise RuntimeError("metrics backend down")
+
+    want = colo.generate(
+        [GenerationRequest(PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True))]
+    )
+    for on_step in (None, broken):  # control: the same sequence without the callback
+        batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                                asyncio.get_running_loop(), on_step=on_step)  # fmt: skip
+        events: list = []
+        seq = start_sequence(colo, 0, PROMPTS[0], 4, events)
+        await run_batcher(batcher, [seq], [events])
+        assert events[-1] == ("finish", "length"), events
+        assert [t for kind, v in events if kind == "tokens" for t in v] == want[0].token_ids
+        colo.pool.release("seq-0")
