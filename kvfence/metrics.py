@@ -125,8 +125,9 @@ class Metrics:
         )
         self.decode_step_rows = Histogram(
             "decode_step_rows",
-            "Sequences in one decode step (decode.max_batch bounds them): a decode node whose "
-            "steps run far fewer rows than requests are in flight is waiting on prefill.",
+            "Sequences in one decode step (decode.max_batch bounds them): far fewer rows than "
+            "requests in flight means they spend their time before decode "
+            "(request_state_seconds says where).",
             buckets=PASS_BUCKETS,
             namespace=NAMESPACE,
             registry=r,
