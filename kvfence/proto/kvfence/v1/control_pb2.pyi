@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "model_fingerprint", "layout", "pool_tokens", "total_pages")
+    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "model_fingerprint", "layout", "pool_tokens", "total_pages", "instance_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RegisterRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -25,7 +26,8 @@ class RegisterRequest(_message.Message):
     layout: _common_pb2.KvLayout
     pool_tokens: int
     total_pages: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("accepted", "reason", "heartbeat_interval_ms")
@@ -112,6 +114,20 @@ class ListTenantsResponse(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedCompositeFieldContainer[Tenant]
     def __init__(self, tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ...) -> None: ...
+
+class CreateKeyRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class CreateKeyResponse(_message.Message):
+    __slots__ = ("api_key", "key_id")
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    api_key: str
+    key_id: str
+    def __init__(self, api_key: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
 
 class RevokeKeyRequest(_message.Message):
     __slots__ = ("key_id",)

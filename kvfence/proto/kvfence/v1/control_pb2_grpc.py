@@ -165,6 +165,11 @@ class AdminStub:
                 request_serializer=kvfence_dot_v1_dot_control__pb2.RevokeKeyRequest.SerializeToString,
                 response_deserializer=kvfence_dot_v1_dot_control__pb2.RevokeKeyResponse.FromString,
                 _registered_method=True)
+        self.CreateKey = channel.unary_unary(
+                '/kvfence.v1.Admin/CreateKey',
+                request_serializer=kvfence_dot_v1_dot_control__pb2.CreateKeyRequest.SerializeToString,
+                response_deserializer=kvfence_dot_v1_dot_control__pb2.CreateKeyResponse.FromString,
+                _registered_method=True)
         self.SetLimits = channel.unary_unary(
                 '/kvfence.v1.Admin/SetLimits',
                 request_serializer=kvfence_dot_v1_dot_control__pb2.SetLimitsRequest.SerializeToString,
@@ -220,6 +225,13 @@ class AdminServicer:
 
     def RevokeKey(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateKey(self, request, context):
+        """Another API key for an existing tenant (rotation: issue a new one, then revoke the old).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -283,6 +295,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RevokeKey,
                     request_deserializer=kvfence_dot_v1_dot_control__pb2.RevokeKeyRequest.FromString,
                     response_serializer=kvfence_dot_v1_dot_control__pb2.RevokeKeyResponse.SerializeToString,
+            ),
+            'CreateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateKey,
+                    request_deserializer=kvfence_dot_v1_dot_control__pb2.CreateKeyRequest.FromString,
+                    response_serializer=kvfence_dot_v1_dot_control__pb2.CreateKeyResponse.SerializeToString,
             ),
             'SetLimits': grpc.unary_unary_rpc_method_handler(
                     servicer.SetLimits,
@@ -402,6 +419,33 @@ class Admin:
             '/kvfence.v1.Admin/RevokeKey',
             kvfence_dot_v1_dot_control__pb2.RevokeKeyRequest.SerializeToString,
             kvfence_dot_v1_dot_control__pb2.RevokeKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfence.v1.Admin/CreateKey',
+            kvfence_dot_v1_dot_control__pb2.CreateKeyRequest.SerializeToString,
+            kvfence_dot_v1_dot_control__pb2.CreateKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

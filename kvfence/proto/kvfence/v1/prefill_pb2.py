@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfence.proto.kvfence.v1 import common_pb2 as kvfence_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfence/v1/prefill.proto\x12\nkvfence.v1\x1a\x17kvfence/v1/common.proto\"\xbc\x01\n\x0bReservation\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\x02 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_ucx_address\x18\x03 \x01(\t\x12\"\n\x05pages\x18\x04 \x03(\x0b\x32\x13.kvfence.v1.PageRef\x12\x0e\n\x06secret\x18\x05 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\"\xad\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvfence.v1.SamplingParams\x12,\n\x0breservation\x18\x05 \x01(\x0b\x32\x17.kvfence.v1.Reservation\"c\n\x0fPrefillResponse\x12(\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.kvfence.v1.KvManifest\x12\x12\n\npages_sent\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\"4\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\x0fReleaseResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xae\x01\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0btotal_pages\x18\x03 \x01(\r\x12\x12\n\nfree_pages\x18\x04 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x05 \x01(\r\x12\x12\n\nheld_pages\x18\x06 \x01(\r\x12\x11\n\trpc_count\x18\x07 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\r2\xcb\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvfence.v1.PrefillRequest\x1a\x1b.kvfence.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.kvfence.v1.ReleaseRequest\x1a\x1b.kvfence.v1.ReleaseResponse\x12\x38\n\x05Stats\x12\x18.kvfence.v1.StatsRequest\x1a\x15.kvfence.v1.NodeStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfence/v1/prefill.proto\x12\nkvfence.v1\x1a\x17kvfence/v1/common.proto\"\xbc\x01\n\x0bReservation\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\x02 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_ucx_address\x18\x03 \x01(\t\x12\"\n\x05pages\x18\x04 \x03(\x0b\x32\x13.kvfence.v1.PageRef\x12\x0e\n\x06secret\x18\x05 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\"\xc4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvfence.v1.SamplingParams\x12,\n\x0breservation\x18\x05 \x01(\x0b\x32\x17.kvfence.v1.Reservation\x12\x15\n\rscrub_on_free\x18\x06 \x01(\x08\"c\n\x0fPrefillResponse\x12(\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.kvfence.v1.KvManifest\x12\x12\n\npages_sent\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\"4\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\x0fReleaseResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xae\x01\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0btotal_pages\x18\x03 \x01(\r\x12\x12\n\nfree_pages\x18\x04 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x05 \x01(\r\x12\x12\n\nheld_pages\x18\x06 \x01(\r\x12\x11\n\trpc_count\x18\x07 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x08 \x01(\r2\xcb\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvfence.v1.PrefillRequest\x1a\x1b.kvfence.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.kvfence.v1.ReleaseRequest\x1a\x1b.kvfence.v1.ReleaseResponse\x12\x38\n\x05Stats\x12\x18.kvfence.v1.StatsRequest\x1a\x15.kvfence.v1.NodeStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVATION']._serialized_start=66
   _globals['_RESERVATION']._serialized_end=254
   _globals['_PREFILLREQUEST']._serialized_start=257
-  _globals['_PREFILLREQUEST']._serialized_end=430
-  _globals['_PREFILLRESPONSE']._serialized_start=432
-  _globals['_PREFILLRESPONSE']._serialized_end=531
-  _globals['_RELEASEREQUEST']._serialized_start=533
-  _globals['_RELEASEREQUEST']._serialized_end=585
-  _globals['_RELEASERESPONSE']._serialized_start=587
-  _globals['_RELEASERESPONSE']._serialized_end=618
-  _globals['_STATSREQUEST']._serialized_start=620
-  _globals['_STATSREQUEST']._serialized_end=634
-  _globals['_NODESTATS']._serialized_start=637
-  _globals['_NODESTATS']._serialized_end=811
-  _globals['_PREFILL']._serialized_start=814
-  _globals['_PREFILL']._serialized_end=1017
+  _globals['_PREFILLREQUEST']._serialized_end=453
+  _globals['_PREFILLRESPONSE']._serialized_start=455
+  _globals['_PREFILLRESPONSE']._serialized_end=554
+  _globals['_RELEASEREQUEST']._serialized_start=556
+  _globals['_RELEASEREQUEST']._serialized_end=608
+  _globals['_RELEASERESPONSE']._serialized_start=610
+  _globals['_RELEASERESPONSE']._serialized_end=641
+  _globals['_STATSREQUEST']._serialized_start=643
+  _globals['_STATSREQUEST']._serialized_end=657
+  _globals['_NODESTATS']._serialized_start=660
+  _globals['_NODESTATS']._serialized_end=834
+  _globals['_PREFILL']._serialized_start=837
+  _globals['_PREFILL']._serialized_end=1040
 # @@protoc_insertion_point(module_scope)

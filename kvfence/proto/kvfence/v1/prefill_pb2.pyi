@@ -26,18 +26,20 @@ class Reservation(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., decode_node_id: _Optional[str] = ..., decode_ucx_address: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[_common_pb2.PageRef, _Mapping]]] = ..., secret: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tenant_id", "prompt_token_ids", "sampling", "reservation")
+    __slots__ = ("request_id", "tenant_id", "prompt_token_ids", "sampling", "reservation", "scrub_on_free")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_ON_FREE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     reservation: Reservation
-    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
+    scrub_on_free: bool
+    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., scrub_on_free: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("manifest", "pages_sent", "bytes_sent")
