@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence import logging as kvlog
-from kvfence.errors import IntegrityError, KvfenceError
+from kvfence.errors import Cancelled, IntegrityError, KvfenceError
 from kvfence.kv.pool import PagePool, PageRef
 from kvfence.model.engine import DecodeBatch
 from kvfence.model.sampling import SamplingParams, find_stop
@@ -139,13 +139,10 @@ class DecodeBatcher:
         return reason is not None
 
     def _run(self) -> None:
+        # Nothing may end this loop but stop(): were the thread to die, every request on the node
+        # would wait for tokens that never come. A failure fails the rows it concerns.
         while not self._stop:
-            with self._lock:
-                batch = list(self._active.values())[: self.max_batch]
-                # Under the lock that remove() takes: a release that follows a remove() finds
-                # these pages busy and quarantines them until end_ops below.
-                writes = [s.pages[self._position(s) // self.pool.page_size].page_id for s in batch]
-                self.pool.begin_ops(writes)
+            batch, writes = self._claim()
             if not batch:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -158,10 +155,46 @@ class DecodeBatcher:
                 for seq in batch:
                     self._finish(seq, ("error", KvfenceError(f"decode step failed: {err}")))
             finally:
-                self.pool.end_ops(writes)
+                try:
+                    self.pool.end_ops(writes)
+                except Exception:
+                    log.exception("settling a decode step's page writes failed")
                 outbox, self._outbox = self._outbox, None
                 if outbox:
                     self.loop.call_soon_threadsafe(_deliver, outbox)
+
+    def _claim(self) -> tuple[list[ActiveSeq], list[int]]:
+        """The next step's rows, and the page each writes into, counted as an operation in the
+        pool; under the lock that remove() takes, so a release that follows a remove() finds
+        these pages busy and quarantines them until the step's end_ops.
+
+        A row that cannot step leaves the batch with an error instead: one whose next position
+        lies past its pages (more tokens than it reserved), or whose page is no longer held by
+        it (released before it was added)."""
+        batch, writes = [], []
+        with self._lock:
+            for seq in list(self._active.values())[: self.max_batch]:
+                index = self._position(seq) // self.pool.page_size
+                failure: KvfenceError | None = None
+                if index >= len(seq.pages):
+                    failure = KvfenceError(
+                        f"position {self._position(seq)} is past the sequence's "
+                        f"{len(seq.pages)} reserved pages"
+                    )
+                elif not self.pool.owns(seq.seq_id, [seq.pages[index]]):
+                    failure = Cancelled("the sequence's pages were released")
+                else:
+                    try:
+                        self.pool.begin_ops([seq.pages[index].page_id])
+                    except ValueError as err:
+                        failure = KvfenceError(f"cannot write the sequence's page: {err}")
+                if failure is not None:
+                    self._active.pop(seq.seq_id, None)
+                    self._post(seq, ("error", failure))
+                    continue
+                batch.append(seq)
+                writes.append(seq.pages[index].page_id)
+        return batch, writes
 
     @staticmethod
     def _position(seq: ActiveSeq) -> int:

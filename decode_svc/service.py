@@ -8,7 +8,11 @@ Reservation life (one per request)::
 
 ``Reserve`` hands out pages for prompt + max_new_tokens up front, with a fresh secret. A reservation
 that never sees its ``Decode`` call within ``transfer.reservation_timeout_s`` is cancelled and
-released (its receives first), so a vanished control plane cannot pin pages.
+released (its receives first), so a vanished control plane cannot pin pages. Once decoding, the
+pages go back when the ``Decode`` stream ends, however it ends (finished, failed, cancelled by the
+control plane): the control plane's ``Release``, which it logs and forgets when it fails, is not
+needed for them. A ``Release`` that arrives while the stream is open ends the stream CANCELLED.
+A ``Decode`` may not ask for more new tokens than its reservation was made for.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -31,6 +35,7 @@ from kvfence import logging as kvlog
 from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
+    Cancelled,
     IntegrityError,
     InvalidArgument,
     KvfenceError,
@@ -78,6 +83,8 @@ class DecodeReservation:
     scrub: bool
     transfer: InboundTransfer
     state: ResState = ResState.RESERVED
+    # The Decode stream's event sink once it is decoding: a release tells that stream it ended.
+    emit: Callable[[tuple[str, Any]], None] | None = None
     created: float = field(default_factory=time.monotonic)
 
 
@@ -174,7 +181,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 params,
                 events.put_nowait,
             )
+            res.emit = events.put_nowait
             yield decode_pb2.DecodeResponse(verified=True)
+            # grpc.aio wrote that message while this generator was suspended: a Release (or a
+            # duplicate Decode failing verification) may have given the pages back meanwhile.
+            # Never add a sequence whose pages are no longer this reservation's.
+            if self.reservations.get(res.reservation_id) is not res:
+                await abort(context, Cancelled("the reservation was released before decoding"))
             assert self.batcher is not None
             self.batcher.add(seq)
             try:
@@ -196,9 +209,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         self._release(res.reservation_id, "error")
                         await abort(context, failure)
             finally:
-                # Client or control plane gone, or finished: the sequence leaves the batch; pages
-                # are released by the control plane's Release (or here, when it ended badly).
-                self.batcher.remove(res.reservation_id)
+                # Finished, failed, or the control plane gone: nothing reads these pages any more,
+                # so they go back now, not when (or if) the control plane's Release arrives: a
+                # lost Release must not pin them until the node restarts.
+                self._release(res.reservation_id, "decode stream ended")
 
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -288,9 +302,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 checksum_algo=kernels.CHECKSUM_ALGO,
             )
         try:
-            sampling_from_proto(request.sampling)
+            params: Any = sampling_from_proto(request.sampling)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
+        if res is not None and params.max_new_tokens > res.max_new_tokens:
+            # Its tokens would run past the reserved pages.
+            raise InvalidArgument(
+                f"max_new_tokens {params.max_new_tokens} is over the "
+                f"{res.max_new_tokens} this reservation was made for"
+            )
         try:
             mf.verify(
                 request.manifest,
@@ -351,6 +371,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.receiver.cancel(rid)
         if self.batcher is not None:
             self.batcher.remove(rid)
+        if res.emit is not None:
+            # Its Decode stream, if still open, must end now rather than wait for tokens that
+            # will never come (a duplicate Decode failing verification also releases it). A
+            # stream that is itself what ended reads no more events: then this is a no-op.
+            res.emit(("error", Cancelled(f"reservation released: {reason}")))
         self.pool.release(rid, scrub=res.scrub)
         self.receiver.forget(rid)
         res.state = ResState.RELEASED

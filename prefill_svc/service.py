@@ -68,6 +68,7 @@ class Held:
     pages: list[PageRef]
     since: float
     call: object  # the Prefill call that allocated them (only it, Release or the reaper frees them)
+    scrub: bool = False  # the tenant asked for its pages to be zeroed when freed
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -180,7 +181,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 f"prefill pool has {self.pool.num_free} free pages, {n_pages} needed",
                 reason="PREFILL_POOL_FULL",
             )
-        self.held[req.request_id] = Held(refs, time.monotonic(), call)
+        self.held[req.request_id] = Held(refs, time.monotonic(), call, req.scrub_on_free)
         self.pool.set_state(req.request_id, PageState.IN_USE)
         self._publish_pages()
         ids = [r.page_id for r in refs]
@@ -330,7 +331,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if held is None or (call is not None and held.call is not call):
             return False
         del self.held[request_id]
-        self.pool.release(request_id)
+        self.pool.release(request_id, scrub=held.scrub)
         self._publish_pages()
         return True
 

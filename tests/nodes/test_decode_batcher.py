@@ -180,3 +180,42 @@ async def test_a_failing_on_step_fails_no_request():
         assert events[-1] == ("finish", "length"), events
         assert [t for kind, v in events if kind == "tokens" for t in v] == want[0].token_ids
         colo.pool.release("seq-0")
+
+
+async def test_a_row_that_cannot_step_fails_alone_and_the_thread_keeps_running():
+    """A sequence whose pages were released before it joined, or that asks for more tokens than
+    its pages hold, used to raise on the engine thread before the step and end the thread: every
+    request on the node then waited forever. Now that row fails with an error event and the
+    others, here a good sequence in the same steps (the control), finish with the right tokens."""
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    want = colo.generate(
+        [GenerationRequest(PROMPTS[0], SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    )
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                            asyncio.get_running_loop())  # fmt: skip
+    events: list[list] = [[], [], []]
+    good = start_sequence(colo, 0, PROMPTS[0], 6, events[0])
+    released = start_sequence(colo, 1, PROMPTS[1], 6, events[1])
+    colo.pool.release("seq-1")  # released before it joins
+    overrun = start_sequence(colo, 2, PROMPTS[2], 6, events[2])
+    overrun.params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # its pages hold 6
+    batcher.start()
+    try:
+        for s in (released, overrun, good):
+            batcher.add(s)
+        for _ in range(500):
+            if all(e and e[-1][0] in ("finish", "error") for e in events):
+                break
+            await asyncio.sleep(0.01)
+        assert batcher._thread.is_alive()
+    finally:
+        batcher.stop()
+    assert events[0][-1] == ("finish", "length")
+    assert [t for kind, v in events[0] if kind == "tokens" for t in v] == want[0].token_ids
+    assert events[1][-1][0] == "error" and "released" in str(events[1][-1][1])
+    assert events[2][-1][0] == "error" and "past the sequence's" in str(events[2][-1][1])
+    assert batcher.active == 0
+    for owner in ("seq-0", "seq-2"):
+        colo.pool.release(owner)
+    assert colo.pool.num_free == colo.pool.num_pages  # no write left counted on any page
+    colo.pool.check_integrity()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -188,7 +190,6 @@ async def test_a_duplicate_prefill_is_refused_without_freeing_the_first(nodes):
 async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_ends(
     nodes, release_midway
 ):
-    import asyncio
     import threading
 
     from kvfence.kv.pool import PageState
@@ -288,3 +289,215 @@ async def test_a_node_serves_its_metrics_where_configured(tiny_dir, tmp_path, ho
         await dec.stop(grace=1)
     assert 'kvfence_prefill_pass_prompts_count{service="prefill"} 1.0' in body
     assert pre.metrics.port is None  # stopped with the node
+
+
+async def _all_free(pool, within_s: float = 5.0) -> None:
+    """Wait for every page of ``pool`` to be free (a step or receive in flight holds its page
+    quarantined until it ends); fail after ``within_s``."""
+    for _ in range(int(within_s / 0.02)):
+        if pool.num_free == pool.num_pages:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{pool.num_pages - pool.num_free} pages still held")
+
+
+def _decode_request(res, pre_reply, request_id, sampling, tenant="t-c"):
+    return decode_pb2.DecodeRequest(
+        request_id=request_id,
+        tenant_id=tenant,
+        reservation_id=res.reservation_id,
+        manifest=pre_reply.manifest,
+        sampling=sampling,
+    )
+
+
+@pytest.mark.parametrize("release_first", [True, False])
+async def test_a_release_while_verified_is_written_ends_that_stream_and_no_other(
+    nodes, release_first
+):
+    """grpc.aio writes ``verified`` while the Decode handler is suspended; a Release served in
+    that gap gave the pages back, and the handler then added the sequence anyway: its first step
+    raised on the engine thread, which died, and every later request on the node hung."""
+    dec, _, dstub, pstub = nodes
+    prompt = list(range(3, 23))
+    sampling = common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "r1", prompt, sampling, max_new=8)
+    reply = await call
+    # Drive the handler's generator as grpc.aio does: one message, the write, the next message.
+    aborted: list[grpc.StatusCode] = []
+
+    class Context:  # the one use the handler makes of its context here: ending the call
+        async def abort_with_status(self, status):
+            aborted.append(status.code)
+            raise asyncio.CancelledError  # how grpc.aio's abort ends a handler
+
+    handler = dec.servicer.Decode(_decode_request(res, reply, "r1", sampling), Context())
+    first = await handler.__anext__()
+    assert first.verified
+    if release_first:
+        await dec.servicer.Release(prefill_pb2.ReleaseRequest(request_id="r1"), None)
+    tokens = []
+    try:
+        async for msg in handler:
+            tokens.extend(msg.token_ids)
+    except asyncio.CancelledError:
+        pass
+    if release_first:
+        assert aborted == [grpc.StatusCode.CANCELLED] and tokens == []
+    else:  # control: the same handler, not released, streams every token
+        assert aborted == [] and len(tokens) == 8
+    assert dec.servicer.batcher._thread.is_alive()
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="r1"))
+    assert dec.rt.pool.num_free == dec.rt.pool.num_pages
+    # Another request on the node is served as before.
+    _, _, tokens, finish, verified = await run_request(dstub, pstub, "r2", "t-d", prompt, 8)
+    assert verified and len(tokens) == 8 and finish == "length"
+
+
+@pytest.mark.parametrize("asked, ok", [(40, False), (1, True)])
+async def test_decode_asking_more_tokens_than_reserved_is_invalid_argument(nodes, asked, ok):
+    """More new tokens than the reservation was made for would run past its pages (it killed
+    the engine thread)."""
+    dec, _, dstub, pstub = nodes
+    prompt = list(range(3, 19))  # 16 tokens + 1 new: 2 pages
+    reserved = common_pb2.SamplingParams(max_new_tokens=1, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "over", prompt, reserved, max_new=1)
+    reply = await call
+    sampling = common_pb2.SamplingParams(max_new_tokens=asked, ignore_eos=True)
+    stream = dstub.Decode(_decode_request(res, reply, "over", sampling), timeout=10)
+    if ok:  # control: as many as reserved
+        tokens = [t async for msg in stream for t in msg.token_ids]
+        assert len(tokens) == 1
+    else:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "over the 1 this reservation was made for" in err.value.details()
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="over"))
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="over"))
+    assert dec.servicer.batcher._thread.is_alive()
+    assert dec.rt.pool.num_free == dec.rt.pool.num_pages
+
+
+@pytest.mark.parametrize("ending", ["finished", "cancelled"])
+async def test_decode_gives_pages_back_when_its_stream_ends_without_a_release(nodes, ending):
+    """The control plane's Release can be lost (it logs and goes on): decode must not depend on
+    it once the stream that read the pages has ended."""
+    dec, _, dstub, pstub = nodes
+    pool = dec.rt.pool
+    prompt = list(range(3, 23))
+    max_new = 4 if ending == "finished" else 200
+    sampling = common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "gone", prompt, sampling, max_new=max_new)
+    reply = await call
+    stream = dstub.Decode(_decode_request(res, reply, "gone", sampling))
+    held_while_streaming = None
+    async for msg in stream:
+        if msg.token_ids and held_while_streaming is None:
+            # control: the pages are held while the stream reads them
+            held_while_streaming = pool.num_pages - pool.num_free
+            if ending == "cancelled":
+                stream.cancel()
+                break
+    assert held_while_streaming == len(res.pages)
+    await _all_free(pool)  # the handler's cleanup runs as the cancellation reaches it
+    assert not dec.servicer.reservations
+    late = await dstub.Release(prefill_pb2.ReleaseRequest(request_id="gone"))
+    assert not late.held  # the control plane's Release, when it comes, finds nothing
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="gone"))
+    pool.check_integrity()
+
+
+async def test_a_release_mid_decode_ends_the_stream_cancelled(nodes):
+    """A Release while the stream is open (an operator's abort reaching decode first, a
+    control plane that forgot the node) must end that stream, not leave it waiting."""
+    dec, _, dstub, pstub = nodes
+    prompt = list(range(3, 23))
+    sampling = common_pb2.SamplingParams(max_new_tokens=200, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "mid-d", prompt, sampling, max_new=200)
+    reply = await call
+    stream = dstub.Decode(_decode_request(res, reply, "mid-d", sampling))
+    got = 0
+
+    async def consume():
+        nonlocal got
+        async for msg in stream:
+            got += len(msg.token_ids)
+            if got and got < 1000:
+                await dstub.Release(prefill_pb2.ReleaseRequest(request_id="mid-d"))
+                got += 1000  # release once
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(consume(), 10)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert 1000 < got < 1200  # it ended well before its 200 tokens
+    # The page the step in flight writes stays quarantined until that step is over.
+    await _all_free(dec.rt.pool)
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="mid-d"))
+
+
+async def test_a_duplicate_decode_fails_the_request_and_ends_its_first_stream(nodes):
+    """A second Decode for a reservation already decoding fails check 1 (DATA_LOSS, pages
+    quarantined, a security event); the first stream must end too, not wait forever."""
+    dec, _, dstub, pstub = nodes
+    prompt = list(range(3, 23))
+    sampling = common_pb2.SamplingParams(max_new_tokens=200, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "twice", prompt, sampling, max_new=200)
+    reply = await call
+    first = dstub.Decode(_decode_request(res, reply, "twice", sampling))
+    got = []
+
+    async def consume():
+        async for msg in first:
+            got.extend(msg.token_ids)
+
+    task = asyncio.ensure_future(consume())
+    while not got:  # control: the first stream is decoding
+        await asyncio.sleep(0.01)
+    with pytest.raises(grpc.aio.AioRpcError) as dup:
+        async for _ in dstub.Decode(_decode_request(res, reply, "twice", sampling)):
+            pass
+    assert dup.value.code() == grpc.StatusCode.DATA_LOSS
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await asyncio.wait_for(task, 10)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED and len(got) < 200
+    assert any(e["kind"] == "integrity_violation" for e in dec.bus.recent)
+    await _all_free(dec.rt.pool)
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="twice"))
+
+
+@pytest.mark.parametrize("scrub", [True, False])
+async def test_a_scrubbing_tenants_kv_is_zeroed_on_both_nodes_when_freed(nodes, scrub):
+    """DESIGN: a released page is scrubbed for tenants that ask. Prefill holds the same prompt
+    KV as decode; it used to be told nothing and kept it in its free pages. The control: a
+    tenant that did not ask keeps the cheaper release (its bytes stay until overwritten)."""
+    dec, pre, dstub, pstub = nodes
+    prompt = list(range(3, 35))  # 2 pages
+    sampling = common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True)
+    res = await dstub.Reserve(
+        decode_pb2.ReserveRequest(
+            request_id="s1", tenant_id="t-s", prompt_tokens=len(prompt), max_new_tokens=2,
+            scrub_on_free=scrub,
+        )
+    )  # fmt: skip
+    reply = await pstub.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id="s1", tenant_id="t-s", prompt_token_ids=prompt, sampling=sampling,
+            reservation=res, scrub_on_free=scrub,
+        )
+    )  # fmt: skip
+    source = [r.page_id for r in pre.rt.pool.pages_of("s1")]
+    async for _ in dstub.Decode(_decode_request(res, reply, "s1", sampling, tenant="t-s")):
+        pass
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="s1"))
+    await _all_free(dec.rt.pool)
+    assert pre.rt.pool.num_free == pre.rt.pool.num_pages
+    written = {
+        "prefill": [int(pre.rt.pool.kv[p].count_nonzero()) for p in source],
+        "decode": [int(dec.rt.pool.kv[p.page_id].count_nonzero()) for p in res.pages[:2]],
+    }
+    if scrub:
+        assert written == {"prefill": [0, 0], "decode": [0, 0]}
+    else:
+        assert all(n > 0 for counts in written.values() for n in counts), written
