@@ -121,6 +121,14 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         return control_pb2.ListTenantsResponse(tenants=[tenant_pb(t) for t in self.tenants.list()])
 
     @_admin_only
+    async def CreateKey(
+        self, request: control_pb2.CreateKeyRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.CreateKeyResponse:
+        api_key, key_id = self.tenants.create_key(request.tenant)
+        log.info("api key created", tenant=request.tenant, key_id=key_id)
+        return control_pb2.CreateKeyResponse(api_key=api_key, key_id=key_id)
+
+    @_admin_only
     async def RevokeKey(
         self, request: control_pb2.RevokeKeyRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.RevokeKeyResponse:

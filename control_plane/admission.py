@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -84,6 +85,10 @@ def validate(req: client_pb2.GenerateRequest, model: ModelInfo) -> Prompt:
     )
     if req.HasField("seed"):
         sampling.seed = req.seed
+    elif req.temperature > 0:
+        # Prefill draws the first token and decode the rest: both need the same seed, and
+        # the request enters here, so a sampled request without one gets one here.
+        sampling.seed = secrets.randbits(64)
     return Prompt(ids, sampling)
 
 

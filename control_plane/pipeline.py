@@ -202,7 +202,8 @@ class Pipeline:
     ) -> None:
         node, reservation = await self._reserve(run, prompt, tenant, deadline)
         self._transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
-        manifest = await self._prefill(run, prompt, reservation, deadline)
+        scrub = tenant.limits.scrub_on_free or self.d.scrub_on_free
+        manifest = await self._prefill(run, prompt, reservation, deadline, scrub)
         await self._decode(run, prompt, node, reservation, manifest, deadline, emit)
 
     async def _reserve(
@@ -286,7 +287,12 @@ class Pipeline:
         return res
 
     async def _prefill(
-        self, run: Run, prompt: Prompt, reservation: prefill_pb2.Reservation, deadline: float
+        self,
+        run: Run,
+        prompt: Prompt,
+        reservation: prefill_pb2.Reservation,
+        deadline: float,
+        scrub_on_free: bool,
     ) -> common_pb2.KvManifest:
         """Run the prompt on the least busy prefill node; wait and retry while all are full."""
         rec = run.record
@@ -299,10 +305,14 @@ class Pipeline:
             prompt_token_ids=prompt.token_ids,
             sampling=prompt.sampling,
             reservation=reservation,
+            scrub_on_free=scrub_on_free,
         )
         full: set[str] = set()
         while True:
             run.check()
+            # A request waiting here for prefill room is as queued as one waiting for decode
+            # pages: an operator's offline (or a shutdown) reaches it too.
+            self._check_serving()
             candidates = prefill_candidates(self.d.registry, skip=full)
             if not candidates:
                 # Wait (within the deadline) for room, or for a node that refused connections

@@ -50,6 +50,7 @@ class Node:
     reserved_since_heartbeat: int = 0
     # Prefill calls this control plane has in flight on the node (added to its queue length).
     in_flight: int = 0
+    instance_id: str = ""  # the registering process's (RegisterRequest.instance_id)
 
     @property
     def free_estimate(self) -> int:
@@ -106,11 +107,18 @@ class Registry:
             total_pages=req.total_pages,
             free_pages=req.total_pages,
             last_heartbeat=time.monotonic(),
+            instance_id=req.instance_id,
         )
         previous = self._nodes.get(req.node_id)
-        if previous is not None and previous.grpc_address != node.grpc_address:
-            # Same id, new process: whatever the old one held is gone with it.
-            self._lose(previous, "re-registered at a new address")
+        # Same id, new process (a new address, or a restart in place: a container restarted in
+        # its pod keeps both): whatever the old one held is gone with it. A node that repeats
+        # its own registration (a reply lost) is the same process and keeps its requests.
+        restarted = previous is not None and (
+            previous.grpc_address != node.grpc_address or previous.instance_id != node.instance_id
+        )
+        if restarted:
+            assert previous is not None
+            self._lose(previous, "registered again as a new process")
         self._nodes[node.node_id] = node
         log.info(
             "node registered",
@@ -120,7 +128,7 @@ class Registry:
             pool_tokens=node.pool_tokens,
             total_pages=node.total_pages,
         )
-        if previous is None or previous.grpc_address != node.grpc_address:
+        if previous is None or restarted:
             self._on_joined(node)
         self._on_capacity()
         return control_pb2.RegisterResponse(

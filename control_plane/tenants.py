@@ -23,7 +23,7 @@ import grpc
 from kvfence.errors import InvalidArgument, KvfenceError, NotFound
 
 KEY_PREFIX = "kvf_"
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # whole name: fullmatch
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -102,7 +102,7 @@ class TenantStore:
 
     def create_tenant(self, name: str, limits: TenantLimits) -> tuple[Tenant, str, str]:
         """Create ``name`` with one API key; returns (tenant, api_key, key_id)."""
-        if not TENANT_NAME.match(name):
+        if not TENANT_NAME.fullmatch(name):
             raise InvalidArgument(
                 f"tenant name {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
             )
@@ -161,6 +161,19 @@ class TenantStore:
         if cur.rowcount == 0:
             raise NotFound(f"tenant {name!r} does not exist")
         return self.get(name)
+
+    def create_key(self, name: str) -> tuple[str, str]:
+        """Another API key for tenant ``name``; returns (api_key, key_id). NotFound if no such
+        tenant."""
+        self.get(name)
+        api_key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = "key_" + secrets.token_hex(8)
+        with self._tx():
+            self._db.execute(
+                "INSERT INTO api_keys VALUES (?, ?, ?, 0, ?)",
+                (key_id, name, hash_key(api_key), _now()),
+            )
+        return api_key, key_id
 
     def revoke_key(self, key_id: str) -> bool:
         """Revoke ``key_id`` (idempotent); NotFound when no such key exists."""

@@ -397,6 +397,10 @@ class AdminClient:
     def list_tenants(self) -> list[control_pb2.Tenant]:
         return list(self._call("ListTenants", control_pb2.ListTenantsRequest()).tenants)
 
+    def create_key(self, tenant: str) -> control_pb2.CreateKeyResponse:
+        """Another API key for ``tenant`` (rotation); the response is the only place it appears."""
+        return self._call("CreateKey", control_pb2.CreateKeyRequest(tenant=tenant))
+
     def revoke_key(self, key_id: str) -> bool:
         return bool(self._call("RevokeKey", control_pb2.RevokeKeyRequest(key_id=key_id)).revoked)
 

@@ -184,6 +184,7 @@ class FakeNode:
             self.servicer = FakePrefill(node_id, script)
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.instance_id = "fake-process-1"  # a test sets another to play a restart in place
         self._beats: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -217,6 +218,7 @@ class FakeNode:
                 layout=self.layout,
                 pool_tokens=self.pool_tokens,
                 total_pages=self.total_pages,
+                instance_id=self.instance_id,
             ),
             metadata=self._metadata,
         )

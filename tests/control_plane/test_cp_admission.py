@@ -198,3 +198,26 @@ def test_admission_queue_is_first_come_first_served() -> None:
                 pass
         assert q.may_try(big)
     assert q.waiting == 0 and q.may_try(late)
+
+
+@pytest.mark.parametrize("seed", [None, 12345])
+async def test_a_sampled_request_reaches_both_nodes_with_one_seed(
+    small_pools: Cluster, seed: int | None
+) -> None:
+    """Prefill draws the first token and decode the rest, from the same seed; a real prefill
+    node refuses a sampled request without one. A client that sends none gets one drawn here
+    (it used to be sent on without, and failed after its decode reservation was made)."""
+    kwargs = {} if seed is None else {"seed": seed}
+    await small_pools.client().generate(
+        prompt_ids=[10, 11], max_new_tokens=2, temperature=0.8, **kwargs
+    )
+    [prefill] = [r for m, r in small_pools.prefill[0].calls if m == "Prefill"]
+    [decode] = [r for m, r in small_pools.decode[0].calls if m == "Decode"]
+    assert prefill.sampling.HasField("seed") and decode.sampling.HasField("seed")
+    assert prefill.sampling.seed == decode.sampling.seed
+    if seed is not None:  # control: the client's own seed is kept
+        assert prefill.sampling.seed == seed
+    # greedy requests need none and get none
+    await small_pools.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
+    greedy = [r for m, r in small_pools.prefill[0].calls if m == "Prefill"][-1]
+    assert not greedy.sampling.HasField("seed")

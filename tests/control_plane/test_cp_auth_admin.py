@@ -132,10 +132,16 @@ async def test_admin_tenant_crud(cluster: Cluster) -> None:
     await cluster.client(api_key=created.api_key).generate(prompt_ids=[10], max_new_tokens=1)
     reserves = [r for m, r in cluster.decode[0].calls if m == "Reserve"]
     assert [r.scrub_on_free for r in reserves] == [False, True]
+    # prefill holds the same tenant's prompt KV: it is told too
+    prefills = [r for m, r in cluster.prefill[0].calls if m == "Prefill"]
+    assert [r.scrub_on_free for r in prefills] == [False, True]
 
     for bad in (
         admin.CreateTenant(control_pb2.CreateTenantRequest(name="initech"), metadata=auth),
         admin.CreateTenant(control_pb2.CreateTenantRequest(name="bad name!"), metadata=auth),
+        # "$" also matches before a final newline: the name must match whole
+        admin.CreateTenant(control_pb2.CreateTenantRequest(name="initech2\n"), metadata=auth),
+        admin.CreateKey(control_pb2.CreateKeyRequest(tenant="nobody"), metadata=auth),
         admin.SetLimits(control_pb2.SetLimitsRequest(name="nobody"), metadata=auth),
         admin.RevokeKey(control_pb2.RevokeKeyRequest(key_id="key_nope"), metadata=auth),
     ):
@@ -161,3 +167,22 @@ async def test_list_nodes_model_status_and_check_config(cluster: Cluster) -> Non
     assert (status.name, status.online, status.admissible_limit) == ("test-model", True, 256)
     check = await admin.CheckConfig(control_pb2.CheckConfigRequest(), metadata=auth)
     assert check.ok and not check.clamped and len(check.pools) == 2
+
+
+async def test_a_key_is_rotated_by_creating_another_then_revoking_the_old(cluster: Cluster) -> None:
+    admin, auth = cluster.admin()
+    [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=auth)).tenants
+    [old] = tenant.keys
+    new = await admin.CreateKey(control_pb2.CreateKeyRequest(tenant=tenant.name), metadata=auth)
+    assert new.api_key.startswith("kvf_") and new.api_key != cluster.api_key
+    # both work until the old one is revoked (the control: the old key still serves)
+    for key in (cluster.api_key, new.api_key):
+        result = await cluster.client(api_key=key).generate(prompt_ids=[10], max_new_tokens=1)
+        assert result.usage.completion_tokens == 1
+    await admin.RevokeKey(control_pb2.RevokeKeyRequest(key_id=old.key_id), metadata=auth)
+    with pytest.raises(Unauthenticated):
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=1)
+    result = await cluster.client(api_key=new.api_key).generate(prompt_ids=[10], max_new_tokens=1)
+    assert result.usage.completion_tokens == 1
+    [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=auth)).tenants
+    assert {(k.key_id, k.revoked) for k in tenant.keys} == {(old.key_id, True), (new.key_id, False)}

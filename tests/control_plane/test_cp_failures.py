@@ -132,6 +132,38 @@ async def test_offline_refuses_new_and_queued_requests_and_online_restores(
     assert result.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("offline", [True, False])
+async def test_offline_reaches_a_request_waiting_for_prefill_room(
+    cluster: Cluster, offline: bool
+) -> None:
+    """A request holding its decode pages while every prefill node says it is full is as queued
+    as one waiting for pages: the kill switch reaches it within a second, and its pages go back.
+    The control: left online, the same request runs once prefill has room."""
+    admin, auth = cluster.admin()
+    cluster.script.prefill_error = ResourceExhausted("prefill queue full")
+    call = asyncio.create_task(
+        cluster.client(timeout=5).generate(prompt_ids=[10, 11], max_new_tokens=2)
+    )
+    await eventually(lambda: cluster.prefill[0].methods().count("Prefill") >= 2)
+    [run] = list(cluster.cp.table)
+    assert run.record.state == RequestState.PREFILLING
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    if offline:
+        await admin.SetModelAccess(
+            control_pb2.SetModelAccessRequest(online=False, reason="incident 7"), metadata=auth
+        )
+        with pytest.raises(Unavailable, match="offline: incident 7"):
+            await asyncio.wait_for(call, 5)
+        assert loop.time() - started < 1.0
+        cluster.script.prefill_error = None
+        await eventually(lambda: "Release" in cluster.decode[0].methods())
+    else:
+        cluster.script.prefill_error = None  # prefill has room again
+        result = await asyncio.wait_for(call, 5)
+        assert result.usage.completion_tokens == 2
+
+
 async def test_admin_abort_cancels_and_releases(cluster: Cluster) -> None:
     admin, auth = cluster.admin()
     cluster.script.decode_hold = asyncio.Event()

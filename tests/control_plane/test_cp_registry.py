@@ -10,6 +10,7 @@ import pytest
 from cp_fakes import FINGERPRINT, FakeNode, Script, make_layout
 from cp_harness import Cluster, make_cluster
 
+from kvfence.errors import Unavailable
 from kvfence.proto.kvfence.v1 import control_pb2, control_pb2_grpc
 
 
@@ -91,3 +92,30 @@ async def test_check_config_flags_a_pool_smaller_than_the_window(tmp_path: Path)
         assert "smaller than the context window of 256" in by_node["prefill-0"].message
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize("new_process", [True, False])
+async def test_a_node_restarted_in_place_is_a_lost_node(
+    cluster: Cluster, new_process: bool
+) -> None:
+    """A container restarted in its pod registers again with the same node id and address
+    before the reaper notices the old process is gone: what the old one held is gone with it,
+    so the requests holding it fail NODE_LOST. The control: the same process repeating its
+    registration (a lost reply) keeps its requests."""
+    cluster.script.prefill_hold = asyncio.Event()
+    call = asyncio.create_task(cluster.client().generate(prompt_ids=[10], max_new_tokens=4))
+    await cluster.prefill[0].servicer.entered.wait()  # decode-0 holds a reservation for it
+    node = cluster.decode[0]
+    if new_process:
+        node.instance_id = "fake-process-2"
+    assert (await node.register(cluster.ports.public, cluster.cp.node_token)).accepted
+    lost = [e["node"] for e in cluster.events.of("node_lost")]
+    cluster.script.prefill_hold.set()
+    if new_process:
+        with pytest.raises(Unavailable) as err:
+            await asyncio.wait_for(call, 5)
+        assert err.value.reason == "NODE_LOST" and lost == ["decode-0"]
+    else:
+        result = await asyncio.wait_for(call, 5)
+        assert result.usage.completion_tokens == 4 and lost == []
+    assert "decode-0" in {n.node_id for n in cluster.cp.registry.nodes()}
