@@ -76,6 +76,7 @@ QUARANTINED until then).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import hashlib
@@ -113,6 +114,9 @@ WARM_VERSION = 4
 
 log = kvlog.get_logger("transfer")
 
+
+# How many released reservation ids decode remembers (KvReceiver._released): about 100 bytes each.
+RELEASED_REMEMBERED = 8192
 
 # Reasons that mean the bytes or the protocol were wrong (not merely slow or lost): DATA_LOSS.
 INTEGRITY_REASONS = frozenset(
@@ -372,6 +376,11 @@ class KvReceiver:
         self.idle_timeout_s = idle_timeout_s
         self.report = report
         self.transfers: dict[str, InboundTransfer] = {}
+        # Reservations this node issued and has since released (bounded, oldest dropped): a hello
+        # for one of them is a transfer that came too late (the reservation expired or the
+        # request was aborted), not a forged reservation id, and must not raise a security
+        # alarm. An id never issued here is still UNKNOWN_RESERVATION.
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._listener: Any = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._endpoints: set[Any] = set()  # connected endpoints being served
@@ -434,7 +443,10 @@ class KvReceiver:
         return t
 
     def forget(self, reservation_id: str) -> None:
-        self.transfers.pop(reservation_id, None)
+        if self.transfers.pop(reservation_id, None) is not None:
+            self._released[reservation_id] = None
+            while len(self._released) > RELEASED_REMEMBERED:
+                self._released.popitem(last=False)
 
     async def _on_connect(self, ep: Any) -> None:
         task = asyncio.current_task()
@@ -485,7 +497,7 @@ class KvReceiver:
         auth = str(hello.get("auth", ""))
         problem = None
         if t is None:
-            problem = "UNKNOWN_RESERVATION"
+            problem = "RESERVATION_RELEASED" if rid in self._released else "UNKNOWN_RESERVATION"
         elif not hmac.compare_digest(authenticator(t.secret, rid), auth):
             problem = "BAD_AUTHENTICATOR"
         elif t.state != InboundState.EXPECTING:
@@ -493,10 +505,16 @@ class KvReceiver:
         # A prefill that says v >= 4 takes an answer as one frame.
         frame = PROTOCOL_VERSION >= WARM_VERSION and _version(hello) >= WARM_VERSION
         if problem is not None:
-            self.report(
-                "integrity_violation",
-                {"check": problem, "reservation_id": rid[:64], "stage": "ucx_hello"},
-            )
+            if problem == "RESERVATION_RELEASED":
+                self.report(
+                    "transfer_failed",
+                    {"reason": problem, "reservation_id": rid, "stage": "ucx_hello"},
+                )
+            else:
+                self.report(
+                    "integrity_violation",
+                    {"check": problem, "reservation_id": rid[:64], "stage": "ucx_hello"},
+                )
             if PROTOCOL_VERSION >= WARM_VERSION:
                 strays.extend(self._stray_tags(rid, 0, hello.get("batch")))
             with contextlib.suppress(Exception):
@@ -697,10 +715,17 @@ class EndpointPool:
     def take(self, host: str, port: int) -> Any | None:
         """Lease the most recently used idle endpoint to ``(host, port)``, or None."""
         idle = self._idle.get((host, port), [])
+        now = time.monotonic()
         while idle:
-            ep, _, version = idle.pop()
+            ep, since, version = idle.pop()
             if ep.closed:  # UCX already saw the peer go away
                 self.discarded += 1
+                _abort(ep)
+                continue
+            if now - since >= self.idle_timeout_s:
+                # The reaper has not come round to it yet, but decode may already have closed
+                # its side (it waits idle_timeout_s + batch_timeout_s): never lease it.
+                self.expired += 1
                 _abort(ep)
                 continue
             self._leased[ep] = version

@@ -15,9 +15,11 @@ from asyncwait import eventually
 from kvfence.kv.pool import PagePool, PageState
 from kvfence.transfer import (
     FRAME_BYTES,
+    INTEGRITY_REASONS,
     PROTOCOL_VERSION,
     EndpointPool,
     InboundState,
+    InboundTransfer,
     KvReceiver,
     OutboundPage,
     TransferError,
@@ -108,6 +110,39 @@ async def test_bad_authenticator_is_dropped_and_reported_with_control():
         with pytest.raises(TransferError) as err:
             await send(rx, t, make_source(pool, 2))
         assert err.value.reason == "REPLAY"
+    finally:
+        await rx.stop()
+
+
+async def test_a_hello_for_a_released_reservation_is_late_not_forged():
+    """A reservation decode issued and released (expired, or the request aborted) gets a hello
+    when prefill ran late: that is UNAVAILABLE-grade, reported as a failed transfer, not as an
+    integrity violation. An id decode never issued still is one (the control)."""
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    try:
+        refs = pool.allocate(2, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        rx.cancel("res-1")
+        pool.release("res-1")
+        rx.forget("res-1")
+        with pytest.raises(TransferError) as late:
+            await send(rx, t, make_source(pool, 2))
+        assert late.value.reason == "RESERVATION_RELEASED" and late.value.refused
+        assert late.value.reason not in INTEGRITY_REASONS
+        assert events == [
+            (
+                "transfer_failed",
+                {"reason": "RESERVATION_RELEASED", "reservation_id": "res-1", "stage": "ucx_hello"},
+            )
+        ]
+        forged = InboundTransfer("res-never", "req-2", b"k" * 32, [])
+        with pytest.raises(TransferError) as unknown:
+            await send(rx, forged, make_source(pool, 2))
+        assert unknown.value.reason == "UNKNOWN_RESERVATION" in INTEGRITY_REASONS
+        assert events[-1][0] == "integrity_violation"
+        assert all(int(pool.kv[r.page_id].count_nonzero()) == 0 for r in refs)
+        pool.check_integrity()
     finally:
         await rx.stop()
 

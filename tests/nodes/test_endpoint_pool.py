@@ -286,6 +286,26 @@ async def test_pool_remembers_the_protocol_version_per_endpoint():
     await eps.close()
 
 
+async def test_an_idle_endpoint_past_its_timeout_is_never_leased(monkeypatch):
+    """Between two reaper rounds an idle endpoint can outlive idle_timeout_s; decode may have
+    closed its side by then, so take() must not lease it (the transfer on it would fail)."""
+    import kvfence.transfer as transfer
+
+    now = [1000.0]
+    monkeypatch.setattr(transfer.time, "monotonic", lambda: now[0])
+    eps = EndpointPool(idle_timeout_s=10.0)
+    old, fresh = FakeEndpoint(), FakeEndpoint()
+    for ep in (old, fresh):
+        eps._leased[ep] = 4
+    eps.give_back("h", 1, old)
+    now[0] += 9.0
+    eps.give_back("h", 1, fresh)
+    now[0] += 2.0  # old: idle 11 s; fresh: 2 s
+    assert eps.take("h", 1) is fresh  # control: a young one is leased
+    assert eps.take("h", 1) is None and eps.expired == 1 and old.closed
+    await eps.close()
+
+
 async def test_pool_is_bounded_and_idle_endpoints_expire():
     bounded = EndpointPool(max_idle_per_peer=2, idle_timeout_s=0.3)
     async with transfer_rig(eps=bounded) as (_pool, rx, _, eps, tr):
