@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvfence.errors import Cancelled, KvfenceError
+from kvfence.errors import KvfenceError
 from kvfence.logging import get_logger
 
 log = get_logger("lifecycle")
@@ -244,6 +244,3 @@ class RequestTable:
 
     def in_state(self, *states: RequestState) -> list[Run]:
         return [r for r in self._runs.values() if r.record.state in states]
-
-    def interrupt_all(self, err_factory: type[KvfenceError] = Cancelled, message: str = "") -> int:
-        return sum(1 for r in self if r.interrupt(err_factory(message)))

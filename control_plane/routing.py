@@ -90,6 +90,8 @@ class NodeClients:
                 code=err.code().name,
                 details=err.details(),
             )
+        except Exception:  # e.g. the node's channel closed under the call: say so, still go on
+            log.exception("release failed", node_id=node.node_id, role=node.role)
 
 
 def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:

@@ -25,7 +25,7 @@ from control_plane.admission import AdmissionQueue
 from control_plane.generation import GenerationServicer
 from control_plane.lifecycle import RequestState, RequestTable
 from control_plane.model_info import ModelAccess, ModelInfo, load_model_info
-from control_plane.pipeline import EventSink, Pipeline, PipelineDeps
+from control_plane.pipeline import SHUTTING_DOWN, EventSink, Pipeline, PipelineDeps
 from control_plane.registry import Node, NodeRegistryServicer, Registry
 from control_plane.routing import NodeClients
 from control_plane.tenants import TenantStore
@@ -173,7 +173,8 @@ class ControlPlane:
         tasks = set(self.generation.tasks)
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
-        self.table.interrupt_all(Unavailable, "the control plane is shutting down")
+        for run in self.table:  # whatever is still running after the grace period
+            run.interrupt(Unavailable("the control plane is shutting down", reason=SHUTTING_DOWN))
         tasks = set(self.generation.tasks)
         if tasks:
             await asyncio.wait(tasks, timeout=10)
@@ -205,7 +206,7 @@ class ControlPlane:
             )
         self.queue.notify()
 
-    def _interrupt_queued(self, message: str, reason: str = "SHUTTING_DOWN") -> None:
+    def _interrupt_queued(self, message: str, reason: str = SHUTTING_DOWN) -> None:
         for run in self.table.in_state(RequestState.RECEIVED, RequestState.ADMITTED):
             run.interrupt(Unavailable(message, reason=reason))
 

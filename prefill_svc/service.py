@@ -191,7 +191,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.pool.begin_ops(ids)
         try:
             self.pool.begin_ops(ids)
-            job = self.batcher.submit(tokens, refs, sampling)  # type: ignore[arg-type]
+            try:
+                job = self.batcher.submit(tokens, refs, sampling)  # type: ignore[arg-type]
+            except BaseException:
+                self.pool.end_ops(ids)  # never queued: no pass will end the pass's operation
+                raise
             job.add_done_callback(lambda _: self.pool.end_ops(ids))
             first = await asyncio.wrap_future(job)
             held = self.held.get(req.request_id)

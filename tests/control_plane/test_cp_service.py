@@ -43,8 +43,9 @@ async def test_shutdown_fails_running_requests_and_releases(tmp_path: Path) -> N
     call = asyncio.create_task(client.generate(prompt_ids=[10], max_new_tokens=2))
     await eventually(lambda: "Decode" in c.decode[0].methods())
     await c.cp.stop(grace=0.2)
-    with pytest.raises(Unavailable, match="shutting down"):
+    with pytest.raises(Unavailable, match="shutting down") as err:
         await call
+    assert err.value.reason == "SHUTTING_DOWN"  # what an operator's alert can tell apart
     assert c.decode[0].methods()[-1] == "Release"
     c.script.decode_hold.set()
     await client.close()

@@ -501,3 +501,23 @@ async def test_a_scrubbing_tenants_kv_is_zeroed_on_both_nodes_when_freed(nodes, 
         assert written == {"prefill": [0, 0], "decode": [0, 0]}
     else:
         assert all(n > 0 for counts in written.values() for n in counts), written
+
+
+async def test_a_prompt_the_closed_engine_refuses_leaves_no_page_held(nodes):
+    """Shutting down, the prefill batcher refuses new prompts; the call fails and its pages go
+    back (they were counted busy for a pass that never came). Control: before the close, the
+    same call succeeds."""
+    _, pre, dstub, pstub = nodes
+    pool = pre.rt.pool
+    prompt = list(range(3, 40))
+    _, ok = await reserve_and_prefill(dstub, pstub, "before", prompt)
+    assert (await ok).manifest.token_count == len(prompt)
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="before"))
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="before"))
+    pre.servicer.batcher.close()
+    _, refused = await reserve_and_prefill(dstub, pstub, "after", prompt)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await refused
+    assert pool.num_free == pool.num_pages
+    pool.check_integrity()
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="after"))
