@@ -1,9 +1,11 @@
 """Operator commands over the admin API: tenants, nodes, model access, requests in flight.
 
-Every command takes ``--target`` (admin HOST:PORT, env KVFENCE_ADMIN_TARGET) and
+Every command takes ``--target`` (admin HOST:PORT, env KVFENCE_ADMIN_TARGET),
 ``--admin-token`` (env KVFENCE_ADMIN_TOKEN; else ``.kvfence/admin_token`` when the default state
-dir is here). Listings render as rich tables, or as JSON with ``--json``. An unreachable target
-or a refused token is reported in one line on stderr with exit status 1.
+dir is here) and ``--tls-ca`` (the CA of a control plane that serves TLS). Listings render as rich
+tables, or as JSON with ``--json``. An unreachable target, a refused token or an unusable CA file
+is reported in one line on stderr with exit status 1; an out-of-range option is a usage error
+(exit status 2).
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ TARGET = typer.Option(
     "127.0.0.1:50052", "--target", envvar="KVFENCE_ADMIN_TARGET", help="Admin API HOST:PORT."
 )
 TOKEN = typer.Option(None, "--admin-token", envvar="KVFENCE_ADMIN_TOKEN", help="Admin token.")
+TLS_CA = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint.")
 JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+LIMIT_MAX = 2**31 - 1  # uint32 on the wire; the tenant store keeps them below 2^31
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
     tenants, model = groups["tenants"], groups["model"]
     tenants.command("create")(tenants_create)
     tenants.command("list")(tenants_list)
+    tenants.command("create-key")(tenants_create_key)
     tenants.command("revoke-key")(tenants_revoke_key)
     tenants.command("set-limits")(tenants_set_limits)
     model.command("status")(model_status)
@@ -57,19 +62,24 @@ def _fail(message: str) -> typer.Exit:
 
 
 @contextmanager
-def _admin(target: str, token: str | None) -> Iterator[AdminClient]:
+def _admin(target: str, token: str | None, tls_ca: str | None = None) -> Iterator[AdminClient]:
     """An AdminClient; any error becomes one line on stderr and exit status 1."""
     import grpc
 
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
+    from kvfence.tls import TlsError
 
     if token is None and DEFAULT_TOKEN_FILE.exists():
         token = DEFAULT_TOKEN_FILE.read_text().strip()
     if not token:
         raise _fail("no admin token: pass --admin-token or set KVFENCE_ADMIN_TOKEN")
     try:
-        with AdminClient(target, token, timeout=10.0) as client:
+        client = AdminClient(target, token, tls_ca=tls_ca, timeout=10.0)
+    except TlsError as err:
+        raise _fail(f"--tls-ca: {err}") from None
+    try:
+        with client:
             yield client
     except KvfenceError as err:
         if err.code == grpc.StatusCode.UNAVAILABLE:
@@ -110,15 +120,20 @@ def _limit(n: int) -> str:
 
 def tenants_create(
     name: str = typer.Argument(..., help="Tenant name."),
-    max_concurrent: int = typer.Option(0, "--max-concurrent", help="0 = unlimited."),
-    max_tokens: int = typer.Option(0, "--max-tokens", help="Per request; 0 = admissible limit."),
+    max_concurrent: int = typer.Option(
+        0, "--max-concurrent", min=0, max=LIMIT_MAX, help="0 = unlimited."
+    ),
+    max_tokens: int = typer.Option(
+        0, "--max-tokens", min=0, max=LIMIT_MAX, help="Per request; 0 = admissible limit."
+    ),
     scrub_on_free: bool = typer.Option(False, "--scrub-on-free", help="Zero pages on free."),
     as_json: bool = JSON,
     target: str = TARGET,
     admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Create a tenant and print its API key (shown only this once)."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         resp = admin.create_tenant(
             name,
             max_concurrent_requests=max_concurrent,
@@ -133,10 +148,13 @@ def tenants_create(
 
 
 def tenants_list(
-    as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """List tenants with their limits and keys."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         tenants = admin.list_tenants()
     if as_json:
         _print_json([_dict(t) for t in tenants])
@@ -157,28 +175,51 @@ def tenants_list(
     _table("tenants", ["name", "max concurrent", "max tokens", "scrub", "keys"], rows)
 
 
+def tenants_create_key(
+    name: str = typer.Argument(..., help="Tenant name."),
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
+) -> None:
+    """Issue another API key for a tenant (rotation) and print it (shown only this once)."""
+    with _admin(target, admin_token, tls_ca) as admin:
+        resp = admin.create_key(name)
+    if as_json:
+        _print_json({"tenant": name, "api_key": resp.api_key, "key_id": resp.key_id})
+        return
+    typer.echo(f"tenant {name}: new key id {resp.key_id}")
+    typer.echo(f"API key (shown once, store it now): {resp.api_key}")
+
+
 def tenants_revoke_key(
     key_id: str = typer.Argument(..., help="Key id (see `tenants list`)."),
     target: str = TARGET,
     admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Revoke an API key; requests with it are refused from now on."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         admin.revoke_key(key_id)
     typer.echo(f"key {key_id} revoked")
 
 
 def tenants_set_limits(
     name: str = typer.Argument(..., help="Tenant name."),
-    max_concurrent: int | None = typer.Option(None, "--max-concurrent", help="0 = unlimited."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", help="0 = admissible limit."),
+    max_concurrent: int | None = typer.Option(
+        None, "--max-concurrent", min=0, max=LIMIT_MAX, help="0 = unlimited."
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", min=0, max=LIMIT_MAX, help="0 = admissible limit."
+    ),
     scrub_on_free: bool | None = typer.Option(None, "--scrub-on-free/--no-scrub-on-free"),
     as_json: bool = JSON,
     target: str = TARGET,
     admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Change a tenant's limits; options not given keep their current value."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         current = {t.name: t for t in admin.list_tenants()}.get(name)
         if current is None:
             raise _fail(f"NOT_FOUND: tenant {name!r} does not exist")
@@ -205,9 +246,14 @@ def tenants_set_limits(
 # -- cluster ---------------------------------------------------------------------------------------
 
 
-def nodes(as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN) -> None:
+def nodes(
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
+) -> None:
     """Registered nodes, their pools and heartbeats, and the enforced limit."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         resp = admin.list_nodes()
     if as_json:
         _print_json(_dict(resp))
@@ -244,10 +290,13 @@ def _print_status(status: Any, as_json: bool) -> None:
 
 
 def model_status(
-    as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Whether the model is online, and its context window and enforced limit."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         _print_status(admin.model_status(), as_json)
 
 
@@ -256,23 +305,32 @@ def model_offline(
     as_json: bool = JSON,
     target: str = TARGET,
     admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Take the model offline: new and queued requests fail with UNAVAILABLE at once."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         _print_status(admin.set_model_access(False, reason), as_json)
 
 
 def model_online(
-    as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Put the model back online."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         _print_status(admin.set_model_access(True), as_json)
 
 
-def requests(as_json: bool = JSON, target: str = TARGET, admin_token: str | None = TOKEN) -> None:
+def requests(
+    as_json: bool = JSON,
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
+) -> None:
     """Requests in flight, with their state and nodes."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         infos = admin.list_requests()
     if as_json:
         _print_json([_dict(r) for r in infos])
@@ -296,8 +354,9 @@ def abort(
     request_id: str = typer.Argument(..., help="Request id (see `kvfence requests`)."),
     target: str = TARGET,
     admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
 ) -> None:
     """Abort a request in flight: CANCELLED for the client, released on every node."""
-    with _admin(target, admin_token) as admin:
+    with _admin(target, admin_token, tls_ca) as admin:
         aborted = admin.abort_request(request_id)
     typer.echo(f"request {request_id} {'aborted' if aborted else 'was already ending'}")

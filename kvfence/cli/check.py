@@ -1,8 +1,9 @@
 """``kvfence check-config``: do the KV pools hold the model's context window?
 
 ``--static FILE`` checks a config file without a cluster (CI, the Helm pre-install hook). The live
-mode (``--target HOST:PORT --admin-token TOKEN``) asks a running cluster for the pools its nodes
-actually hold and renders the same :class:`~kvfence.config_check.CheckReport`.
+mode (``--target HOST:PORT --admin-token TOKEN``, and ``--tls-ca FILE`` when the control plane
+serves TLS) asks a running cluster for the pools its nodes actually hold and renders the same
+:class:`~kvfence.config_check.CheckReport`.
 
 Exit codes: 0 the check passed, 1 it failed, 2 the check could not run (bad config, bad usage).
 """
@@ -37,12 +38,17 @@ def check_config(
     admin_token: str | None = typer.Option(
         None, "--admin-token", envvar="KVFENCE_ADMIN_TOKEN", help="Admin token (live check)."
     ),
+    tls_ca: str | None = typer.Option(
+        None, "--tls-ca", help="CA bundle for a TLS endpoint (live check)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check that every KV pool holds the model's context window (exit 1 when not)."""
     if static is not None and target is not None:
         _die("use either --static FILE or --target HOST:PORT, not both")
-    report = _static_report(static) if static is not None else _live_report(target, admin_token)
+    report = (
+        _static_report(static) if static is not None else _live_report(target, admin_token, tls_ca)
+    )
     if as_json:
         typer.echo(report.to_json())
     else:
@@ -57,7 +63,7 @@ def _static_report(path: Path) -> CheckReport:
         _die(f"check-config: {err}")
 
 
-def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
+def _live_report(target: str | None, admin_token: str | None, tls_ca: str | None) -> CheckReport:
     """Pools as the running nodes report them, through the admin API at ``target``."""
     if not target or not admin_token:
         _die(
@@ -68,9 +74,14 @@ def _live_report(target: str | None, admin_token: str | None) -> CheckReport:
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
     from kvfence.kv.pool import PagePool
+    from kvfence.tls import TlsError
 
     try:
-        with AdminClient(target, admin_token) as admin:
+        admin_client = AdminClient(target, admin_token, tls_ca=tls_ca)
+    except TlsError as err:
+        _die(f"check-config: --tls-ca: {err}")
+    try:
+        with admin_client as admin:
             resp = admin.check_config()
             status = admin.model_status()
             nodes = {n.node_id: n for n in admin.list_nodes().nodes}

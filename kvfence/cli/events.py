@@ -44,6 +44,12 @@ def events(
     """Show the cluster's events (MQTT) live."""
     if not follow_:
         _exit("kvfence events needs --follow (only the live view exists)", EXIT_USAGE)
+    unknown = sorted(set(kind or ()) - set(EVENT_KINDS))
+    if unknown:
+        _exit(
+            f"events: unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(EVENT_KINDS)}",
+            EXIT_USAGE,
+        )
     host, port, name = _target(config, mqtt_host, mqtt_port, cluster)
     console = Console(highlight=False, soft_wrap=True)
     try:

@@ -1,7 +1,8 @@
 """``kvfence generate``: stream a generation from a running cluster.
 
 Text goes to stdout as it arrives; ``--json`` prints one object with the token ids, text, finish
-reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2.
+reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2; so
+does bad input (an out-of-range number or token id, an unusable ``--tls-ca`` file), in one line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 import typer
 
 EXIT_FAILED = 2
+UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids are uint32 on the wire
+UINT64_MAX = 2**64 - 1  # the seed is uint64
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
@@ -20,9 +23,17 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 
 def _parse_ids(raw: str) -> list[int]:
     try:
-        return [int(p) for p in raw.replace(" ", "").split(",") if p]
+        ids = [int(p) for p in raw.replace(" ", "").split(",") if p]
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {raw!r}") from None
+        raise typer.BadParameter(
+            f"expected comma-separated integers, got {raw!r}", param_hint="'--prompt-ids'"
+        ) from None
+    bad = [i for i in ids if not 0 <= i <= UINT32_MAX]
+    if bad:
+        raise typer.BadParameter(
+            f"token ids must be in 0..{UINT32_MAX}, got {bad[0]}", param_hint="'--prompt-ids'"
+        )
+    return ids
 
 
 def generate(
@@ -34,10 +45,10 @@ def generate(
     prompt_ids: str | None = typer.Option(
         None, "--prompt-ids", help="Prompt as token ids, e.g. 1,2,3."
     ),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", min=1, max=UINT32_MAX),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int | None = typer.Option(None, "--seed"),
+    seed: int | None = typer.Option(None, "--seed", min=0, max=UINT64_MAX),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
@@ -47,6 +58,7 @@ def generate(
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
     from kvfence.client import Client, GenerationAccumulator
     from kvfence.errors import KvfenceError
+    from kvfence.tls import TlsError
 
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of PROMPT or --prompt-ids")
@@ -72,6 +84,9 @@ def generate(
         if not as_json and acc.text:
             sys.stdout.write("\n")
         typer.echo(f"{err.code.name}: {err.message}", err=True)
+        raise typer.Exit(EXIT_FAILED) from None
+    except TlsError as err:
+        typer.echo(f"--tls-ca: {err}", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     if as_json:
         res = acc.result()

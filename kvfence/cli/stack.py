@@ -1,11 +1,13 @@
 """``kvfence serve ROLE`` (one service per process) and ``kvfence up`` (the local stack).
 
 ``up`` writes a cluster config into the state directory, starts the control plane, then N prefill
-and M decode processes on loopback, waits until every node has registered, creates a demo tenant,
-writes ``<state-dir>/up.json`` ``{"target", "admin_target", "admin_token", "api_keys": {"demo":
-...}}`` (owner-only, atomically: it exists, whole, exactly while the stack serves) and prints
-``kvfence ready: <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C or
-SIGTERM stops every process it started (SIGTERM first, SIGKILL after a grace period).
+and M decode processes on loopback, waits until every node has registered, creates a demo tenant
+(or, when an earlier ``up`` with this state directory created it, issues it a fresh key and
+revokes its older ones: only the key in ``up.json`` works), writes ``<state-dir>/up.json``
+``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` (owner-only,
+atomically: it exists, whole, exactly while the stack serves) and prints ``kvfence ready:
+<target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C, SIGTERM or SIGHUP (the
+terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 import yaml
 
 from kvfence.config import ConfigError, Role, load_config
 
+if TYPE_CHECKING:
+    from kvfence.client import AdminClient
+
 STOP_GRACE_S = 10.0
+DEMO_TENANT = "demo"
+# Signals that stop `up` and, through it, every service it started (they run in their own
+# sessions, so a closed terminal's SIGHUP reaches only `up`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
@@ -81,15 +90,24 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         prefill_pool_tokens: int = typer.Option(4096, min=1),
         decode_pool_tokens: int = typer.Option(4096, min=1),
         page_size: int = typer.Option(16, min=1),
-        port: int = typer.Option(50051, min=0, max=65534, help="Public port; admin is port+1."),
+        port: int = typer.Option(50051, min=1, max=65534, help="Public port; admin is port+1."),
         state_dir: Path = typer.Option(Path(".kvfence"), help="State (tenants, tokens, up.json)."),
         config: Path | None = typer.Option(None, help="Base config; the options above win."),
     ) -> None:
-        """Run the whole stack on loopback until Ctrl-C / SIGTERM."""
+        """Run the whole stack on loopback until Ctrl-C / SIGTERM / SIGHUP."""
         base: dict[str, Any] = {}
         if config is not None:
+            try:
+                load_config(config)  # a missing file, bad YAML or a non-mapping: one line, exit 2
+            except ConfigError as err:
+                typer.echo(f"kvfence up: {err}", err=True)
+                raise typer.Exit(2) from None
             base = yaml.safe_load(config.read_text()) or {}
-        state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            typer.echo(f"kvfence up: cannot create state dir {state_dir}: {err.strerror}", err=True)
+            raise typer.Exit(2) from None
         cfg = build_up_config(
             base,
             model=model,
@@ -179,6 +197,7 @@ def run_stack(
 ) -> int:
     """Start every process, wait for registration, serve until a signal; returns the exit code."""
     from kvfence.client import AdminClient
+    from kvfence.errors import KvfenceError
 
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -195,8 +214,8 @@ def run_stack(
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop_all)
     target = cfg["control_plane"]["listen"]
     admin_target = cfg["control_plane"]["admin_listen"]
     # up.json says "this stack is serving, here": one left by an earlier run must not be read as
@@ -228,12 +247,15 @@ def run_stack(
 
         if not _wait(all_registered, 180, lambda: stopping, procs):
             return _fail("nodes did not register", logs)
-        api_key = admin.create_tenant("demo").api_key
+        try:
+            api_key = demo_key(admin)
+        except KvfenceError as err:
+            return _fail(f"cannot issue the {DEMO_TENANT} tenant's key: {err.message}", logs)
         up = {
             "target": target,
             "admin_target": admin_target,
             "admin_token": token_file.read_text().strip(),
-            "api_keys": {"demo": api_key},
+            "api_keys": {DEMO_TENANT: api_key},
         }
         # Whole or absent, never half-written (readers poll for it) and never readable by others,
         # not even for a moment: it holds the admin token and an API key.
@@ -260,6 +282,23 @@ def run_stack(
     finally:
         _stop(procs)
         up_path.unlink(missing_ok=True)
+
+
+def demo_key(admin: AdminClient) -> str:
+    """An API key for the demo tenant that is the only one of its keys that works.
+
+    The tenant database outlives the stack, so a second ``up`` with the same state directory finds
+    the demo tenant an earlier run created: it gets a fresh key, and the keys issued before (which
+    that run's ``up.json`` showed) are revoked.
+    """
+    existing = next((t for t in admin.list_tenants() if t.name == DEMO_TENANT), None)
+    if existing is None:
+        return str(admin.create_tenant(DEMO_TENANT).api_key)
+    fresh = admin.create_key(DEMO_TENANT)
+    for key in existing.keys:
+        if not key.revoked and key.key_id != fresh.key_id:
+            admin.revoke_key(key.key_id)
+    return str(fresh.api_key)
 
 
 def _wait(cond: Any, timeout: float, stopping: Any, procs: list[Any]) -> bool:

@@ -1,0 +1,409 @@
+"""CLI robustness: bad input is one line on stderr (never a traceback), `kvfence up` can run twice
+on one state directory and stops its services on SIGHUP, admin commands reach a TLS control plane.
+
+Every refusal is paired with a control on the same path that is accepted. Commands run in-process
+(CliRunner); ``run_stack`` is stubbed where only the option parsing of ``up`` is under test. One
+slow test runs the real ``kvfence up`` twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import structlog
+import typer
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
+from cp_fakes import EventRecorder, make_model_info
+from cp_harness import make_cfg, make_cluster
+from test_tls import make_ca, make_leaf
+
+from control_plane.service import ControlPlane
+from kvfence import client as client_mod
+from kvfence.cli import admin as admin_cli
+from kvfence.cli import check as check_cli
+from kvfence.cli import events as events_cli
+from kvfence.cli import generate as generate_cli
+from kvfence.cli import stack as stack_cli
+from kvfence.client import AdminClient, build_request
+from kvfence.config import TlsConfig
+from kvfence.errors import Unauthenticated
+from kvfence.events import EVENT_KINDS
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer()
+    groups = {name: typer.Typer() for name in ("serve", "tenants", "model", "probe")}
+    for name, group in groups.items():
+        app.add_typer(group, name=name)
+    for module in (stack_cli, generate_cli, admin_cli, events_cli, check_cli):
+        module.register(app, groups)
+    return app
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(make_app(), list(args))
+
+
+def assert_one_line_error(result: Any, code: int, *needles: str) -> None:
+    """Exit ``code`` with a clean message: no exception escaped, no traceback printed."""
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def quiet_logs() -> Iterator[None]:
+    """The in-process control plane logs through structlog, which prints to whatever sys.stdout
+    is; while CliRunner captures stdout that would mix server logs into the command's output."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=io.StringIO()))
+    yield
+    structlog.reset_defaults()
+
+
+async def run_cli(*args: str) -> Any:
+    """The CLI in a worker thread: the control plane runs on this test's event loop."""
+    return await asyncio.to_thread(invoke, *args)
+
+
+# -- kvfence up: option parsing and the config file (run_stack stubbed) ---------------------------
+
+
+@pytest.fixture
+def stub_stack(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Replaces run_stack: records the config `up` would run with and returns 0."""
+    calls: list[dict[str, Any]] = []
+
+    def fake_run_stack(cfg_path: Path, cfg: dict[str, Any], *_: Any) -> int:
+        calls.append(cfg)
+        return 0
+
+    monkeypatch.setattr(stack_cli, "run_stack", fake_run_stack)
+    return calls
+
+
+def test_up_port_must_be_a_real_port(tmp_path: Path, stub_stack: list[dict[str, Any]]) -> None:
+    for bad in ("0", "65535", "-1"):
+        result = invoke("up", "--state-dir", str(tmp_path), "--port", bad)
+        assert_one_line_error(result, 2, "--port")
+    assert stub_stack == []
+    # control: the lowest and highest ports whose admin port (port + 1) exists are accepted
+    for good, admin in (("1", "127.0.0.1:2"), ("65534", "127.0.0.1:65535")):
+        result = invoke("up", "--state-dir", str(tmp_path), "--port", good)
+        assert result.exit_code == 0, result.output
+        assert stub_stack[-1]["control_plane"]["listen"] == f"127.0.0.1:{good}"
+        assert stub_stack[-1]["control_plane"]["admin_listen"] == admin
+
+
+def test_up_bad_config_file_is_one_line(tmp_path: Path, stub_stack: list[dict[str, Any]]) -> None:
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    cases = [
+        (tmp_path / "missing.yaml", "cannot read config file"),
+        (listed, "top level must be a mapping"),
+        (broken, "not valid YAML"),
+    ]
+    for path, message in cases:
+        result = invoke("up", "--state-dir", str(tmp_path / "s"), "--config", str(path))
+        assert_one_line_error(result, 2, message)
+    assert stub_stack == []
+    # control: a valid base config is loaded and overlaid with the options
+    good = tmp_path / "good.yaml"
+    good.write_text("cluster: robust\nkv:\n  page_size: 8\n")
+    result = invoke("up", "--state-dir", str(tmp_path / "s"), "--config", str(good))
+    assert result.exit_code == 0, result.output
+    assert stub_stack[-1]["cluster"] == "robust"
+    assert stub_stack[-1]["kv"]["page_size"] == 16  # --page-size (default 16) wins
+
+
+def test_up_stops_on_sighup_as_on_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stop signal gets `up`'s handler (which stops the services it started)."""
+    handled: dict[int, Any] = {}
+    monkeypatch.setattr(signal, "signal", lambda signum, h: handled.setdefault(signum, h))
+
+    def no_spawn(*_: Any) -> Any:
+        raise RuntimeError("spawn stubbed")
+
+    monkeypatch.setattr(stack_cli, "_spawn", no_spawn)
+    cfg = {"control_plane": {"listen": "127.0.0.1:1", "admin_listen": "127.0.0.1:2"}}
+    with pytest.raises(RuntimeError, match="spawn stubbed"):
+        stack_cli.run_stack(tmp_path / "c.yaml", cfg, tmp_path, 1, 1)
+    assert signal.SIGHUP in handled
+    # control: the SIGTERM handler, and SIGHUP's is the same one
+    assert handled[signal.SIGHUP] is handled[signal.SIGTERM]
+    assert handled[signal.SIGINT] is handled[signal.SIGTERM]
+
+
+# -- kvfence generate: numbers in range, token ids, --tls-ca ---------------------------------------
+
+
+@pytest.fixture
+def fake_client(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """A Client that builds the real GenerateRequest (where out-of-range values used to raise
+    protobuf's ValueError) and returns no tokens; records each request."""
+    built: list[Any] = []
+
+    class FakeClient:
+        def __init__(self, *_: Any, **__: Any) -> None:
+            pass
+
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *_: Any) -> None:
+            pass
+
+        def stream(self, prompt: str | None, **kw: Any) -> Iterator[Any]:
+            built.append(build_request(prompt, **kw))
+            return iter(())
+
+    monkeypatch.setattr(client_mod, "Client", FakeClient)
+    return built
+
+
+GEN = ("generate", "--api-key", "k")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--prompt-ids", "1", "-n", "-1"],
+        ["--prompt-ids", "1", "-n", "0"],
+        ["--prompt-ids", "1", "-n", "99999999999"],
+        ["--prompt-ids", "1,-2"],
+        ["--prompt-ids", "99999999999"],
+        ["--prompt-ids", "1", "--seed", "-1"],
+        ["--prompt-ids", "1", "--seed", str(UINT64_MAX + 1)],
+        ["--prompt-ids", "1,x"],
+    ],
+)
+def test_generate_out_of_range_is_a_usage_error(fake_client: list[Any], args: list[str]) -> None:
+    result = invoke(*GEN, *args)
+    assert_one_line_error(result, 2)
+    assert fake_client == []
+
+
+def test_generate_accepts_the_extremes_of_each_range(fake_client: list[Any]) -> None:
+    args = ["--prompt-ids", f"0,{UINT32_MAX}", "-n", str(UINT32_MAX), "--seed", str(UINT64_MAX)]
+    result = invoke(*GEN, *args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    (req,) = fake_client
+    assert list(req.token_ids.ids) == [0, UINT32_MAX]
+    assert req.max_new_tokens == UINT32_MAX and req.seed == UINT64_MAX
+    assert invoke(*GEN, "--prompt-ids", "1", "-n", "1", "--seed", "0").exit_code == 0
+
+
+# -- a TLS control plane: admin commands, check-config and generate with --tls-ca -----------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    make_leaf(d, "server", "ca", "serverAuth")
+    return d
+
+
+@pytest.fixture
+async def tls_cp(tmp_path: Path, pki: Path, quiet_logs: None) -> AsyncIterator[ControlPlane]:
+    """An in-process control plane serving TLS (certificate from ``pki/ca.pem``); no nodes."""
+    cfg = make_cfg(tmp_path).model_copy(
+        update={"tls": TlsConfig(public_cert=pki / "server.pem", public_key=pki / "server.key")}
+    )
+    cp = ControlPlane(cfg, model_info=make_model_info(), events=EventRecorder())
+    cp.ports = await cp.start()  # type: ignore[attr-defined]
+    yield cp
+    await cp.stop(grace=0.5)
+
+
+async def test_admin_commands_reach_a_tls_control_plane(tls_cp: Any, pki: Path) -> None:
+    auth = ["--target", f"127.0.0.1:{tls_cp.ports.admin}", "--admin-token", tls_cp.admin_token]
+    ca = ["--tls-ca", str(pki / "ca.pem")]
+    result = await run_cli("tenants", "create", "acme", "--json", *auth, *ca)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tenant"] == "acme"
+    for cmd in (["tenants", "list"], ["nodes"], ["model", "status"], ["requests"]):
+        result = await run_cli(*cmd, "--json", *auth, *ca)
+        assert result.exit_code == 0, (cmd, result.output)
+    result = await run_cli("model", "offline", *auth, *ca)
+    assert result.exit_code == 0 and "OFFLINE" in result.stdout
+    result = await run_cli("model", "online", *auth, *ca)
+    assert result.exit_code == 0 and "online" in result.stdout
+    result = await run_cli("tenants", "set-limits", "acme", "--max-tokens", "8", *auth, *ca)
+    assert result.exit_code == 0 and "max tokens 8" in result.stdout
+    result = await run_cli("abort", "req-missing", *auth, *ca)
+    assert_one_line_error(result, 1, "NOT_FOUND")
+    # negative: the wrong CA or plaintext cannot talk to it; a missing CA file is one line
+    result = await run_cli("nodes", *auth, "--tls-ca", str(pki / "other-ca.pem"))
+    assert_one_line_error(result, 1, "cannot reach the admin API")
+    result = await run_cli("nodes", *auth)
+    assert_one_line_error(result, 1, "cannot reach the admin API")
+    result = await run_cli("nodes", *auth, "--tls-ca", str(pki / "missing.pem"))
+    assert_one_line_error(result, 1, "--tls-ca", "does not exist")
+    assert result.output.strip().count("\n") == 0
+
+
+async def test_check_config_live_reaches_a_tls_control_plane(tls_cp: Any, pki: Path) -> None:
+    live = ["check-config", "--target", f"127.0.0.1:{tls_cp.ports.admin}"]
+    live += ["--admin-token", tls_cp.admin_token]
+    # through TLS to the control plane, which answers: no node has registered yet
+    result = await run_cli(*live, "--tls-ca", str(pki / "ca.pem"))
+    assert_one_line_error(result, 2, "no node is registered")
+    result = await run_cli(*live, "--tls-ca", str(pki / "other-ca.pem"))
+    assert_one_line_error(result, 2, "UNAVAILABLE")
+    result = await run_cli(*live, "--tls-ca", str(pki / "missing.pem"))
+    assert_one_line_error(result, 2, "--tls-ca", "does not exist")
+
+
+async def test_generate_tls_ca_file_errors_are_one_line(tls_cp: Any, pki: Path) -> None:
+    base = [*GEN, "--target", f"127.0.0.1:{tls_cp.ports.public}", "--prompt-ids", "1"]
+    result = await run_cli(*base, "--tls-ca", str(pki / "missing.pem"))
+    assert_one_line_error(result, 2, "--tls-ca", "does not exist")
+    not_pem = pki / "not-pem.txt"
+    not_pem.write_text("hello")
+    result = await run_cli(*base, "--tls-ca", str(not_pem))
+    assert_one_line_error(result, 2, "not PEM")
+    # control: the right CA gets through TLS to the control plane, which refuses the key "k"
+    result = await run_cli(*base, "--tls-ca", str(pki / "ca.pem"), "--timeout", "10")
+    assert_one_line_error(result, 2, "UNAUTHENTICATED")
+
+
+# -- tenants: limits in range, create-key ---------------------------------------------------------
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, quiet_logs: None) -> AsyncIterator[Any]:
+    c = await make_cluster(tmp_path)
+    yield c
+    await c.close()
+
+
+async def test_tenant_limits_out_of_range_are_usage_errors(cluster: Any) -> None:
+    auth = ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    bad = [
+        ["tenants", "create", "x", "--max-concurrent", "-1"],
+        ["tenants", "create", "x", "--max-concurrent", "99999999999"],
+        ["tenants", "create", "x", "--max-tokens", str(2**31)],  # the tenant store's bound
+        ["tenants", "set-limits", "acme", "--max-tokens", "-5"],
+        ["tenants", "set-limits", "acme", "--max-concurrent", "99999999999"],
+    ]
+    for args in bad:
+        assert_one_line_error(await run_cli(*args, *auth), 2)
+    assert {t.name for t in cluster.cp.tenants.list()} == {"acme"}
+    # control: in-range values are accepted ...
+    result = await run_cli("tenants", "create", "x", "--max-concurrent", "0", *auth)
+    assert result.exit_code == 0, result.output
+    result = await run_cli("tenants", "set-limits", "acme", "--max-tokens", "5", *auth)
+    assert result.exit_code == 0 and "max tokens 5" in result.stdout
+    # ... up to the top of the range the tenant store keeps
+    result = await run_cli("tenants", "create", "y", "--max-concurrent", str(2**31 - 1), *auth)
+    assert result.exit_code == 0, result.output
+
+
+async def test_tenants_create_key(cluster: Any) -> None:
+    auth = ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    result = await run_cli("tenants", "create-key", "acme", "--json", *auth)
+    assert result.exit_code == 0, result.output
+    created = json.loads(result.stdout)
+    assert created["tenant"] == "acme" and created["key_id"].startswith("key_")
+    tenants = cluster.cp.tenants
+    assert tenants.authenticate(created["api_key"]).name == "acme"  # the new key works ...
+    assert tenants.authenticate(cluster.api_key).name == "acme"  # ... and the old one still does
+    result = await run_cli("tenants", "create-key", "acme", *auth)
+    assert result.exit_code == 0 and "shown once" in result.stdout
+    # negative: no such tenant is one line, exit 1
+    result = await run_cli("tenants", "create-key", "nobody", *auth)
+    assert_one_line_error(result, 1, "NOT_FOUND")
+
+
+async def test_demo_key_rotates_an_existing_demo_tenant(cluster: Any) -> None:
+    """What a second `kvfence up` on one state directory does: a fresh key, older ones revoked."""
+    tenants = cluster.cp.tenants
+
+    def work() -> None:
+        with AdminClient(cluster.admin_target, cluster.cp.admin_token) as admin:
+            first = stack_cli.demo_key(admin)  # no demo tenant yet: created
+            assert tenants.authenticate(first).name == "demo"
+            admin.create_key("demo")  # e.g. `kvfence tenants create-key demo` in between
+            second = stack_cli.demo_key(admin)  # the tenant exists: no ALREADY_EXISTS
+            assert tenants.authenticate(second).name == "demo"
+            assert tenants.authenticate(first) is None
+            demo = next(t for t in admin.list_tenants() if t.name == "demo")
+            assert [k.revoked for k in demo.keys].count(False) == 1
+            # control: other tenants' keys are untouched
+            assert tenants.authenticate(cluster.api_key).name == "acme"
+
+    await asyncio.to_thread(work)
+
+
+# -- kvfence events --kind ------------------------------------------------------------------------
+
+
+def test_events_unknown_kind_is_a_usage_error() -> None:
+    port = str(free_port())  # nothing listens: a valid invocation fails to connect, exit 1
+    result = invoke("events", "--follow", "--mqtt-port", port, "--kind", "bogus")
+    assert_one_line_error(result, 2, "bogus", *EVENT_KINDS)
+    result = invoke("events", "-f", "--mqtt-port", port, "-k", "node_joined", "-k", "nope")
+    assert_one_line_error(result, 2, "nope")
+    # control: known kinds pass validation and the command goes on to the broker
+    result = invoke("events", "-f", "--mqtt-port", port, "-k", "node_joined", "-k", "node_lost")
+    assert_one_line_error(result, 1, "unreachable")
+
+
+# -- the real `kvfence up`, twice on one state directory ------------------------------------------
+
+
+@pytest.mark.slow
+def test_up_twice_on_one_state_dir_and_sighup_stops_everything(tmp_path: Path) -> None:
+    from stack_harness import Stack
+
+    state = tmp_path / "s"
+    first = Stack(state).start()
+    services = list(first.children)
+    try:
+        old_key = first.api_key
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGHUP)  # the terminal closed
+        assert first.proc.wait(60) == 0
+        _, alive = psutil.wait_procs(services, timeout=30)
+        assert alive == [], "services outlived `kvfence up` after SIGHUP"
+        assert not (state / "up.json").exists()
+    finally:
+        first.stop()
+        for p in services:
+            if p.is_running():
+                p.kill()
+    second = Stack(state).start()  # the demo tenant exists from the first run
+    try:
+        with second.client() as c:
+            assert len(c.generate(prompt_ids=[1, 2], max_new_tokens=2, ignore_eos=True).token_ids)
+        assert second.api_key != old_key
+        with second.client(old_key) as c, pytest.raises(Unauthenticated):
+            c.generate(prompt_ids=[1, 2], max_new_tokens=2)
+    finally:
+        second.stop()
