@@ -440,6 +440,10 @@ class Pipeline:
                 continue
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
+                if rec.state == RequestState.FINISHED:
+                    # Decode gave the pages back as its stream ended (decode_svc/service.py):
+                    # a Release would cost both sides an RPC per request for nothing.
+                    continue
             calls.append(self.d.clients.release(node, rec.request_id, reason))
         rec.contacted.clear()
         await asyncio.gather(*calls, return_exceptions=True)
