@@ -37,7 +37,7 @@ from kvfence.events import EventBus
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, control_pb2, control_pb2_grpc
-from kvfence.server import GrpcServer
+from kvfence.server import GrpcServer, host_of
 
 log = get_logger("control_plane")
 
@@ -130,8 +130,6 @@ class ControlPlane:
     async def start(self, listen: str | None = None, admin_listen: str | None = None) -> Ports:
         """Start both listeners (addresses default to the config's); returns the bound ports."""
         cp = self.cfg.control_plane
-        if self.bus is not None:
-            await self.bus.start()
         public_creds = tls.public_server_credentials(self.cfg.tls)
         self._public = await GrpcServer.start(
             listen or cp.listen,
@@ -145,12 +143,30 @@ class ControlPlane:
             PUBLIC_SERVICES,
             credentials=public_creds,
         )
-        self._admin = await GrpcServer.start(
-            admin_listen or cp.admin_listen,
-            [(control_pb2_grpc.add_AdminServicer_to_server, self.admin)],
-            ADMIN_SERVICES,
-            credentials=public_creds,
-        )
+        try:
+            self._admin = await GrpcServer.start(
+                admin_listen or cp.admin_listen,
+                [(control_pb2_grpc.add_AdminServicer_to_server, self.admin)],
+                ADMIN_SERVICES,
+                credentials=public_creds,
+            )
+        except BaseException:
+            await self._public.stop(0)
+            self._public = None
+            raise
+        # Only once both ports are ours: a second control plane that cannot bind must not reach
+        # the broker, where its status (and, at exit, its "offline") would be this one's.
+        if self.bus is not None:
+            await self.bus.start()
+            self.bus.publish_node_status(
+                {
+                    "role": "control-plane",
+                    "grpc_address": f"{host_of(listen or cp.listen)}:{self._public.port}",
+                    "admin_address": f"{host_of(admin_listen or cp.admin_listen)}:"
+                    f"{self._admin.port}",
+                    "model": self.model.name,
+                }
+            )
         self._reaper = asyncio.create_task(self.registry.run_reaper(), name="kvfence-reaper")
         log.info(
             "control plane started",

@@ -2,8 +2,12 @@
 
 One file describes the whole cluster; each process reads the sections it needs (`node` says which
 role it plays). Environment variables override the file: ``KVFENCE__<SECTION>__<FIELD>=value``
-(double underscores separate levels, values are parsed as YAML scalars), e.g.
-``KVFENCE__NODE__ROLE=decode``.
+(double underscores separate levels), e.g. ``KVFENCE__NODE__ROLE=decode``. A string field (names,
+addresses, paths, roles) takes the value exactly as written (``KVFENCE__NODE__NODE_ID=0123`` is
+the string "0123"); where the field may be unset, ``null`` or ``~`` unsets it. Every other value is
+parsed as YAML (numbers, booleans, ``null``, a flow mapping for a whole section). A malformed name,
+or two variables that set the same field or a field and the section holding it, is a ConfigError
+that names the variables.
 
 A bad value raises :class:`ConfigError` whose message names the field and the rule it broke.
 """
@@ -14,13 +18,24 @@ import json
 import math
 import os
 from enum import StrEnum
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePath
+from types import NoneType, UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "KVFENCE__"
+# Names that become MQTT topic levels (cluster, node id): no "/" (a level separator), no "+" or "#"
+# (wildcards, which a broker refuses in a published topic), no spaces.
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -97,7 +112,8 @@ class NodeConfig(_Strict):
     """This process: its role and where it listens."""
 
     role: Role = Role.CONTROL_PLANE
-    node_id: str = ""  # empty = "<role>-<pid>"
+    # empty = "<role>-<pid>". A level of this node's MQTT topics, so constrained like `cluster`.
+    node_id: str = Field(default="", pattern=r"^[A-Za-z0-9_.-]*$")
     listen: str = "127.0.0.1:0"
     # Address others use to reach this node; empty = the bound listen address.
     advertise: str = ""
@@ -167,6 +183,9 @@ class DecodeConfig(_Strict):
     stream_interval: int = Field(default=1, ge=1, le=256)
 
 
+NODE_TIMEOUT_HEARTBEATS = 2  # node_timeout_s >= this many heartbeat intervals
+
+
 class ControlPlaneConfig(_Strict):
     """The control plane's listeners and admission bounds."""
 
@@ -178,19 +197,40 @@ class ControlPlaneConfig(_Strict):
     admission_queue: int = Field(default=256, ge=1)
     default_deadline_s: float = Field(default=120.0, gt=0)
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
+    # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).
     node_timeout_s: float = Field(default=5.0, gt=0)
     admin_token_file: Path | None = None
     # Shared by the control plane and every node (kvfence/auth.py); None = generated under
     # state_dir by the control plane, which only nodes sharing that directory can read.
     node_token_file: Path | None = None
 
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> ControlPlaneConfig:
+        if self.node_timeout_s < NODE_TIMEOUT_HEARTBEATS * self.heartbeat_interval_s:
+            raise ValueError(
+                f"node_timeout_s ({self.node_timeout_s:g}) must be at least "
+                f"{NODE_TIMEOUT_HEARTBEATS} x heartbeat_interval_s ({self.heartbeat_interval_s:g}),"
+                " or nodes are declared lost between heartbeats"
+            )
+        return self
+
 
 class EventsConfig(_Strict):
     """MQTT event stream; no host = events go to the log only."""
 
+    # None (YAML null, or the key left out) = no broker. An empty string is refused: it is not
+    # "no broker" but a host that can never be reached.
     mqtt_host: str | None = None
     mqtt_port: int = Field(default=1883, ge=1, le=65535)
     buffer_size: int = Field(default=10_000, ge=1)
+
+    @field_validator("mqtt_host")
+    @classmethod
+    def _host_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("empty broker host: give a host, or null for no broker (log only)")
+        return value
 
 
 class TlsConfig(_Strict):
@@ -206,7 +246,7 @@ class TlsConfig(_Strict):
 class ClusterConfig(_Strict):
     """Everything one kvfence process needs to know."""
 
-    cluster: str = Field(default="local", pattern=r"^[A-Za-z0-9_.-]+$")
+    cluster: str = Field(default="local", pattern=NAME_PATTERN)
     model: ModelConfig = ModelConfig()
     kv: KvConfig = KvConfig()
     node: NodeConfig = NodeConfig()
@@ -237,17 +277,74 @@ def pages_needed(tokens: int, page_size: int) -> int:
     return math.ceil(tokens / page_size)
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+EnvSources = dict[tuple[str, ...], str]  # config path -> the variable that set it
+
+
+def _env_overrides(environ: dict[str, str]) -> tuple[dict[str, Any], EnvSources]:
+    """The ``KVFENCE__`` variables of ``environ`` as a nested mapping, and which variable set
+    which path (for error messages)."""
+    sources: EnvSources = {}
+    for key in sorted(k for k in environ if k.startswith(ENV_PREFIX)):
+        path = tuple(p.lower() for p in key[len(ENV_PREFIX) :].split("__"))
+        if not all(path):
+            raise ConfigError(
+                f"environment variable {key}: malformed name, expected "
+                f"{ENV_PREFIX}<SECTION>[__<FIELD>...] with levels separated by '__'"
+            )
+        for other_path, other in sources.items():
+            shorter, longer = sorted((path, other_path), key=len)
+            if longer[: len(shorter)] == shorter:
+                what = "the same field" if path == other_path else "a section and a field in it"
+                raise ConfigError(
+                    f"environment variables {other} and {key} conflict: both set {what} "
+                    f"({'.'.join(shorter)}); keep one"
+                )
+        sources[path] = key
     tree: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX):
-            continue
-        parts = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
+    for path, key in sources.items():
         node = tree
-        for part in parts[:-1]:
+        for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
-    return tree
+        node[path[-1]] = _env_value(key, environ[key], _field_annotation(path))
+    return tree, sources
+
+
+def _field_annotation(path: tuple[str, ...]) -> Any:
+    """The type annotation of the config field at ``path``; None where there is no such field."""
+    annotation: Any = ClusterConfig
+    for part in path:
+        model = next((a for a in _members(annotation) if _is_model(a)), None)
+        if model is None or part not in model.model_fields:
+            return None
+        annotation = model.model_fields[part].annotation
+    return annotation
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _env_value(key: str, raw: str, annotation: Any) -> Any:
+    """``raw`` as the field at ``annotation`` should see it (see the module docstring)."""
+    members = _members(annotation) if annotation is not None else ()
+    kinds = [m for m in members if m is not NoneType]
+    if kinds and all(isinstance(k, type) and issubclass(k, str | PurePath) for k in kinds):
+        # As written: YAML would read 0123 as the int 83, 2024 as an int, "a # b" as "a".
+        if NoneType in members and raw.strip() in ("null", "Null", "NULL", "~"):
+            return None
+        return raw
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"environment variable {key}: not a valid YAML value: {err}") from None
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -260,21 +357,26 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _describe(err: ValidationError) -> str:
+def _describe(err: ValidationError, sources: EnvSources) -> str:
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"{field}: {e['msg']} (got {json.dumps(e.get('input'), default=str)[:80]})")
+        loc = tuple(str(p) for p in e["loc"])
+        line = f"{'.'.join(loc) or '<root>'}: {e['msg']}"
+        line += f" (got {json.dumps(e.get('input'), default=str)[:80]})"
+        # the variable that set this field or the section holding it
+        source = next((k for p, k in sources.items() if loc[: len(p)] == p), None)
+        lines.append(line if source is None else f"{line} (from {source})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
 def parse_config(data: dict[str, Any], environ: dict[str, str] | None = None) -> ClusterConfig:
     """Validate a config mapping merged with ``KVFENCE__`` overrides from ``environ``."""
-    merged = _merge(data, _env_overrides(dict(os.environ) if environ is None else environ))
+    overrides, sources = _env_overrides(dict(os.environ) if environ is None else environ)
+    merged = _merge(data, overrides)
     try:
         return ClusterConfig.model_validate(merged)
     except ValidationError as err:
-        raise ConfigError(_describe(err)) from None
+        raise ConfigError(_describe(err, sources)) from None
 
 
 def load_config(path: Path | str | None, environ: dict[str, str] | None = None) -> ClusterConfig:

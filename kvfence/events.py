@@ -53,6 +53,8 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 PUBLISH_TIMEOUT_S = 5.0
 MAX_IN_FLIGHT = 64
+# Characters a topic level (cluster, node id) must not contain: the separator, the wildcards, NUL.
+TOPIC_RESERVED = "/+#\x00"
 
 log = get_logger("events")
 
@@ -141,6 +143,13 @@ class EventBus:
     ):
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        for what, name in (("cluster", cluster), ("node_id", node_id)):
+            # a topic level: "/" would split it, and a broker refuses "+" / "#" in a published
+            # topic (it drops the message or the connection), so nothing would ever be delivered
+            if not name or any(c in name for c in TOPIC_RESERVED):
+                raise ValueError(f"{what} {name!r} cannot be an MQTT topic level")
+        if mqtt_host is not None and not mqtt_host.strip():
+            raise ValueError("mqtt_host is empty: give a broker host, or None for log-only events")
         self.cluster = cluster
         self.node_id = node_id
         self.mqtt_host = mqtt_host

@@ -5,16 +5,22 @@ internal CA (mutual TLS: only the control plane calls nodes), and the node reach
 plane's registry over TLS trusting the internal CA (sign the public certificate with it, or serve
 the public endpoint without TLS inside the cluster).
 
-Start-up order: load the model and pool, start the gRPC server (health, reflection), the UCX
-listener (decode), the metrics endpoint and the event bus, then register with the control plane.
+Start-up order: load the model and pool, start the metrics endpoint, the UCX listener (decode) and
+the gRPC server (health, reflection), register with the control plane, then connect the event bus
+and publish the node's retained status (``kvfence/v1/<cluster>/nodes/<node_id>``: online, role,
+addresses). A node that fails to start (its port taken, registration refused) never reaches the
+broker, so it cannot overwrite the status of a node that runs under the same id; events emitted
+before the bus connects wait in its buffer.
 Shutdown (SIGTERM/SIGINT or ``stop``): health NOT_SERVING, stop accepting, finish in-flight RPCs
-within the grace period, release every page, stop the engine thread.
+within the grace period, release every page, stop the engine thread, then publish the offline
+status (the broker publishes it too, as the connection's will, if the process dies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +74,15 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
         raise ValueError(f"not a node role: {role}")
     loop = asyncio.get_running_loop()
     rt = await loop.run_in_executor(None, NodeRuntime.build, cfg, role)
-    bus = EventBus(cfg.cluster, rt.node_id, cfg.events.mqtt_host, cfg.events.mqtt_port)
-    await bus.start()
     metrics = Metrics(role.value)
+    bus = EventBus(
+        cfg.cluster,
+        rt.node_id,
+        cfg.events.mqtt_host,
+        cfg.events.mqtt_port,
+        cfg.events.buffer_size,
+        metrics=metrics,
+    )
     if cfg.node.metrics_port is not None:
         # the port actually bound, which is how port 0 (any free port) can be found
         log.info("metrics served", port=metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host))
@@ -91,36 +103,45 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
         servicer: Any = DecodeServicer(
             cfg, rt, bus, metrics, receiver, load_tokenizer(model_dir(cfg))
         )
-        await receiver.start()
-        server = await GrpcServer.start(
-            cfg.node.listen,
-            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
-            ["kvfence.v1.Decode"],
-            credentials=internal_server_credentials(cfg.tls),
-        )
+        registrar: Any = decode_pb2_grpc.add_DecodeServicer_to_server
+        service_name = "kvfence.v1.Decode"
     else:
         from prefill_svc.service import PrefillServicer
 
         servicer = PrefillServicer(cfg, rt, bus, metrics)
+        registrar = prefill_pb2_grpc.add_PrefillServicer_to_server
+        service_name = "kvfence.v1.Prefill"
+    try:
+        if receiver is not None:
+            await receiver.start()
         server = await GrpcServer.start(
             cfg.node.listen,
-            [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
-            ["kvfence.v1.Prefill"],
+            [(registrar, servicer)],
+            [service_name],
             credentials=internal_server_credentials(cfg.tls),
         )
+    except BaseException:  # e.g. the port is taken (BindError): free what was started
+        if receiver is not None:
+            with contextlib.suppress(Exception):
+                await receiver.stop()
+        metrics.stop()
+        raise
     servicer.start()
     node = RunningNode(rt, server, servicer, None, bus, metrics, receiver)
     grpc_address = cfg.node.advertise or f"{host_of(cfg.node.listen)}:{server.port}"
+    ucx_address = receiver.address if receiver is not None else ""
+    instance_id = uuid.uuid4().hex
     if register:
         request = control_pb2.RegisterRequest(
             node_id=rt.node_id,
             role=role.value,
             grpc_address=grpc_address,
-            ucx_address=receiver.address if receiver is not None else "",
+            ucx_address=ucx_address,
             model_fingerprint=rt.fingerprint,
             layout=rt.layout,
             pool_tokens=rt.pool.pool_tokens,
             total_pages=rt.pool.num_pages,
+            instance_id=instance_id,
         )
 
         def load() -> control_pb2.HeartbeatRequest:
@@ -150,6 +171,18 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             raise
         agent.start_heartbeats()
         node.agent = agent
+    await bus.start()
+    bus.publish_node_status(
+        {
+            "role": role.value,
+            "grpc_address": grpc_address,
+            "ucx_address": ucx_address,
+            "instance_id": instance_id,
+            "model_fingerprint": rt.fingerprint,
+            "total_pages": rt.pool.num_pages,
+            "pool_tokens": rt.pool.pool_tokens,
+        }
+    )
     log.info("node ready", role=role.value, node_id=rt.node_id, address=grpc_address)
     return node
 

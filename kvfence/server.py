@@ -34,6 +34,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# gRPC sets SO_REUSEPORT on Linux by default, which lets a second process bind a port that is
+# already served: two control planes once shared one address and took turns answering. Without
+# it a taken port fails to bind (BindError) instead.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+class BindError(OSError):
+    """A server could not listen on its address (in use, not local, or unusable credentials)."""
 
 
 @dataclass
@@ -54,7 +62,7 @@ class GrpcServer:
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ) -> GrpcServer:
-        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
         for add, servicer in servicers:
             add(servicer, server)
         health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -62,12 +70,11 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
-        if credentials is None:
-            port = server.add_insecure_port(listen)
-        else:
-            port = server.add_secure_port(listen, credentials)
-        if port == 0:
-            raise OSError(f"cannot listen on {listen}")
+        try:
+            port = _bind(server, listen, credentials)
+        except BindError:
+            await server.stop(None)
+            raise
         await server.start()
         for name in ["", *service_names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -77,6 +84,28 @@ class GrpcServer:
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+
+
+def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the listening port; a failure raises BindError naming ``listen``.
+
+    grpc.aio raises RuntimeError("Failed to bind to address ...") when the address is taken or
+    cannot be bound (older releases returned 0 instead); both become BindError.
+    """
+    detail = ""
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
+    except RuntimeError as err:
+        port, detail = 0, f" ({err})"
+    if port == 0:
+        raise BindError(
+            f"cannot listen on {listen}: the address is in use by another process or cannot be "
+            f"bound here{detail}"
+        )
+    return int(port)
 
 
 def host_of(listen: str) -> str:

@@ -68,3 +68,121 @@ def test_pool_from_memory_budget():
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.yaml", environ={})
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "rule"),
+    [
+        # a timeout shorter than two heartbeats makes healthy nodes flap lost/joined
+        (
+            {"control_plane": {"heartbeat_interval_s": 3, "node_timeout_s": 1}},
+            "control_plane",
+            "node_timeout_s (1) must be at least 2 x heartbeat_interval_s (3)",
+        ),
+        (
+            {"control_plane": {"heartbeat_interval_s": 1, "node_timeout_s": 1.5}},
+            "control_plane",
+            "at least 2 x heartbeat_interval_s",
+        ),
+        # node ids become an MQTT topic level: wildcards and separators would lose its events
+        ({"node": {"node_id": "bad+node"}}, "node.node_id", "pattern"),
+        ({"node": {"node_id": "#"}}, "node.node_id", "pattern"),
+        ({"node": {"node_id": "a/b"}}, "node.node_id", "pattern"),
+        ({"node": {"node_id": "two words"}}, "node.node_id", "pattern"),
+        # "" is not "no broker" (that is null): the publisher would retry it forever
+        ({"events": {"mqtt_host": ""}}, "events.mqtt_host", "empty broker host"),
+        ({"events": {"mqtt_host": "  "}}, "events.mqtt_host", "empty broker host"),
+    ],
+)
+def test_values_that_break_the_service_later_are_refused(data, field, rule):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, environ={})
+    assert field in str(err.value)
+    assert rule in str(err.value)
+
+
+def test_nearest_good_values_are_accepted():
+    cfg = parse_config(
+        {
+            "control_plane": {"heartbeat_interval_s": 3, "node_timeout_s": 6},  # exactly 2x
+            "node": {"node_id": "decode-0.zone_a"},
+            "events": {"mqtt_host": "mosquitto.observability.svc"},
+        },
+        environ={},
+    )
+    assert cfg.control_plane.node_timeout_s == 6
+    assert cfg.node.node_id == "decode-0.zone_a"
+    assert cfg.events.mqtt_host == "mosquitto.observability.svc"
+    # the defaults: no node id (derived at start), no broker, 5 heartbeats per timeout
+    plain = parse_config({"events": {"mqtt_host": None}}, environ={})
+    assert plain.node.node_id == "" and plain.events.mqtt_host is None
+    assert plain.control_plane.node_timeout_s == 5 * plain.control_plane.heartbeat_interval_s
+
+
+def test_env_overrides_keep_strings_as_written():
+    env = {
+        "KVFENCE__NODE__NODE_ID": "0123",  # YAML: the octal int 83
+        "KVFENCE__CLUSTER": "2024",  # YAML: an int, refused by the str field
+        "KVFENCE__NODE__ADVERTISE": "10.0.0.1:7000",
+        "KVFENCE__EVENTS__MQTT_HOST": "broker # not a comment",
+    }
+    cfg = parse_config({}, environ=env)
+    assert cfg.node.node_id == "0123"
+    assert cfg.cluster == "2024"
+    assert cfg.node.advertise == "10.0.0.1:7000"
+    assert cfg.events.mqtt_host == "broker # not a comment"
+    # control: non-string fields are still parsed as YAML, and null unsets an optional field
+    parsed = parse_config(
+        {"events": {"mqtt_host": "broker"}, "node": {"metrics_port": 9000}},
+        environ={
+            "KVFENCE__KV__PAGE_SIZE": "64",
+            "KVFENCE__KV__SCRUB_ON_FREE": "true",
+            "KVFENCE__TRANSFER__BATCH_TIMEOUT_S": "2.5",
+            "KVFENCE__KV__DECODE_POOL": "{num_pages: 5}",
+            "KVFENCE__NODE__METRICS_PORT": "null",
+            "KVFENCE__EVENTS__MQTT_HOST": "null",
+        },
+    )
+    assert parsed.kv.page_size == 64 and parsed.kv.scrub_on_free is True
+    assert parsed.transfer.batch_timeout_s == 2.5
+    assert parsed.kv.decode_pool.num_pages == 5
+    assert parsed.node.metrics_port is None and parsed.events.mqtt_host is None
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"KVFENCE__": "x"}, ["KVFENCE__", "malformed"]),
+        ({"KVFENCE__NODE__": "x"}, ["KVFENCE__NODE__", "malformed"]),
+        ({"KVFENCE__NODE____ROLE": "decode"}, ["KVFENCE__NODE____ROLE", "malformed"]),
+        (
+            {"KVFENCE__NODE": "x", "KVFENCE__NODE__ROLE": "decode"},
+            ["KVFENCE__NODE", "KVFENCE__NODE__ROLE", "conflict"],
+        ),
+        (
+            {"KVFENCE__NODE__ROLE": "decode", "KVFENCE__node__role": "prefill"},
+            ["KVFENCE__NODE__ROLE", "KVFENCE__node__role", "conflict"],
+        ),
+        ({"KVFENCE__KV__PAGE_SIZE": "[1"}, ["KVFENCE__KV__PAGE_SIZE", "YAML"]),
+        ({"KVFENCE__KV__PAGE_SIZE": "big"}, ["kv.page_size", "KVFENCE__KV__PAGE_SIZE"]),
+        ({"KVFENCE__NODE": "x"}, ["node", "KVFENCE__NODE"]),
+        ({"KVFENCE__NODE__NODE_ID": "bad+node"}, ["node.node_id", "KVFENCE__NODE__NODE_ID"]),
+        ({"KVFENCE__EVENTS__MQTT_HOST": ""}, ["events.mqtt_host", "KVFENCE__EVENTS__MQTT_HOST"]),
+    ],
+)
+def test_bad_env_overrides_are_config_errors_naming_the_variable(env, names):
+    with pytest.raises(ConfigError) as err:
+        parse_config({}, environ=env)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_env_override_controls_for_the_rejected_shapes():
+    # the same variables one at a time, well-formed, are accepted
+    assert parse_config({}, environ={"KVFENCE__NODE__ROLE": "decode"}).node.role == Role.DECODE
+    cfg = parse_config({}, environ={"KVFENCE__NODE": "{role: prefill, node_id: p-1}"})
+    assert cfg.node.role == Role.PREFILL and cfg.node.node_id == "p-1"
+    assert parse_config({}, environ={"KVFENCE__KV__PAGE_SIZE": "32"}).kv.page_size == 32
+    # names without the prefix are not overrides at all
+    unrelated = {"KVFENCE_": "x", "KVFENCEX__NODE": "x"}
+    assert parse_config({}, environ=unrelated).node.role == Role.CONTROL_PLANE

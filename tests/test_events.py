@@ -312,3 +312,29 @@ async def test_cli_events_follow_json() -> None:
     event = json.loads(line)
     assert event["kind"] == "integrity_violation" and event["check"] == "checksum"
     assert event["node_id"] == "node-a" and event["cluster"] == CLUSTER
+
+
+def test_names_that_cannot_be_topic_levels_are_refused() -> None:
+    for node_id in ("bad+node", "#", "a/b", ""):
+        try:
+            EventBus(CLUSTER, node_id, "127.0.0.1")
+        except ValueError as err:
+            assert "node_id" in str(err)
+        else:
+            raise AssertionError(f"node_id {node_id!r} accepted")
+    for cluster in ("c/1", "c+"):
+        try:
+            EventBus(cluster, "node-a", None)  # refused even without a broker: fail early
+        except ValueError as err:
+            assert "cluster" in str(err)
+        else:
+            raise AssertionError(f"cluster {cluster!r} accepted")
+    try:
+        EventBus(CLUSTER, "node-a", "")
+    except ValueError as err:
+        assert "mqtt_host" in str(err)
+    else:
+        raise AssertionError("empty mqtt_host accepted")
+    # control: the names the config allows, and no broker (None), are fine
+    assert EventBus("prod.eu-1", "decode-0.zone_a", "127.0.0.1").node_id == "decode-0.zone_a"
+    assert EventBus(CLUSTER, "node-a", None).mqtt_host is None

@@ -93,3 +93,62 @@ async def test_metrics_time_each_state_a_request_left(cluster: Cluster) -> None:
         if line.startswith("kvfence_request_state_seconds_sum{")
     )
     assert 0 < spent <= wall + 0.01  # the states of one request (and a rejection) in its time
+
+
+async def test_the_control_plane_publishes_its_retained_status(tmp_path: Path) -> None:
+    """DESIGN: node status is retained at kvfence/v1/<cluster>/nodes/<node_id>; the control
+    plane is one of the nodes an operator's dashboard shows: online while it serves, offline
+    after it stops. A second one that cannot bind its ports must not overwrite it."""
+    import json
+
+    import aiomqtt
+    from fixtures_mqtt import start_mosquitto
+
+    from control_plane.service import ControlPlane
+    from kvfence.config import parse_config
+    from kvfence.events import node_topic
+    from kvfence.server import BindError
+
+    async def status() -> dict | None:
+        async with aiomqtt.Client("127.0.0.1", broker.port) as client:
+            await client.subscribe(node_topic("cp-status", "control-plane"), qos=1)
+            try:
+                async with asyncio.timeout(0.5):
+                    async for message in client.messages:
+                        if message.retain:
+                            return dict(json.loads(bytes(message.payload)))
+            except TimeoutError:
+                return None
+        return None
+
+    async def wait_for(online: bool) -> dict:
+        for _ in range(40):
+            got = await status()
+            if got is not None and got["online"] is online:
+                return got
+        raise AssertionError(f"no retained status with online={online}")
+
+    with start_mosquitto() as broker:
+
+        def cfg(state: str, **cp: str) -> object:
+            base = make_cfg(tmp_path / state, **cp).model_dump()
+            base["cluster"] = "cp-status"
+            base["events"] = {"mqtt_host": "127.0.0.1", "mqtt_port": broker.port}
+            return parse_config(base, environ={})
+
+        first = ControlPlane(cfg("a"), model_info=make_model_info())
+        ports = await first.start()
+        try:
+            online = await wait_for(True)
+            assert online["role"] == "control-plane" and online["model"] == "test-model"
+            assert online["grpc_address"] == f"127.0.0.1:{ports.public}"
+            taken = f"127.0.0.1:{ports.public}"
+            second = ControlPlane(cfg("b", listen=taken), model_info=make_model_info())
+            with pytest.raises(BindError):
+                await second.start()
+            second.tenants.close()
+            assert await status() == online  # still the running one's
+        finally:
+            await first.stop(grace=0)
+        offline = await wait_for(False)
+        assert offline["node_id"] == "control-plane"
