@@ -77,6 +77,13 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
     args = ModelArgs.from_hf_config(hf)
     shape = args.shape
     layout = kv_layout(cfg, shape)
+    window = args.sliding_window
+    if window is not None and (cfg.model.context_window or 0) > window:
+        raise ValueError(
+            f"model.context_window {cfg.model.context_window} is over the checkpoint's "
+            f"sliding_window {window}: kvfence attends over the whole context, which gives the "
+            f"model's outputs only up to its window"
+        )
     return ModelInfo(
         name=cfg.model.name,
         context_window=cfg.model.context_window or shape.context_window,

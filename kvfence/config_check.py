@@ -196,6 +196,18 @@ def resolve_shape(cfg: ClusterConfig) -> tuple[ModelShape, str]:
     return shape_from_hf_config(hf_config, str(config_json)), str(config_json)
 
 
+def mistral_sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window of a Mistral ``config.json`` when it is below the context (Mistral
+    enables it by ``sliding_window`` alone; Mistral-7B-v0.1: 4096 of 32768), else None."""
+    window = cfg.get("sliding_window")
+    if str(cfg.get("model_type", "llama")) != "mistral" or window is None:
+        return None
+    context = int(cfg.get("max_position_embeddings", 2048))
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    return int(window) if int(window) < context else None
+
+
 def shape_from_hf_config(hf_config: dict[str, Any], origin: str) -> ModelShape:
     """The KV shape from a Hugging Face ``config.json`` mapping."""
     # Multimodal checkpoints nest the language model's settings under text_config.
@@ -207,6 +219,8 @@ def shape_from_hf_config(hf_config: dict[str, Any], origin: str) -> ModelShape:
         kv_heads = int(hf_config.get("num_key_value_heads") or heads)
         head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
         context = int(hf_config["max_position_embeddings"])
+        # what is served: a Mistral sliding window caps the context (kvfence.model.llama)
+        context = min(context, mistral_sliding_window(hf_config) or context)
         return ModelShape(
             num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, context_window=context
         )

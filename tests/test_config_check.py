@@ -317,3 +317,23 @@ def test_cli_static_and_target_together_is_a_usage_error(tmp_path: Path) -> None
     result = run_cli("--static", str(path), "--target", "127.0.0.1:50052")
     assert result.exit_code == 2
     assert "not both" in result.stderr
+
+
+def test_the_static_check_uses_a_mistral_sliding_window_as_the_context_window() -> None:
+    from kvfence.config_check import shape_from_hf_config
+
+    base = {
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+    }
+    mistral = shape_from_hf_config({**base, "model_type": "mistral"}, "config.json")
+    assert mistral.context_window == 4096  # what kvfence serves (kvfence.model.llama)
+    # controls: the key means nothing to a Llama config, nor a window as long as the context
+    llama = shape_from_hf_config({**base, "model_type": "llama"}, "config.json")
+    assert llama.context_window == 32768
+    wide = {**base, "model_type": "mistral", "sliding_window": 32768}
+    assert shape_from_hf_config(wide, "config.json").context_window == 32768

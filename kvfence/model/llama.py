@@ -11,6 +11,7 @@ checkpoint's state dict loads without renaming.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfence.config import ModelShape
+from kvfence.config_check import mistral_sliding_window
 from kvfence.model.rope import (
     RopeSpec,
     apply_rope_factors,
@@ -63,6 +65,10 @@ class ModelArgs:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral's sliding-window attention (None: none, or a window not below the context). kvfence
+    # attends over the whole context, which is the same thing only up to the window: the usable
+    # context window is capped there (``shape``).
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
@@ -109,6 +115,9 @@ class ModelArgs:
             )
         if cfg.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
+        window = mistral_sliding_window(cfg)
+        if window is not None:
+            args = dataclasses.replace(args, sliding_window=window)
         return args
 
     @property
@@ -118,7 +127,9 @@ class ModelArgs:
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            context_window=self.max_position_embeddings,
+            context_window=min(
+                self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+            ),
         )
 
 

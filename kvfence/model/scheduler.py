@@ -174,7 +174,7 @@ class Scheduler:
 
     def _check_fits(self, prompt_len: int, sampling: SamplingParams) -> None:
         total = prompt_len + sampling.max_new_tokens
-        window = self.engine.model.args.max_position_embeddings
+        window = self.engine.model.args.shape.context_window  # a sliding window caps it
         if total > window:
             raise ValueError(
                 f"prompt {prompt_len} + max_new_tokens {sampling.max_new_tokens} = {total} "

@@ -59,13 +59,21 @@ HF_CASES: dict[str, dict[str, Any]] = {
 def make_hf_checkpoint(directory: Path, case: dict[str, Any], *, std: float = 0.15) -> Any:
     """Save a random HF model for ``case`` to ``directory`` and return it (eval mode)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     kw = dict(case)
     model_type = kw.pop("model_type")
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
     }[model_type]
     # No EOS: both sides then generate exactly max_new_tokens without masking any logit.
     config = config_cls(
@@ -191,3 +199,37 @@ def test_sharded_checkpoint_loads_with_the_same_fingerprint(case: Any, tmp_path:
     assert sharded.fingerprint == engine.loaded.fingerprint
     for name, tensor in engine.loaded.model.state_dict().items():
         assert torch.equal(sharded.model.state_dict()[name], tensor), name
+
+
+def test_a_mistral_sliding_window_caps_the_context_window(tmp_path: Path) -> None:
+    """Mistral turns sliding-window attention on by ``sliding_window`` alone. kvfence attends over
+    the whole context, the same thing up to the window: the window becomes the context window,
+    so a request that would reach past it is refused instead of answered differently. Within
+    it, the tokens are HF's (the control)."""
+    from control_plane.model_info import load_model_info
+    from kvfence.config import parse_config
+
+    window = 24
+    hf = make_hf_checkpoint(
+        tmp_path,
+        dict(
+            model_type="mistral", vocab_size=97, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=window,
+        ),
+    )  # fmt: skip
+    loaded = load_model(tmp_path)
+    assert loaded.model.args.shape.context_window == window  # not max_position_embeddings 256
+    engine = ColocatedEngine(loaded, page_size=16, num_pages=64)
+    ids = prompt(window - NEW_TOKENS, 97, salt=7)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    [out] = engine.generate([GenerationRequest(ids, params)])
+    assert_same(engine, ids, out.token_ids, hf_greedy(hf, ids))
+    with pytest.raises(ValueError, match=f"exceeds the context window {window}"):
+        engine.generate([GenerationRequest([*ids, 1], params)])
+    # what admission enforces, and an operator override past the window is refused
+    cfg = {"model": {"path": str(tmp_path)}}
+    assert load_model_info(parse_config(cfg, environ={})).context_window == window
+    over = {"model": {"path": str(tmp_path), "context_window": window + 1}}
+    with pytest.raises(ValueError, match="over the checkpoint's sliding_window 24"):
+        load_model_info(parse_config(over, environ={}))
