@@ -40,6 +40,19 @@ class RopeSpec:
             )
         if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
             raise ValueError(f"rope type {rope_type!r} needs a 'factor'")
+        if rope_type in ("llama3", "yarn"):
+            # As transformers (standardize_rope_params): a top-level
+            # original_max_position_embeddings wins over the rope dict's, and without either
+            # the pretraining length is max_position_embeddings.
+            if "original_max_position_embeddings" in cfg:
+                params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+            params.setdefault(
+                "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)
+            )
+        if rope_type == "llama3":
+            missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
+            if missing:  # transformers has no default for them either: never guess a rotation
+                raise ValueError(f"rope type 'llama3' needs {' and '.join(map(repr, missing))}")
         if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial rotary embeddings are not supported")
         return cls(theta, rope_type, tuple(sorted(params.items())))
@@ -69,9 +82,9 @@ def inv_freq_and_scale(
 def _llama3(spec: RopeSpec, dim: int) -> torch.Tensor:
     inv_freq = _base_inv_freq(spec.theta, dim)
     factor = float(spec.get("factor"))
-    low = float(spec.get("low_freq_factor", 1.0))
-    high = float(spec.get("high_freq_factor", 4.0))
-    old_ctx = float(spec.get("original_max_position_embeddings", 8192))
+    low = float(spec.get("low_freq_factor"))
+    high = float(spec.get("high_freq_factor"))
+    old_ctx = float(spec.get("original_max_position_embeddings"))
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -82,7 +95,7 @@ def _llama3(spec: RopeSpec, dim: int) -> torch.Tensor:
 
 
 def _yarn(spec: RopeSpec, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    orig = spec.get("original_max_position_embeddings", max_positions)
+    orig = spec.get("original_max_position_embeddings")
     factor = spec.get("factor") or max_positions / orig
 
     def mscale(scale: float, m: float = 1.0) -> float:
