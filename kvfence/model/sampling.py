@@ -82,7 +82,9 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
         return int(torch.argmax(logits))
     if params.seed is None:
         raise ValueError("a sampled request needs a seed (SamplingParams.with_seed())")
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # Shifted so that the top logit is 0: logits / T overflows float32 for a tiny T (the wire
+    # allows any positive float), and softmax of inf is NaN everywhere, whose argmax is token 0.
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if 0 < params.top_p < 1:
         probs = _filter_top_p(probs, params.top_p)
     gen = torch.Generator().manual_seed(step_seed(params.seed, step))

@@ -42,6 +42,19 @@ def test_same_seed_and_step_same_token_other_step_differs() -> None:
     assert step_seed(1234, 0) != step_seed(1234, 1) and 0 <= step_seed(2**64 - 1, 7) < 2**63
 
 
+@pytest.mark.parametrize("temperature", [1e-3, 1e-30, 1e-37, 1e-40])
+def test_a_tiny_temperature_draws_the_top_token(temperature: float) -> None:
+    """logits / T overflowed float32 below T ~ 1e-37: softmax came out NaN everywhere and every
+    draw was token 0, whatever the logits said."""
+    logits = torch.tensor([-5.0, 1.0, 3.0, 50.0, 2.0])
+    p = SamplingParams(temperature=temperature, seed=7)
+    assert {sample_one(logits, p, step) for step in range(20)} == {3}
+    # control: at T = 1 on nearby logits the draws spread over several tokens
+    spread = SamplingParams(temperature=1.0, seed=7)
+    near = torch.tensor([1.0, 1.2, 0.9, 1.1, 1.0])
+    assert len({sample_one(near, spread, step) for step in range(40)}) >= 3
+
+
 def test_top_p_keeps_the_smallest_nucleus() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = SamplingParams(temperature=1.0, top_p=0.7, seed=3)
