@@ -89,11 +89,26 @@ class HFTokenizer:
         return "".join(out)
 
 
+# Tokenizer files kvfence does not read: a folder with one of these but no tokenizer.json has a
+# tokenizer, and serving it with the byte tokenizer would silently turn prompts into wrong ids.
+UNREAD_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "spiece.model")
+
+
 def load_tokenizer(path: Path | str) -> Tokenizer:
-    """The checkpoint folder's ``tokenizer.json`` if it has one, else the byte tokenizer."""
-    file = Path(path) / "tokenizer.json"
+    """The checkpoint folder's ``tokenizer.json`` if it has one; the byte tokenizer for a folder
+    with no tokenizer at all (the embedded model, random test checkpoints); ValueError for a
+    folder whose tokenizer comes in another format."""
+    folder = Path(path)
+    file = folder / "tokenizer.json"
     if file.exists():
         return HFTokenizer(file)
+    other = [name for name in UNREAD_TOKENIZER_FILES if (folder / name).exists()]
+    if other:
+        raise ValueError(
+            f"{folder} has its tokenizer as {', '.join(other)}, which kvfence does not read; "
+            "write a tokenizer.json next to it (with transformers: AutoTokenizer.from_pretrained"
+            "(folder).save_pretrained(folder) writes one for a fast tokenizer)"
+        )
     return ByteTokenizer()
 
 

@@ -62,6 +62,13 @@ def test_tokenizer_round_trip_and_unrenderable_ids(kind: str, tiny_dir: Path) ->
 def test_load_tokenizer_falls_back_to_bytes(tmp_path: Path, tiny_dir: Path) -> None:
     assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
     assert isinstance(load_tokenizer(tiny_dir), HFTokenizer)
+    # A tokenizer in a format kvfence does not read is refused, never replaced by bytes.
+    for name in ("tokenizer.model", "vocab.json"):
+        other = tmp_path / name.replace(".", "_")
+        other.mkdir()
+        (other / name).write_text("{}")
+        with pytest.raises(ValueError, match=f"has its tokenizer as {name}"):
+            load_tokenizer(other)
 
 
 @pytest.fixture(scope="module")
