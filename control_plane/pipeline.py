@@ -115,6 +115,10 @@ class Pipeline:
             log.exception("request crashed")
             self._fail(run, KvfenceError("internal error"))
             raise KvfenceError(f"internal error ({type(err).__name__})") from err
+        except asyncio.CancelledError:  # the task itself cancelled (the loop shutting down)
+            status = "CANCELLED"
+            self._fail(run, Cancelled("the control plane cancelled the request", reason=status))
+            raise
         finally:
             timer.cancel()
             await self._release_all(run)

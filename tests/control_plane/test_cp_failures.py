@@ -213,3 +213,24 @@ async def test_unexpected_stream_end_is_never_ok(cluster: Cluster) -> None:
     with pytest.raises(KvfenceError) as err:
         await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)
     assert err.value.reason == "STREAM_TRUNCATED"
+
+
+async def test_a_cancelled_pipeline_task_ends_its_request_cancelled(cluster: Cluster) -> None:
+    """The pipeline task is cancelled only when the event loop goes down under it; its request
+    must still end in a terminal state, counted as what it was, with its nodes released (it was
+    counted OK and left DECODING)."""
+    await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)  # control: counted OK
+    cluster.script.decode_hold = asyncio.Event()
+    call = asyncio.create_task(cluster.client().generate(prompt_ids=[10], max_new_tokens=4))
+    await eventually(lambda: cluster.decode[0].methods().count("Decode") == 2)
+    [run] = list(cluster.cp.table)
+    [task] = cluster.cp.generation.tasks
+    task.cancel()
+    with pytest.raises(Unavailable):  # what the client is told (a shutdown)
+        await asyncio.wait_for(call, 5)
+    assert run.record.state == RequestState.CANCELLED
+    await eventually(lambda: cluster.decode[0].methods()[-1] == "Release")
+    text = cluster.cp.metrics.render().decode()
+    assert 'kvfence_requests_total{service="control-plane",status="OK"} 1.0' in text
+    assert 'kvfence_requests_total{service="control-plane",status="CANCELLED"} 1.0' in text
+    cluster.script.decode_hold.set()
