@@ -447,3 +447,29 @@ def test_node_token_reaches_control_plane_and_every_node(helm_home: Path) -> Non
     assert next(v for v in spec["volumes"] if v["name"] == "node-token")["secret"][
         "secretName"
     ] == ("ops-node")
+
+
+@pytest.mark.parametrize("values", [(), (GPU_VALUES,)], ids=["default", "gpu-rdma"])
+def test_every_pod_can_reach_its_model(helm_home: Path, values: tuple[Path, ...]) -> None:
+    """Each service finds its checkpoint on a volume of its own pod: the configured model.path on
+    the model volume (the control plane reads config.json and the tokenizer too), or, with none
+    set, the embedded model that a node writes under state_dir, on a writable volume (the root
+    filesystem is read-only). Both used to be missing: nodes could not write the embedded model,
+    and a control plane with model.path set found no config.json."""
+    docs = render(helm_home, values)
+    text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+    for role in Role:
+        deployment = find(docs, "Deployment", f"{FULLNAME}-{role}")
+        c = container(deployment)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        cfg = parse_config(yaml.safe_load(text), environ=dict(POD_ENV))
+        if cfg.model.path is not None:
+            where, writable = Path(cfg.model.path), False
+        else:
+            where, writable = cfg.control_plane.state_dir / "models" / "tiny-llama", True
+        mounts = [m for m in c["volumeMounts"] if where.is_relative_to(Path(m["mountPath"]))]
+        assert mounts, f"{role}: nothing mounted at {where}"
+        if writable:
+            assert not mounts[-1].get("readOnly", False), f"{role}: {where} is read-only"
+        volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert {m["name"] for m in mounts} <= volumes

@@ -97,7 +97,9 @@ spec:
           securityContext:
             {{- $sc := deepCopy $root.Values.securityContext }}
             {{- if $v.rdma.enabled }}
-            {{- /* Registering KV pages with the HCA pins them: RDMA needs IPC_LOCK (memlock). */}}
+            {{- /* Registering KV pages with the HCA pins them. IPC_LOCK lifts the memlock limit
+                   only for a container running as root: as runAsUser 10001 the pods need the
+                   node runtime's memlock limit raised (values.yaml, prefill.rdma). */}}
             {{- $caps := deepCopy ($sc.capabilities | default dict) }}
             {{- $_ := set $caps "add" (concat ($caps.add | default list) (list "IPC_LOCK") | uniq) }}
             {{- $_ := set $sc "capabilities" $caps }}
@@ -110,6 +112,10 @@ spec:
             {{- include "kvfence.nodeTokenMount" $root | nindent 12 }}
             - name: shm
               mountPath: /dev/shm
+            {{- /* control_plane.state_dir: where a node writes the embedded model when no
+                   model.path is set (the root filesystem is read-only) */}}
+            - name: state
+              mountPath: /var/lib/kvfence
             {{- if $root.Values.model.volume }}
             - name: model
               mountPath: {{ $root.Values.model.mountPath }}
@@ -122,6 +128,9 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $v.shmSize | quote }}
+        - name: state
+          emptyDir:
+            sizeLimit: 64Mi
         {{- with $root.Values.model.volume }}
         - name: model
           {{- toYaml . | nindent 10 }}
