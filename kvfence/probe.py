@@ -13,11 +13,15 @@ Against any running kvfence deployment (only the public API and two tenant API k
    must not be rejected as over-length (RESOURCE_EXHAUSTED there is "not verified", a warning).
 
 Checks: any n-gram (``ngram`` consecutive ids) of A's canaries in B's output ids, or any of A's
-canary markers in B's text or error messages, is a LEAK; an over-length request that is not
-rejected with INVALID_ARGUMENT is a FAILURE; B's greedy output under load that differs from its solo
-baseline is a DIVERGENCE, reported as a warning (batching can change float rounding; an operator
-should look, but it does not prove a leak by itself). ``ProbeReport.exit_code`` is 0 when clean,
-1 on a leak or an over-length acceptance, 2 when the probe could not run or verified nothing.
+canary markers, any 8 hex digits of one, or the marker prefix, in B's text or error messages, is
+a LEAK; an over-length request that is not rejected with INVALID_ARGUMENT is a FAILURE; B's greedy
+output under load that differs from its solo baseline is a DIVERGENCE, reported as a warning
+(batching can change float rounding; an operator should look, but it does not prove a leak by
+itself), or as a failure with ``fail_on_divergence`` (``--fail-on-divergence``: for deployments
+whose outputs do not depend on the batch, where it is the likeliest sign of a leak that copies
+nothing verbatim). ``ProbeReport.exit_code`` is 0 when clean, 1 on a leak, an over-length
+acceptance or (so asked) a divergence, 2 when the probe could not run or verified nothing (no
+canary request succeeded, or no B probe ran while A's requests were in flight).
 
 Canary ids are drawn from ``[id_low, id_high)`` (default ``[3, 250)``: past the usual specials and
 inside any vocabulary worth serving); everything random comes from one seedable generator.
@@ -57,6 +61,7 @@ PHASE_AT_LIMIT = "at-limit"
 PHASE_OVER_LENGTH = "over-length"
 
 _MARKER_PREFIX = "KVFCANARY"
+MARKER_PIECE = 8  # hex digits of one of A's markers that, in B's text, count as a leak
 
 
 class ProbeSetupError(Exception):
@@ -94,6 +99,11 @@ class ProbeOptions:
     id_high: int = 250
     ngram: int = 4
     text_canaries: bool = True
+    # A B output under load that differs from its solo baseline fails the probe (exit 1). Off by
+    # default: batching may change float rounding and so a greedy token on some hardware; on a
+    # deployment whose outputs do not depend on the batch, a divergence is the likeliest sign of
+    # a leak that copies nothing verbatim.
+    fail_on_divergence: bool = False
 
     def validate(self) -> None:
         if self.requests < 1:
@@ -175,9 +185,23 @@ class CanaryIndex:
         return hits
 
     def find_text(self, text: str) -> list[tuple[str, int]]:
-        if _MARKER_PREFIX not in text:
-            return []
-        return [(m, i) for m, i in self.markers.items() if m in text]
+        """``(evidence, A request index)`` of A's markers in ``text``: a whole marker, any
+        ``MARKER_PIECE`` hex digits of one (KV read from A's pages rarely reproduces a whole
+        prompt: a piece is as much a leak), or the marker prefix alone (index -1: which of A's
+        prompts it came from is not known). Neither occurs in B's own text by chance."""
+        hits = []
+        for marker, i in self.markers.items():
+            if marker in text:
+                hits.append((marker, i))
+                continue
+            digits = marker[len(_MARKER_PREFIX) :]
+            for k in range(len(digits) - MARKER_PIECE + 1):
+                if digits[k : k + MARKER_PIECE] in text:
+                    hits.append((digits[k : k + MARKER_PIECE], i))
+                    break
+        if not hits and _MARKER_PREFIX in text:
+            hits.append((_MARKER_PREFIX, -1))
+        return hits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,6 +283,7 @@ class ProbeReport:
     at_limit: AtLimitResult | None = None
     warnings: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    divergence_fails: bool = False  # ProbeOptions.fail_on_divergence
 
     @property
     def over_length_failures(self) -> list[OverLengthResult]:
@@ -266,8 +291,13 @@ class ProbeReport:
 
     @property
     def inconclusive(self) -> bool:
-        """Nothing was verified: no canary load landed, or no B probe ran against it."""
-        return self.canary_ok == 0 or self.probes_under_load_ok == 0
+        """Nothing was verified: no canary load landed, no B probe ran against it, or none ran
+        while A's requests were in flight (the case of the incident: pages shared live)."""
+        return (
+            self.canary_ok == 0
+            or self.probes_under_load_ok == 0
+            or self.probes_overlapping_load == 0
+        )
 
     @property
     def verdict(self) -> str:
@@ -275,6 +305,8 @@ class ProbeReport:
             return "LEAK"
         if self.over_length_failures:
             return "FAIL"
+        if self.divergence_fails and self.diverged:
+            return "DIVERGED"
         if self.inconclusive:
             return "INCONCLUSIVE"
         if self.warnings:
@@ -284,6 +316,8 @@ class ProbeReport:
     @property
     def exit_code(self) -> int:
         if self.leaks or self.over_length_failures:
+            return EXIT_FAILED
+        if self.divergence_fails and self.diverged:
             return EXIT_FAILED
         if self.inconclusive:
             return EXIT_ERROR
@@ -351,7 +385,9 @@ class IsolationProbe:
         self.progress: ProgressSink = progress or _NoProgress()
         seed = self.opts.seed if self.opts.seed is not None else secrets.randbits(32)
         self.rng = random.Random(seed)
-        self.report = ProbeReport(target=target, seed=seed)
+        self.report = ProbeReport(
+            target=target, seed=seed, divergence_fails=self.opts.fail_on_divergence
+        )
         self.index = CanaryIndex(self.opts.ngram)
         self._canary_request_ids: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -502,7 +538,8 @@ class IsolationProbe:
                         a_idx,
                         self._canary_request_ids.get(a_idx, ""),
                         text.find(marker),
-                        f"text marker {marker} of tenant A prompt {a_idx}",
+                        f"text {marker!r} of tenant A's markers"
+                        + (f" (prompt {a_idx})" if a_idx >= 0 else ""),
                     )
                 )
         if found:
@@ -762,7 +799,7 @@ class IsolationProbe:
         if rep.canary_ok and rep.probes_under_load_ok and not rep.probes_overlapping_load:
             rep.warnings.append(
                 "tenant A's load ended before tenant B's probes ran (only the after-load check "
-                "saw A's data in freed pages); raise --requests"
+                "saw A's data in freed pages): inconclusive; raise --requests"
             )
         if rep.canary_busy:
             rep.warnings.append(f"{rep.canary_busy} tenant A requests got RESOURCE_EXHAUSTED")

@@ -58,6 +58,12 @@ def isolation(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, help="Per-request deadline, s."),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
+    fail_on_divergence: bool = typer.Option(
+        False,
+        "--fail-on-divergence",
+        help="Exit 1 when a probe's output under load differs from its solo run (for "
+        "deployments whose outputs do not depend on the batch).",
+    ),
 ) -> None:
     """Two-tenant canary test: does tenant B ever see tenant A's data, and are over-length
     requests rejected before any token?"""
@@ -66,7 +72,13 @@ def isolation(
     from kvfence.probe import EXIT_ERROR, ProbeOptions, ProbeSetupError, run_isolation_probe
 
     err_console = Console(stderr=True)
-    options = ProbeOptions(requests=requests, concurrency=concurrency, timeout=timeout, seed=seed)
+    options = ProbeOptions(
+        requests=requests,
+        concurrency=concurrency,
+        timeout=timeout,
+        seed=seed,
+        fail_on_divergence=fail_on_divergence,
+    )
     progress = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -104,6 +116,7 @@ _VERDICT_STYLE = {
     "INCONCLUSIVE": "bold yellow",
     "FAIL": "bold red",
     "LEAK": "bold red",
+    "DIVERGED": "bold red",
 }
 
 

@@ -29,6 +29,7 @@ from kvfence.cli.probe import register
 from kvfence.probe import (
     CanaryIndex,
     ProbeOptions,
+    ProbeReport,
     ProbeSetupError,
     canary_ids,
     canary_marker,
@@ -80,7 +81,9 @@ def test_canary_index_finds_ngrams_and_ignores_what_b_saw_alone() -> None:
     index.exclude([20, 21, 22, 23])  # e.g. tenant B's own solo output
     assert index.find_ids([20, 21, 22, 23]) == []
     assert index.find_text("xx KVFCANARY00ff yy") == [("KVFCANARY00ff", 2)]
-    assert index.find_text("KVFCANARY0000") == []
+    # another marker's prefix is still A's (B never sends it): a leak, of unknown origin
+    assert index.find_text("KVFCANARY0000") == [("KVFCANARY", -1)]
+    assert index.find_text("xx 00f yy") == []  # control
 
 
 def test_same_key_twice_is_a_usage_error() -> None:
@@ -98,7 +101,10 @@ KEYS = {"Bearer key-a": "a", "Bearer key-b": "b"}
 class LeakyGeneration(client_pb2_grpc.GenerationServicer):
     """Hands tenant A's previous prompt to tenant B as "stale KV", and checks no length."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "copy") -> None:
+        # "copy": B gets A's ids and text verbatim; "piece": B's text carries 10 hex digits of
+        # one of A's markers (no whole marker, no prefix, no id of A's)
+        self.mode = mode
         self.last_a_ids: list[int] = []
         self.last_a_text = ""
         self.b_requests = 0
@@ -129,6 +135,8 @@ class LeakyGeneration(client_pb2_grpc.GenerationServicer):
         ids = list(request.token_ids.ids)
         n = request.max_new_tokens
         text = ""
+        if self.mode != "copy" and len(ids) + n > FAKE_LIMIT:  # only "copy" also accepts these
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "over the admissible limit")
         if tenant == "a":
             if ids:
                 self.last_a_ids = ids
@@ -137,7 +145,16 @@ class LeakyGeneration(client_pb2_grpc.GenerationServicer):
             out = [5] * n
         else:
             self.b_requests += 1
-            if self.last_a_ids:  # the bug: decode attends over pages another tenant wrote
+            if self.mode == "diverge":  # A's data changes B's output, copying none of it
+                shift = 1 if self.last_a_ids or self.last_a_text else 0
+                out = [(x * 7 + shift) % 200 + 3 for x in ids[:n]]
+                out += [9] * (n - len(out))
+            elif self.mode == "piece":
+                out = [(x * 7) % 200 + 3 for x in ids[:n]]
+                out += [9] * (n - len(out))
+                marker_digits = len("KVFCANARY")
+                text = self.last_a_text[marker_digits : marker_digits + 10]
+            elif self.last_a_ids:  # the bug: decode attends over pages another tenant wrote
                 out = (self.last_a_ids * (n // len(self.last_a_ids) + 1))[:n]
                 text = self.last_a_text[:64]
             else:
@@ -160,6 +177,10 @@ class LeakyGeneration(client_pb2_grpc.GenerationServicer):
 @pytest.fixture()
 def leaky_target() -> Iterator[str]:
     """The leaky fake, served by grpc.aio on its own event loop in a thread."""
+    yield from _serve(LeakyGeneration())
+
+
+def _serve(servicer: client_pb2_grpc.GenerationServicer) -> Iterator[str]:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     port = _free_port()
@@ -167,7 +188,7 @@ def leaky_target() -> Iterator[str]:
 
     async def serve() -> None:
         server = grpc.aio.server()
-        client_pb2_grpc.add_GenerationServicer_to_server(LeakyGeneration(), server)
+        client_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
@@ -201,6 +222,54 @@ def test_probe_reports_leak_and_over_length_acceptance(leaky_target: str) -> Non
     assert report.diverged > 0 and any("DIVERGENCE" in w for w in report.warnings)
     d = report.to_dict()
     assert d["leak_count"] == len(report.leaks) and d["over_length_failures"] == 4
+
+
+def test_a_piece_of_a_marker_in_b_text_is_a_leak() -> None:
+    """KV read from another tenant's pages rarely reproduces its whole prompt: 10 of a marker's
+    hex digits in B's text (no whole marker, no prefix, none of A's ids) used to pass."""
+    for target in _serve(LeakyGeneration(mode="piece")):
+        report = run_isolation_probe(
+            target, "key-a", "key-b", options=ProbeOptions(requests=8, seed=3, timeout=10)
+        )
+    assert report.exit_code == 1 and report.verdict == "LEAK"
+    assert {leak.kind for leak in report.leaks} == {"text"}
+
+
+def test_canary_index_finds_pieces_of_markers_and_the_prefix() -> None:
+    index = CanaryIndex(4)
+    marker = "KVFCANARY0123456789abcdef"
+    index.add_marker(2, marker)
+    assert index.find_text(f"x {marker} y") == [(marker, 2)]
+    assert index.find_text("..3456789a..") == [("3456789a", 2)]  # 8 of its digits
+    assert index.find_text("KVFCANARY") == [("KVFCANARY", -1)]  # whose, unknown
+    # controls: 7 digits, or text of B's own, are nothing
+    assert index.find_text("..3456789..") == []
+    assert index.find_text("an ordinary answer 42") == []
+
+
+def test_the_probe_exit_code_needs_probes_during_the_load_and_can_fail_on_divergence() -> None:
+    verified = dict(canary_ok=8, probes_under_load_ok=4, probes_overlapping_load=2)
+    assert ProbeReport("t", **verified).exit_code == 0  # control: clean
+    # B never ran while A's requests were in flight: the live-sharing case went unverified
+    late = ProbeReport("t", **{**verified, "probes_overlapping_load": 0})
+    assert late.inconclusive and late.exit_code == 2 and late.verdict == "INCONCLUSIVE"
+    diverged = ProbeReport("t", **verified, compared=4, diverged=1)
+    assert diverged.exit_code == 0  # a warning by default (batching may change rounding) ...
+    strict = ProbeReport("t", **verified, compared=4, diverged=1, divergence_fails=True)
+    assert strict.exit_code == 1 and strict.verdict == "DIVERGED"  # ... a failure if asked
+
+
+def test_cli_fails_on_divergence_only_when_asked() -> None:
+    args = ["probe", "isolation", "--tenant-a-key", "key-a", "--tenant-b-key", "key-b"]
+    args += ["--requests", "6", "--seed", "1", "--timeout", "10", "--json"]
+    for target in _serve(LeakyGeneration(mode="diverge")):  # a fresh fake each: it remembers A
+        default = CliRunner().invoke(_cli(), [*args, "--target", target])
+    for target in _serve(LeakyGeneration(mode="diverge")):
+        strict = CliRunner().invoke(_cli(), [*args, "--target", target, "--fail-on-divergence"])
+    out = json.loads(default.stdout)
+    assert out["leak_count"] == 0 and out["diverged"] > 0  # nothing copied, outputs changed
+    assert default.exit_code == 0 and out["verdict"] == "WARN"  # control: a warning by default
+    assert strict.exit_code == 1 and json.loads(strict.stdout)["verdict"] == "DIVERGED"
 
 
 def test_cli_against_leaky_server_exits_1(leaky_target: str) -> None:
