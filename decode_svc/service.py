@@ -22,10 +22,10 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import torch
@@ -62,6 +62,24 @@ def drain_tokens(
     first other event taken (see ``take_ready``)."""
     more, other = take_ready(events, lambda event: event[0] == "tokens")
     return [*first, *(t for _, ids in more for t in ids)], other
+
+
+class _StreamFailed(Exception):
+    """A Decode stream ending with ``status``; ``abort`` is what ended the RPC (re-raised)."""
+
+    def __init__(self, status: str, abort: BaseException):
+        super().__init__(status)
+        self.status = status
+        self.abort = abort
+
+
+async def _end(context: grpc.aio.ServicerContext, err: KvfenceError) -> NoReturn:
+    """End the Decode RPC with ``err``, telling the handler which status it ended with."""
+    try:
+        await abort(context, err)
+    except BaseException as ended:
+        raise _StreamFailed(err.code.name, ended) from None
+    raise AssertionError("abort returned")
 
 
 class ResState(Enum):
@@ -161,58 +179,77 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         self.rpc_count += 1
         self.metrics.rpcs_total.labels(method="Decode").inc()
-        with kvlog.request_context(request.request_id, request.tenant_id):
-            res = self.reservations.get(request.reservation_id)
-            try:
-                await self._verify(request, res)
-            except KvfenceError as err:
-                await abort(context, err)
-            assert res is not None
-            events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-            res.state = ResState.DECODING
-            self.pool.set_state(res.reservation_id, PageState.READY)
-            self.pool.set_state(res.reservation_id, PageState.IN_USE)
-            params: Any = sampling_from_proto(request.sampling)
-            seq = ActiveSeq(
-                res.reservation_id,
-                res.pages,
-                res.prompt_tokens,
-                request.manifest.first_token,
-                params,
-                events.put_nowait,
-            )
-            res.emit = events.put_nowait
-            yield decode_pb2.DecodeResponse(verified=True)
-            # grpc.aio wrote that message while this generator was suspended: a Release (or a
-            # duplicate Decode failing verification) may have given the pages back meanwhile.
-            # Never add a sequence whose pages are no longer this reservation's.
-            if self.reservations.get(res.reservation_id) is not res:
-                await abort(context, Cancelled("the reservation was released before decoding"))
-            assert self.batcher is not None
-            self.batcher.add(seq)
-            try:
-                pending: tuple[str, Any] | None = None
-                while True:
-                    kind, value = pending or await events.get()
-                    pending = None
-                    if kind == "tokens":
-                        ids, pending = drain_tokens(value, events)
-                        yield decode_pb2.DecodeResponse(token_ids=ids)
-                    elif kind == "finish":
-                        yield decode_pb2.DecodeResponse(finish_reason=value)
-                        self.metrics.requests_total.labels(status="OK").inc()
-                        break
-                    else:
-                        failure: KvfenceError = value
-                        if isinstance(failure, IntegrityError):
-                            self._integrity_failure(res, failure, stage="decode")
-                        self._release(res.reservation_id, "error")
-                        await abort(context, failure)
-            finally:
-                # Finished, failed, or the control plane gone: nothing reads these pages any more,
-                # so they go back now, not when (or if) the control plane's Release arrives: a
-                # lost Release must not pin them until the node restarts.
-                self._release(res.reservation_id, "decode stream ended")
+        # How the stream ended, for requests_total: a finish, a failure's status, or CANCELLED
+        # when it ended otherwise (the control plane went away, or a Release).
+        status = "CANCELLED"
+        try:
+            with kvlog.request_context(request.request_id, request.tenant_id):
+                # aclosing: a stream cancelled while suspended here must close the inner one now,
+                # whose finally gives the pages back
+                async with contextlib.aclosing(self._decode(request, context)) as messages:
+                    async for message in messages:
+                        if message.finish_reason:
+                            status = "OK"
+                        yield message
+        except _StreamFailed as failed:
+            status = failed.status
+            raise failed.abort from None
+        finally:
+            self.metrics.requests_total.labels(status=status).inc()
+
+    async def _decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        res = self.reservations.get(request.reservation_id)
+        try:
+            await self._verify(request, res)
+        except KvfenceError as err:
+            await _end(context, err)
+        assert res is not None
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        res.state = ResState.DECODING
+        self.pool.set_state(res.reservation_id, PageState.READY)
+        self.pool.set_state(res.reservation_id, PageState.IN_USE)
+        params: Any = sampling_from_proto(request.sampling)
+        seq = ActiveSeq(
+            res.reservation_id,
+            res.pages,
+            res.prompt_tokens,
+            request.manifest.first_token,
+            params,
+            events.put_nowait,
+        )
+        res.emit = events.put_nowait
+        yield decode_pb2.DecodeResponse(verified=True)
+        # grpc.aio wrote that message while this generator was suspended: a Release (or a
+        # duplicate Decode failing verification) may have given the pages back meanwhile.
+        # Never add a sequence whose pages are no longer this reservation's.
+        if self.reservations.get(res.reservation_id) is not res:
+            await _end(context, Cancelled("the reservation was released before decoding"))
+        assert self.batcher is not None
+        self.batcher.add(seq)
+        try:
+            pending: tuple[str, Any] | None = None
+            while True:
+                kind, value = pending or await events.get()
+                pending = None
+                if kind == "tokens":
+                    ids, pending = drain_tokens(value, events)
+                    yield decode_pb2.DecodeResponse(token_ids=ids)
+                elif kind == "finish":
+                    yield decode_pb2.DecodeResponse(finish_reason=value)
+                    break
+                else:
+                    failure: KvfenceError = value
+                    if isinstance(failure, IntegrityError):
+                        self._integrity_failure(res, failure, stage="decode")
+                    self._release(res.reservation_id, "error")
+                    await _end(context, failure)
+        finally:
+            # Finished, failed, or the control plane gone: nothing reads these pages any more,
+            # so they go back now, not when (or if) the control plane's Release arrives: a
+            # lost Release must not pin them until the node restarts.
+            self._release(res.reservation_id, "decode stream ended")
 
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

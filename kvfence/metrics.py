@@ -143,7 +143,9 @@ class Metrics:
         )
         self.rpcs_total = Counter(
             "rpcs_total",
-            "gRPC calls served, by method.",
+            "Request-carrying gRPC calls, by method: served by this process (Generate, "
+            "ListModels, Reserve, Prefill, Decode), or on the control plane also made to nodes "
+            "(client:<method>).",
             ["method"],
             namespace=NAMESPACE,
             registry=r,

@@ -521,3 +521,34 @@ async def test_a_prompt_the_closed_engine_refuses_leaves_no_page_held(nodes):
     assert pool.num_free == pool.num_pages
     pool.check_integrity()
     await dstub.Release(prefill_pb2.ReleaseRequest(request_id="after"))
+
+
+async def test_decode_counts_every_way_a_stream_ends(nodes):
+    """requests_total on decode counted only finished streams: a refused manifest or a stream
+    the control plane cancelled never showed."""
+    dec, _, dstub, pstub = nodes
+    prompt = list(range(3, 23))
+    await run_request(dstub, pstub, "ok", "t-m", prompt, 4)  # control: OK
+    sampling = common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "bad", prompt, sampling)
+    reply = await call
+    tampered = _decode_request(res, reply, "bad", sampling)
+    tampered.manifest.token_count -= 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in dstub.Decode(tampered):
+            pass
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="bad"))
+    long = common_pb2.SamplingParams(max_new_tokens=200, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "gone", prompt, long, max_new=200)
+    reply = await call
+    stream = dstub.Decode(_decode_request(res, reply, "gone", long))
+    async for msg in stream:
+        if msg.token_ids:
+            stream.cancel()
+            break
+    await _all_free(dec.rt.pool)
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="gone"))
+    text = dec.metrics.render().decode()
+    for status in ("OK", "DATA_LOSS", "CANCELLED"):
+        assert f'kvfence_requests_total{{service="decode",status="{status}"}} 1.0' in text, status
