@@ -36,6 +36,8 @@ DEMO_TENANT = "demo"
 # Signals that stop `up` and, through it, every service it started (they run in their own
 # sessions, so a closed terminal's SIGHUP reaches only `up`).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PARENT_ENV = "KVFENCE_STOP_WITH_PARENT"  # the pid of the `up` that started a service
+PR_SET_PDEATHSIG = 1
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
@@ -46,6 +48,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         from kvfence.transfer import stop_ucx_notifier, use_ucx_futures
 
         kvlog.configure("json", os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
+        _stop_with_parent()
         try:
             cfg = load_config(config)
         except ConfigError as err:
@@ -173,6 +176,23 @@ def build_up_config(
     return cfg
 
 
+def _stop_with_parent() -> None:
+    """A service that ``up`` started stops when ``up`` dies, however it dies (``kill -9``
+    included, which ``up`` cannot pass on): the kernel sends it SIGTERM, its graceful stop
+    (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op). ``up`` names itself in PARENT_ENV."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(parent):  # `up` died before the request took effect
+        typer.echo("kvfence serve: the kvfence up that started this service is gone", err=True)
+        raise typer.Exit(1)
+
+
 def _spawn(
     role: str, cfg_path: Path, env: dict[str, str], log_path: Path
 ) -> subprocess.Popen[bytes]:
@@ -207,6 +227,7 @@ def run_stack(
     # those threads spin against each other (and the control plane) for the same cores: share
     # the cores out instead. An operator's own OMP_NUM_THREADS wins.
     env.setdefault("OMP_NUM_THREADS", str(local_threads(n_prefill + n_decode)))
+    env[PARENT_ENV] = str(os.getpid())
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     stopping = False
 

@@ -67,3 +67,28 @@ def test_node_with_other_model_is_refused(tmp_path):
         del torch
     finally:
         stack.stop()
+
+
+def test_services_stop_when_up_is_killed(tmp_path):
+    """kill -9 of `kvfence up` (the OOM killer, a lost container) cannot be passed on by up
+    itself: its services, in sessions of their own, kept serving with their ports bound. The
+    kernel now sends them SIGTERM when up dies."""
+    import signal
+    import time
+
+    stack = Stack(tmp_path / "s").start()
+    try:
+        children = list(stack.children)
+        assert len(children) == 3
+        with stack.client() as c:  # control: they serve while up lives
+            assert c.generate(prompt_ids=[1, 2], max_new_tokens=2, ignore_eos=True).token_ids
+        os.kill(stack.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(
+            p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children
+        ):
+            time.sleep(0.2)
+        alive = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert alive == [], f"services outlived up: {alive}"
+    finally:
+        stack.stop()
