@@ -552,3 +552,34 @@ async def test_decode_counts_every_way_a_stream_ends(nodes):
     text = dec.metrics.render().decode()
     for status in ("OK", "DATA_LOSS", "CANCELLED"):
         assert f'kvfence_requests_total{{service="decode",status="{status}"}} 1.0' in text, status
+
+
+@pytest.mark.parametrize("change", ["none", "model", "layout"])
+async def test_a_manifest_for_another_model_or_layout_is_data_loss(nodes, change):
+    """Manifest check 6: KV written by a prefill node serving another model (or laid out
+    otherwise) is refused even when its MAC is valid, i.e. signed by a node that holds the
+    reservation's secret. The control re-signs an unchanged manifest, which goes through."""
+    from kvfence import manifest as mf
+
+    dec, _, dstub, pstub = nodes
+    prompt = list(range(3, 23))
+    sampling = common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True)
+    res, call = await reserve_and_prefill(dstub, pstub, "m6", prompt, sampling, max_new=2)
+    request = _decode_request(res, await call, "m6", sampling)
+    if change == "model":
+        request.manifest.model_fingerprint = "0" * 64
+    elif change == "layout":
+        request.manifest.layout.num_layers += 1
+    mf.sign(request.manifest, res.secret)
+    stream = dstub.Decode(request)
+    if change == "none":
+        tokens = [t async for msg in stream for t in msg.token_ids]
+        assert len(tokens) == 2
+    else:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert error_info(err.value).reason == change.upper()
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="m6"))
+    await _all_free(dec.rt.pool)
