@@ -3,13 +3,21 @@
  *
  * Processes
  *   ControlPlane(r)  one per request (request r belongs to tenant r): admission, Reserve RPC
- *                    to decode, hand-off to prefill, client cancel (Abort RPC to decode)
+ *                    to decode, hand-off to prefill, client cancel / operator abort (a Release
+ *                    RPC to decode, or the Decode stream cancelled: both end in _release)
  *   Prefill          runs a handed-off request, sends one message per page, then a manifest
  *   Network          the data path: delivers any in-flight message (reordering), drops any
- *                    (loss), delivers a manifest twice (duplication); also UCX finishing a
- *                    requested cancel of a posted receive
- *   Decode           owns the page pool, the reservations and the posted receives: verifies,
- *                    times out, decodes, quarantines and releases
+ *                    (loss); also UCX finishing a requested cancel of a posted receive. It also
+ *                    carries the Decode call (which holds the manifest): delivered, lost, or
+ *                    delivered with a duplicate left in flight that may arrive at any later time
+ *   Decode           the event loop: the page pool, the reservations, the posted receives and
+ *                    the Decode streams: verifies, times out, quarantines and releases; a
+ *                    verified stream re-checks its reservation after the `verified` message and
+ *                    only then adds its sequence to the batch; a stream that reads finish or an
+ *                    error ends, and its `finally` releases the reservation
+ *   Batcher          the decode engine thread: per step and sequence, claims the page the step
+ *                    writes into (ownership check + begin_ops under the batcher lock), writes it
+ *                    and attends over the sequence's pages, then end_ops, then finishes or goes on
  *
  * Compile-time switches (spin -DNAME -a kvfence.pml)
  *   MUTANT_PLACEHOLDER         a rejected request still reserves and goes to prefill with a
@@ -23,20 +31,33 @@
  *                              truncates its page list is then enough to break P1
  *   MUTANT_LEAK_QUARANTINE     quarantined pages are never released once their receives are
  *                              done (the page leak SGLang #27666 users report)
+ *   MUTANT_RELEASE_IGNORES_OPS release (Release RPC, abort, duplicate Decode, stream end) frees
+ *                              every page at once, ignoring begin_ops/end_ops: a decode step's
+ *                              write may still land in the freed page
+ *   MUTANT_ADD_AFTER_RELEASE   the Decode stream adds its sequence to the batch without
+ *                              re-checking, after the `verified` yield, that its reservation is
+ *                              still held
  *   NO_P2, NO_P3               leave those assertions out, to see what the bug leads to next
  *   WITNESS                    assert that the hazardous-but-safe path is unreachable; pan must
  *                              refute it, which shows the real model exercises that path
+ *   WITNESS_DECODE_RELEASE     assert that no page is ever freed by end_ops, i.e. that no release
+ *                              finds a decode-step write outstanding (refuted: the decoding +
+ *                              outstanding write + concurrent Release race is reachable)
+ *   WITNESS_DUPLICATE_DECODE   assert that no duplicate Decode arrives while the first one's
+ *                              sequence is in the batch (refuted: the race is reachable)
  *
  * Invariants; every assertion starts with a hidden, always-1 tag so pan's message names it
  *   P1_isolation   when request r's decode reads page p (its index i) the page is owned by r at
  *                  the generation in r's block table, and holds exactly the bytes r's prefill
  *                  wrote for index i, landed at that generation
  *   P2_no_free_while_write_outstanding
- *                  no page is freed or allocated while a posted receive into it (a write that
- *                  may still land) is outstanding; a write lands only in a page its reservation
- *                  owns at the generation the receive was posted for
+ *                  no page is freed or allocated while an operation that may write into it is
+ *                  outstanding: a posted receive, or a decode step between begin_ops and
+ *                  end_ops; a write (a landing receive or a decode step's KV write) lands only
+ *                  in a page its reservation owns at the generation it was posted / claimed for
  *   P3_only_verified_enter_decode
- *                  a rejected or aborted request never enters decode
+ *                  a rejected or aborted request never enters the decode batch, and no
+ *                  sequence enters it once its reservation has been released
  *   P4_pool_drained
  *                  when nothing can move any more (every request terminal, every message gone)
  *                  every page is FREE with no owner and no reservation holds pages: aborts and
@@ -88,6 +109,8 @@ hidden byte P2_no_free_while_write_outstanding = 1;
 hidden byte P3_only_verified_enter_decode = 1;
 hidden byte P4_pool_drained = 1;
 hidden byte WITNESS_late_write_page_reused = 1;
+hidden byte WITNESS_release_during_decode_write = 1;
+hidden byte WITNESS_duplicate_decode_while_decoding = 1;
 hidden byte j;                  /* loop index inside d_steps (no value survives a step) */
 
 /* control plane request lifecycle; states >= CP_FINISHED are terminal */
@@ -106,15 +129,29 @@ hidden byte j;                  /* loop index inside d_steps (no value survives 
 #define PG_RECEIVING 1
 #define PG_READY 2
 #define PG_IN_USE 3
-#define PG_QUARANTINED 4
+#define PG_QUARANTINED 4                /* failed/aborted, or released with an operation open */
 
 /* reservation on decode; its id is the request id and is never reused */
 #define RS_NONE 0
 #define RS_RECEIVING 1
 #define RS_VERIFYING 2          /* manifest accepted, waiting for the listed receives */
-#define RS_READY 3              /* KV_VERIFIED */
+#define RS_DECODING 3           /* KV verified; its Decode stream is open (service DECODING) */
 #define RS_QUARANTINED 4        /* failed or aborted: pages held until no receive can land */
-#define RS_GONE 5               /* pages released */
+#define RS_GONE 5               /* released (pages with a decode write open stay QUARANTINED) */
+
+/* the Decode stream of a verified reservation */
+#define SM_NONE 0               /* no stream, or one whose remaining steps change nothing */
+#define SM_VERIFIED 1           /* yielded `verified`; re-check and batcher.add still to come */
+#define SM_OPEN 2               /* its sequence was added; waiting for events */
+#define SM_FINISH 3             /* the batcher posted finish; the stream has not read it yet */
+#define SM_ERROR 4              /* the batcher posted an error (tag check, page not owned) */
+
+/* the decode step a sequence is in; it writes into its last page, index NEED_OF(r) - 1 */
+#define WR_IDLE 0
+#define WR_CLAIMED 1            /* begin_ops done, the kernel has not written yet */
+#define WR_WRITTEN_OK 2         /* written and attended, every tag matched; end_ops to come */
+#define WR_WRITTEN_BAD 3        /* written; a page's tag did not match (integrity error) */
+#define DK(r) ((r) * NEED + NEED_OF(r) - 1)
 
 /* posted UCX tagged receive for (reservation, page index) */
 #define RX_NONE 0
@@ -135,6 +172,8 @@ byte pg_owner[NPAGES] = NONE;
 byte pg_gen[NPAGES];            /* bumped on allocation and on free */
 byte pg_data[NPAGES];           /* whose bytes the page holds: DATA(r, i), or 0 */
 byte pg_wgen[NPAGES];           /* pg_gen[p] when those bytes landed */
+byte pg_ops[NPAGES];            /* decode-step writes outstanding (pool begin_ops/end_ops) */
+bit pg_rel[NPAGES];             /* released while an operation was outstanding: end_ops frees */
 byte nfree = NPAGES;
 
 byte rs_state[NREQ];
@@ -151,7 +190,11 @@ byte mf_page[NREQ * NEED];      /* ... and the (page_id, generation) entries */
 byte mf_gen[NREQ * NEED];
 
 bit net_data[NREQ * NEED];      /* page message (reservation id, page index) in flight */
-bit net_mf[NREQ];               /* manifest in flight */
+bit net_mf[NREQ];               /* a Decode call (with the manifest) in flight */
+
+byte sm[NREQ];                  /* Decode stream: SM_* */
+bit bt[NREQ];                   /* its sequence is in the batcher's active set */
+byte wr[NREQ];                  /* its decode step: WR_* */
 
 #ifdef WITNESS
 bit late[NPAGES];               /* ghost: a write landed here after its receive was cancelled */
@@ -159,10 +202,11 @@ bit late[NPAGES];               /* ghost: a write landed here after its receive 
 
 /* ----------------------------------------------------------------------- helpers */
 
-/* P2: no receive of any reservation can still write into page p */
+/* P2: no receive of any reservation and no decode step can still write into page p */
 #define no_write_into(p) \
-    !((rx_outstanding(0) && rs_page[0] == (p)) || (rx_outstanding(1) && rs_page[1] == (p)) || \
-      (rx_outstanding(2) && rs_page[2] == (p)) || (rx_outstanding(3) && rs_page[3] == (p)))
+    (!((rx_outstanding(0) && rs_page[0] == (p)) || (rx_outstanding(1) && rs_page[1] == (p)) || \
+       (rx_outstanding(2) && rs_page[2] == (p)) || (rx_outstanding(3) && rs_page[3] == (p))) && \
+     pg_ops[p] == 0)
 
 /* every lifecycle change goes through here; a terminal request is never resumed */
 inline cp_to(r, s) {
@@ -180,10 +224,11 @@ inline rx_finish(k) {
     net_data[k] = 0
 }
 
-/* The reservation leaves RECEIVING for good: any manifest still in flight will be dropped on
- * arrival (decode's first check), so the network and prefill's manifest buffer forget it. */
+/* The reservation leaves RECEIVING for good: what a manifest that arrives later says no longer
+ * matters (it fails check 1 whatever it holds), so prefill's manifest buffer forgets it. A copy
+ * of the Decode call still in flight is kept until the reservation is released: arriving while
+ * the reservation is held, it is a duplicate Decode and fails the request. */
 inline leave_receiving(r) {
-    net_mf[r] = 0;
     mf_tokens[r] = 0;
     mf_npages[r] = 0;
     mf_page[r * NEED] = 0;
@@ -229,45 +274,84 @@ inline free_page(p) {
     nfree++
 }
 
-/* release; the real decode calls this only once no receive of r is outstanding */
-inline release(r) {
-    for (j : 0 .. NEED_OF(r) - 1) {
-        free_page(rs_page[r * NEED + j])
-    };
-    j = 0;
-    rs_state[r] = RS_GONE;
-    rs_listed[r] = 0;
+/* pool.release of one page: free it, or, with an operation outstanding, leave it QUARANTINED
+ * and let the end_ops that settles the last operation free it */
+inline put_page(p) {
+#ifdef MUTANT_RELEASE_IGNORES_OPS
+    free_page(p)                        /* bug: a decode step may still write into it */
+#else
     if
-    :: !rx_outstanding(r * NEED) && !rx_outstanding(r * NEED + 1) ->
+    :: pg_ops[p] > 0 ->
+        pg_rel[p] = 1;
+        pg_state[p] = PG_QUARANTINED
+    :: else -> free_page(p)
+    fi
+#endif
+}
+
+/* The block table and receive slots of a released reservation are forgotten once nothing
+ * refers to them any more: no receive outstanding (mutants only) and no decode step open. */
+inline forget_table(r) {
+    if
+    :: rs_state[r] == RS_GONE && !rx_outstanding(r * NEED) && !rx_outstanding(r * NEED + 1) &&
+       wr[r] == WR_IDLE ->
         rx[r * NEED] = RX_NONE;
         rx[r * NEED + 1] = RX_NONE;
         rs_page[r * NEED] = 0;
         rs_page[r * NEED + 1] = 0;
         rs_gen[r * NEED] = 0;
         rs_gen[r * NEED + 1] = 0
-    :: else                             /* mutant only: a receive still points at the page */
+    :: else
     fi
 }
 
-/* release now if nothing can land any more, else hold the pages in quarantine */
+/* release; the real decode calls this only once no receive of r is outstanding */
+inline release(r) {
+    for (j : 0 .. NEED_OF(r) - 1) {
+        put_page(rs_page[r * NEED + j])
+    };
+    j = 0;
+    rs_state[r] = RS_GONE;
+    rs_listed[r] = 0;
+    forget_table(r)
+}
+
+/* _release: leave the batch, end the open stream, then pool.release now if no receive can land
+ * any more, else hold the pages in quarantine. From here on the reservation is unknown to
+ * decode: a Decode call still in flight will be dropped, so the network forgets it. */
 inline release_when_quiet(r) {
+    bt[r] = 0;                          /* batcher.remove, under the batcher lock */
+    if
+    :: sm[r] >= SM_OPEN -> sm[r] = SM_NONE   /* its stream ends CANCELLED; finally: no-op */
+    :: else                             /* SM_VERIFIED: the stream still has to re-check */
+    fi;
+    net_mf[r] = 0;
     if
     :: !rx_outstanding(r * NEED) && !rx_outstanding(r * NEED + 1) -> release(r)
     :: else -> rs_state[r] = RS_QUARANTINED
     fi
 }
 
-/* failure or abort: cancel every posted receive; pages stay quarantined until all are done */
-inline quarantine(r) {
-    aborted[r] = 1;
+/* receiver.cancel: every posted receive of r is asked to cancel (its data may still land) */
+inline cancel_receives(r) {
     for (j : 0 .. NEED_OF(r) - 1) {
-        pg_state[rs_page[r * NEED + j]] = PG_QUARANTINED;
         if
         :: rx[r * NEED + j] == RX_POSTED -> rx[r * NEED + j] = RX_CANCELLING
         :: else
         fi
     };
+    j = 0
+}
+
+/* failure, abort or Release: cancel every posted receive; pages stay quarantined until all are
+ * done (and, page by page, until no decode step writes into them) */
+inline quarantine(r) {
+    aborted[r] = 1;
+    for (j : 0 .. NEED_OF(r) - 1) {
+        pg_state[rs_page[r * NEED + j]] = PG_QUARANTINED
+    };
     j = 0;
+    cancel_receives(r);
     cp_to(r, CP_FAILED);
     release_when_quiet(r)
 }
@@ -285,9 +369,17 @@ inline quarantine(r) {
      mf_npages[r] == (mf_tokens[r] + PAGE_TOKENS - 1) / PAGE_TOKENS)
 #endif
 
+/* A Decode call arrives with its manifest. */
 inline on_manifest(r) {
     if
-    :: rs_state[r] != RS_RECEIVING -> skip   /* unknown, duplicate or late: dropped */
+    :: rs_state[r] == RS_VERIFYING || rs_state[r] == RS_DECODING ->
+        /* a duplicate Decode: check 1 (reservation RECEIVING) fails; _integrity_failure
+         * quarantines and _release releases the reservation, ending the first stream */
+#ifdef WITNESS_DUPLICATE_DECODE
+        assert(WITNESS_duplicate_decode_while_decoding && !bt[r]);
+#endif
+        quarantine(r)
+    :: rs_state[r] != RS_RECEIVING -> skip   /* unknown or released: nothing to act on */
     :: else ->
         if
         :: mf_npages[r] >= 1 && entry_ok(r, 0) && (mf_npages[r] < 2 || entry_ok(r, 1)) &&
@@ -313,11 +405,12 @@ inline on_manifest(r) {
 inline on_data_complete(r) {
     if
     :: page_ok(r, 0) && (rs_listed[r] < 2 || page_ok(r, 1)) ->
-        rs_state[r] = RS_READY;
+        rs_state[r] = RS_DECODING;      /* res.state = DECODING, pages READY -> IN_USE */
         for (j : 0 .. NEED_OF(r) - 1) {
-            pg_state[rs_page[r * NEED + j]] = PG_READY
+            pg_state[rs_page[r * NEED + j]] = PG_IN_USE
         };
         j = 0;
+        sm[r] = SM_VERIFIED;            /* the stream yields `verified` and is suspended */
         cp_to(r, CP_KV_VERIFIED)
     :: else -> quarantine(r)
     fi
@@ -340,25 +433,114 @@ inline read_page(r, i) {
     fi
 }
 
-/* A verified reservation enters the batch; decode attends over every reserved page, the
- * request finishes and its pages are released. A client cancel while decoding ends in the
- * same release, so entering, decoding and finishing are one step. */
-inline decode_run(r) {
-    assert_p3(!rejected[r] && !aborted[r]);
-    cp_to(r, CP_DECODING);
+/* ---- the Decode stream (event loop) */
+
+/* Resumed after the `verified` message: a Release (or a duplicate Decode) may have released the
+ * reservation meanwhile; never add a sequence whose reservation is gone. */
+inline stream_start(r) {
+#ifdef MUTANT_ADD_AFTER_RELEASE
+    if
+    :: true ->
+#else
+    if
+    :: rs_state[r] == RS_DECODING ->
+#endif
+        assert_p3(!rejected[r] && !aborted[r] && rs_state[r] == RS_DECODING);
+        bt[r] = 1;                      /* batcher.add */
+        sm[r] = SM_OPEN;
+        cp_to(r, CP_DECODING)
+    :: else -> sm[r] = SM_NONE          /* abort(Cancelled); finally: the release is a no-op */
+    fi
+}
+
+/* The stream reads the event the batcher posted and ends; its `finally` releases. */
+inline stream_end(r) {
+    if
+    :: sm[r] == SM_FINISH -> cp_to(r, CP_FINISHED)
+    :: else -> aborted[r] = 1;
+        cp_to(r, CP_FAILED)
+    fi;
+    if
+    :: rs_state[r] == RS_DECODING && sm[r] == SM_FINISH -> sm[r] = SM_NONE;
+        cancel_receives(r);             /* none is posted, unless the count check is gone */
+        release_when_quiet(r)
+    :: rs_state[r] == RS_DECODING -> sm[r] = SM_NONE;
+        quarantine(r)                   /* integrity error: quarantine, then release */
+    :: else -> sm[r] = SM_NONE          /* already released (a mutant only gets here) */
+    fi
+}
+
+/* ---- the decode engine (batcher thread) */
+
+/* pool.owns(seq, [page]): held by r at the block table's generation and not released */
+#define owns_dpage(r) \
+    (pg_owner[rs_page[DK(r)]] == (r) && pg_gen[rs_page[DK(r)]] == rs_gen[DK(r)] && \
+     !pg_rel[rs_page[DK(r)]])
+
+/* _claim, under the batcher lock (which remove() takes): the page the step writes into is
+ * counted as an operation; a sequence whose page is no longer its own leaves with an error */
+inline claim(r) {
+    if
+    :: owns_dpage(r) ->
+        pg_ops[rs_page[DK(r)]]++;       /* begin_ops */
+        wr[r] = WR_CLAIMED
+    :: else -> bt[r] = 0;
+        sm[r] = SM_ERROR
+    fi
+}
+
+/* The kernel: writes this token's KV into the page claimed (P2: a page r still owns at the
+ * generation it was claimed at), then attends over every page of the block table (P1). It
+ * may run after a Release has taken the sequence out: the claimed page is still r's. The
+ * write goes into the new token's slot: in r's own page it leaves the prompt KV (what pg_data
+ * tracks) as it is; in a page r no longer holds (a mutant) it overwrites whatever is there. */
+inline write_and_attend(r) {
+    assert_p2(pg_owner[rs_page[DK(r)]] == r && pg_gen[rs_page[DK(r)]] == rs_gen[DK(r)] &&
+              pg_ops[rs_page[DK(r)]] > 0);
+    if
+    :: pg_owner[rs_page[DK(r)]] == r && pg_gen[rs_page[DK(r)]] == rs_gen[DK(r)]
+    :: else -> pg_data[rs_page[DK(r)]] = DATA(r, NEED_OF(r) - 1)
+    fi;
     ok = 1;
     for (j : 0 .. NEED_OF(r) - 1) {
-        pg_state[rs_page[r * NEED + j]] = PG_IN_USE;
         read_page(r, j)
     };
     j = 0;
     if
-    :: ok -> cp_to(r, CP_FINISHED)
-    :: else -> aborted[r] = 1;
-        cp_to(r, CP_FAILED)             /* integrity error */
+    :: ok -> wr[r] = WR_WRITTEN_OK
+    :: else -> wr[r] = WR_WRITTEN_BAD
     fi;
-    ok = 0;
-    release_when_quiet(r)
+    ok = 0
+}
+
+/* end_ops; a page released while the step ran is freed by the end_ops that settles it */
+inline end_ops(p) {
+    pg_ops[p]--;
+    if
+    :: pg_ops[p] == 0 && pg_rel[p] ->
+#ifdef WITNESS_DECODE_RELEASE
+        /* reached only if a release came while this decode step's write was outstanding */
+        assert(WITNESS_release_during_decode_write && 0);
+#endif
+        pg_rel[p] = 0;
+        free_page(p)
+    :: else
+    fi
+}
+
+/* After the step: end_ops, then (if the sequence is still in the batch) an integrity error
+ * ends it, or it finishes (EOS, stop, length), or it goes on to the next step. */
+inline end_step(r, finish) {
+    end_ops(rs_page[DK(r)]);
+    if
+    :: bt[r] && wr[r] == WR_WRITTEN_BAD -> bt[r] = 0;
+        sm[r] = SM_ERROR
+    :: bt[r] && finish -> bt[r] = 0;
+        sm[r] = SM_FINISH
+    :: else
+    fi;
+    wr[r] = WR_IDLE;
+    forget_table(r)
 }
 
 inline on_timeout(r) {
@@ -377,29 +559,47 @@ inline on_timeout(r) {
 #endif
 }
 
-/* Abort RPC from the control plane (client cancel, deadline) */
+/* Release RPC (client cancel, deadline, operator abort) or the control plane cancelling the
+ * Decode stream (its finally releases): both are _release, at any point of the reservation */
 inline on_abort(r) {
     if
     :: rs_state[r] == RS_RECEIVING -> leave_receiving(r);
         quarantine(r)
-    :: rs_state[r] == RS_VERIFYING || rs_state[r] == RS_READY -> quarantine(r)
+    :: rs_state[r] == RS_VERIFYING || rs_state[r] == RS_DECODING -> quarantine(r)
     :: else
     fi
 }
 
 #define DECODE_EVENTS(r) \
     :: d_step { rs_state[r] == RS_VERIFYING && listed_done(r) -> on_data_complete(r) } \
-    :: d_step { rs_state[r] == RS_READY -> decode_run(r) } \
+    :: d_step { sm[r] == SM_VERIFIED -> stream_start(r) } \
+    :: d_step { sm[r] >= SM_FINISH -> stream_end(r) } \
     :: d_step { (rs_state[r] == RS_RECEIVING || rs_state[r] == RS_VERIFYING) -> on_timeout(r) } \
     :: d_step { QUARANTINE_RELEASED && rs_state[r] == RS_QUARANTINED && \
                 !rx_outstanding((r) * NEED) && !rx_outstanding((r) * NEED + 1) -> release(r) }
 
 active proctype Decode() {
-    bit ok;
 end_decode:
     do
     DECODE_EVENTS(0)
     DECODE_EVENTS(1)
+    od
+}
+
+/* One step of sequence r: claim, write and attend, end (and go on, or finish). Steps of the two
+ * sequences interleave freely (a superset of the real batched steps). */
+#define BATCHER_STEPS(r) \
+    :: d_step { bt[r] && wr[r] == WR_IDLE -> claim(r) } \
+    :: d_step { wr[r] == WR_CLAIMED -> write_and_attend(r) } \
+    :: d_step { wr[r] >= WR_WRITTEN_OK -> end_step(r, 0) } \
+    :: d_step { wr[r] == WR_WRITTEN_OK && bt[r] -> end_step(r, 1) }
+
+active proctype Batcher() {
+    bit ok;
+end_batcher:
+    do
+    BATCHER_STEPS(0)
+    BATCHER_STEPS(1)
     od
 }
 
@@ -432,7 +632,8 @@ proctype ControlPlane(byte r) {
     :: cp_to(r, CP_FAILED);             /* RESOURCE_EXHAUSTED; nothing was reserved */
         goto done
     fi;
-    /* decode reports KV_VERIFIED, DECODING, FINISHED or FAILED; or the client cancels */
+    /* decode reports KV_VERIFIED, DECODING, FINISHED or FAILED; or the client cancels, at any
+ * point, decoding included */
     if
     :: cp_terminal(r)
     :: d_step { !cp_terminal(r) -> cp_to(r, CP_CANCELLED); on_abort(r) }
@@ -511,10 +712,12 @@ inline deliver_data(k) {
     :: d_step { net_data[k] -> net_data[k] = 0 } \
     :: d_step { rx[k] == RX_CANCELLING -> rx_finish(k) }
 
-/* delivered once, delivered twice (a duplicate), or lost */
+/* the Decode call: delivered, delivered with a duplicate left in flight (a retried call, which
+ * may arrive at any later point: while verifying, before the sequence joins the batch, while it
+ * decodes), or lost */
 #define NET_MF(r) \
     :: d_step { net_mf[r] -> net_mf[r] = 0; on_manifest(r) } \
-    :: d_step { net_mf[r] -> net_mf[r] = 0; on_manifest(r); on_manifest(r) } \
+    :: d_step { net_mf[r] -> on_manifest(r) } \
     :: d_step { net_mf[r] -> net_mf[r] = 0 }
 
 active proctype Network() {
@@ -537,6 +740,7 @@ active proctype Auditor() {
            pg_owner[0] == NONE && pg_owner[1] == NONE && pg_owner[2] == NONE &&
            (rs_state[0] == RS_NONE || rs_state[0] == RS_GONE) &&
            (rs_state[1] == RS_NONE || rs_state[1] == RS_GONE) &&
+           pg_ops[0] == 0 && pg_ops[1] == 0 && pg_ops[2] == 0 &&
            cp_terminal(0) && cp_terminal(1))
 }
 

@@ -33,7 +33,9 @@ P2 = "P2_no_free_while_write_outstanding"
 P3 = "P3_only_verified_enter_decode"
 P4 = "P4_pool_drained"
 WITNESS = "WITNESS_late_write_page_reused"
-TAGS = (P1, P2, P3, P4, WITNESS)
+W_DECODE_RELEASE = "WITNESS_release_during_decode_write"
+W_DUPLICATE_DECODE = "WITNESS_duplicate_decode_while_decoding"
+TAGS = (P1, P2, P3, P4, WITNESS, W_DECODE_RELEASE, W_DUPLICATE_DECODE)
 INVALID_END = "invalid_end_state"
 
 MAX_DEPTH = 10_000  # the real model needs < 100; pan says so if this is ever too small
@@ -101,6 +103,46 @@ VARIANTS: tuple[Variant, ...] = (
         ("MUTANT_LEAK_QUARANTINE",),
         P4,
         "quarantined pages are never released: the pool does not drain",
+    ),
+    # Decoding as a state of its own: a decode step's KV write is an outstanding operation
+    # (begin_ops ... end_ops), and a Release, an abort, a duplicate Decode or the stream ending
+    # can come at any point of it.
+    Variant(
+        "witness_decode_release",
+        ("WITNESS_DECODE_RELEASE",),
+        W_DECODE_RELEASE,
+        "non-vacuity: a Release lands while a decode step's write into the request's page is "
+        "outstanding (the page is freed by that step's end_ops)",
+    ),
+    Variant(
+        "witness_duplicate_decode",
+        ("WITNESS_DUPLICATE_DECODE",),
+        W_DUPLICATE_DECODE,
+        "non-vacuity: a duplicate Decode arrives while the first one's sequence decodes",
+    ),
+    Variant(
+        "mutant_release_ignores_ops",
+        ("MUTANT_RELEASE_IGNORES_OPS",),
+        P2,
+        "release frees a page at once although a decode step's write into it is outstanding",
+    ),
+    Variant(
+        "mutant_release_ignores_ops_no_p2",
+        ("MUTANT_RELEASE_IGNORES_OPS", "NO_P2"),
+        P1,
+        "same, P2 not asserted: the late decode write lands in the other tenant's page",
+    ),
+    Variant(
+        "mutant_add_after_release",
+        ("MUTANT_ADD_AFTER_RELEASE",),
+        P3,
+        "the Decode stream adds its sequence although its reservation was released",
+    ),
+    Variant(
+        "mutant_add_after_release_no_p3",
+        ("MUTANT_ADD_AFTER_RELEASE", "NO_P3"),
+        None,
+        "same, P3 not asserted: the batcher's ownership check at claim stops it (defence in depth)",
     ),
 )
 

@@ -29,9 +29,7 @@ run = _load_runner()
 VARIANTS = {v.name: v for v in run.VARIANTS}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """Every variant, built and checked once in a temporary directory."""
+def _require_tools() -> None:
     for tool in ("spin", "gcc"):
         if shutil.which(tool) is None:
             pytest.fail(
@@ -39,6 +37,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                 "with `make system-deps` (apt-get install spin) and gcc with build-essential.",
                 pytrace=False,
             )
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Every variant, built and checked once in a temporary directory."""
+    _require_tools()
     work = tmp_path_factory.mktemp("spin")
     return {r.variant: r for r in run.run_all(work)}
 
@@ -100,3 +104,23 @@ def test_missing_spin_is_reported_not_skipped(monkeypatch):
     monkeypatch.setattr(run.shutil, "which", lambda tool: None)
     with pytest.raises(run.ToolMissing, match="spin"):
         run.require_tools()
+
+
+def test_decoding_races_are_reachable_in_the_real_model(results):
+    """The decoding interleavings the properties must cover are not vacuous: with only a witness
+    assertion added, pan finds a Release landing while a decode step's write is outstanding,
+    and a duplicate Decode arriving while the first stream's sequence decodes."""
+    for name, tag in (
+        ("witness_decode_release", run.W_DECODE_RELEASE),
+        ("witness_duplicate_decode", run.W_DUPLICATE_DECODE),
+    ):
+        r = results[name]
+        assert r.errors is not None and r.errors >= 1, f"{name}: the race is unreachable"
+        assert r.violated == tag and r.replay_tag == tag, r.violation_text
+
+
+def test_decode_mutants_break_deferred_free_and_entry(results):
+    assert results["mutant_release_ignores_ops"].violated == run.P2
+    assert results["mutant_release_ignores_ops_no_p2"].violated == run.P1
+    assert results["mutant_add_after_release"].violated == run.P3
+    assert results["mutant_add_after_release_no_p3"].errors == 0
