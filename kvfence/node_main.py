@@ -193,5 +193,7 @@ async def serve_node(cfg: ClusterConfig, role: Role, stop: asyncio.Event) -> Non
     try:
         await stop.wait()
     finally:
-        with contextlib.suppress(Exception):
+        try:
             await node.stop()
+        except Exception:  # the process exits anyway; an operator should see why it was unclean
+            log.exception("node stop failed")

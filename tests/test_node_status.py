@@ -122,3 +122,28 @@ async def test_node_that_cannot_bind_leaves_the_running_nodes_status_alone(tiny_
             assert after == before  # still the running node's online status
         finally:
             await first.stop(grace=0)
+
+
+@pytest.mark.parametrize("fails", [True, False])
+async def test_a_node_stop_that_fails_is_logged(monkeypatch, fails: bool) -> None:
+    """serve_node used to swallow whatever node.stop() raised: an unclean shutdown left no
+    trace. The control: a clean stop logs nothing of the kind."""
+    import structlog
+
+    from kvfence import node_main
+
+    class Node:
+        async def stop(self) -> None:
+            if fails:
+                raise RuntimeError("a receiver would not stop")
+
+    async def start(cfg: Any, role: Any) -> Node:
+        return Node()
+
+    monkeypatch.setattr(node_main, "start_node", start)
+    stop = asyncio.Event()
+    stop.set()
+    with structlog.testing.capture_logs() as logs:
+        await node_main.serve_node(None, Role.DECODE, stop)  # type: ignore[arg-type]
+    failed = [e for e in logs if e["event"] == "node stop failed"]
+    assert len(failed) == (1 if fails else 0)
