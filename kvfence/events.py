@@ -104,6 +104,10 @@ class _Buffer:
 
     def ack(self, seq: int) -> None:
         self.events.pop(seq, None)
+        # Drop index entries of events no longer buffered from the front (acks come in about
+        # seq order), or the index would grow by one per event for the life of the process.
+        while self._plain and self._plain[0] not in self.events:
+            self._plain.popleft()
 
     def next_from(self, seq: int, end: int) -> dict[str, Any] | None:
         """The first buffered event with ``seq <= event.seq < end``."""
@@ -261,8 +265,13 @@ class EventBus:
         self._poke()
         await self.wait_drained(flush_timeout)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # Bounded: a broker that hangs can hold aiomqtt's disconnect for its whole timeout.
+        # (asyncio.wait, not a suppressed await: a cancel aimed at stop() itself must stand.)
+        await asyncio.wait({task}, timeout=PUBLISH_TIMEOUT_S + 1)
+        if not task.done():
+            log.warning("event bus publisher still disconnecting at stop")
+        elif not task.cancelled() and task.exception() is not None:
+            log.warning("event bus publisher ended with an error", error=str(task.exception()))
         if self.pending:
             log.warning("events not delivered at stop", pending=self.pending)
 
@@ -344,6 +353,11 @@ class EventBus:
                 log.exception("event bus publisher failed", retry_in_s=backoff)
             finally:
                 self.connected = False
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # stop() cancelled us, and aiomqtt's disconnect turned the cancellation into an
+                # MqttError on the way out: do not reconnect.
+                raise asyncio.CancelledError
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -386,9 +400,7 @@ class EventBus:
             publishers.add(task)
             task.add_done_callback(lambda t: _on_publish_done(t, publishers, failed))
 
-        cursor = self._buffer.first_seq() or self._seq + 1  # everything unacked is re-sent
-        while True:
-            self._wake.clear()
+        async def send_status() -> None:
             with self._lock:
                 status = self._status if self._status_dirty else None
                 version = self._status_version
@@ -396,7 +408,15 @@ class EventBus:
             if status is not None:
                 await window.acquire()
                 spawn(self._publish_status(client, status, version, window))
+
+        cursor = self._buffer.first_seq() or self._seq + 1  # everything unacked is re-sent
+        while True:
+            self._wake.clear()
+            await send_status()
             while True:
+                # The status goes before the rest of a backlog: stop()'s offline status must not
+                # wait behind thousands of events and then be cut off by the flush timeout.
+                await send_status()
                 with self._lock:
                     first = self._buffer.first_seq()
                     cursor = max(cursor, first) if first is not None else self._seq + 1

@@ -508,7 +508,7 @@ class KvReceiver:
             if problem == "RESERVATION_RELEASED":
                 self.report(
                     "transfer_failed",
-                    {"reason": problem, "reservation_id": rid, "stage": "ucx_hello"},
+                    {"reason": problem, "reservation_id": rid[:64], "stage": "ucx_hello"},
                 )
             else:
                 self.report(

@@ -338,3 +338,65 @@ def test_names_that_cannot_be_topic_levels_are_refused() -> None:
     # control: the names the config allows, and no broker (None), are fine
     assert EventBus("prod.eu-1", "decode-0.zone_a", "127.0.0.1").node_id == "decode-0.zone_a"
     assert EventBus(CLUSTER, "node-a", None).mqtt_host is None
+
+
+def test_the_buffer_index_stays_small_while_every_event_is_acknowledged() -> None:
+    """The index of plain events only shrank when the buffer was full: with a healthy broker it
+    grew by one entry per event for the life of the process. (That the index still finds the
+    oldest plain event when the buffer fills: test_buffer_bound_drops_oldest_plain_first...)"""
+    from kvfence.events import _Buffer
+
+    buf = _Buffer(capacity=10)
+    for seq in range(1, 100_001):
+        buf.add({"seq": seq, "kind": "node_joined"})
+        buf.ack(seq)
+    assert len(buf) == 0 and len(buf._plain) == 0
+
+
+async def test_stop_with_a_backlog_still_leaves_the_node_offline() -> None:
+    """stop() queued the offline status behind every buffered event; when the flush timed out
+    first, the clean disconnect also suppressed the will, and the retained status said online
+    for good. (A stop without a backlog: test_node_status_is_retained_for_late_subscribers.)"""
+    with start_mosquitto() as broker:
+        bus = make_bus(broker, buffer_size=100_000)
+        await bus.start()
+        bus.publish_node_status({"role": "decode"})
+        assert await bus.wait_drained(5)
+        for _ in range(80_000):
+            bus.emit("node_joined", pad="x" * 200)
+        await asyncio.sleep(0.05)  # the publisher is busy with the backlog
+        await bus.stop(flush_timeout=0.2)
+        async with subscriber(broker, f"kvfence/v1/{CLUSTER}/nodes/#") as after_stop:
+            (status,) = await receive(after_stop, 1)
+    assert status["online"] is False and status["node_id"] == "node-a"
+
+
+async def test_stop_returns_when_the_broker_hangs() -> None:
+    """A broker frozen mid-backlog held stop() for good: aiomqtt's disconnect timed out, its
+    MqttError replaced the cancellation, and the publisher reconnected. Control: the same
+    stop against a healthy broker is quick."""
+    import os
+    import signal
+
+    with start_mosquitto() as broker:
+        for frozen in (False, True):
+            bus = make_bus(broker, buffer_size=10_000)
+            await bus.start()
+            t0 = time.monotonic()
+            while not bus.connected:
+                assert time.monotonic() - t0 < 5
+                await asyncio.sleep(0.01)
+            assert broker.proc is not None
+            if frozen:
+                os.kill(broker.proc.pid, signal.SIGSTOP)
+            try:
+                for _ in range(400 if frozen else 10):
+                    bus.emit("node_joined", pad="x" * 200_000)  # more than the socket buffers
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                await asyncio.wait_for(bus.stop(flush_timeout=0.5), 15)
+                elapsed = time.monotonic() - t0
+            finally:
+                if frozen:
+                    os.kill(broker.proc.pid, signal.SIGCONT)
+            assert elapsed < (7.5 if frozen else 1.5), (frozen, elapsed)
