@@ -14,6 +14,7 @@ stable: tests and operators depend on it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from kvfence.errors import from_rpc_error
+from kvfence.errors import Cancelled, from_rpc_error
 from kvfence.proto.kvfence.v1 import (
     client_pb2,
     client_pb2_grpc,
@@ -305,6 +306,13 @@ class AsyncClient:
                 yield _chunk(msg)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation: it must stand
+            # grpc.aio ends a call cut locally (its channel closed under it) with a bare
+            # CancelledError that would read as a cancellation of the caller's task.
+            raise Cancelled("the call was cancelled locally (its channel was closed)") from None
         finally:
             call.cancel()
 

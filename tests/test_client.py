@@ -22,11 +22,11 @@ from typer.testing import CliRunner
 # The fake nodes and the cluster harness live with the control-plane tests.
 sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
 from cp_fakes import TEXT, script_tokens
-from cp_harness import Cluster, make_cluster
+from cp_harness import Cluster, eventually, make_cluster
 
 from kvfence.cli import admin as admin_cli
 from kvfence.cli import generate as generate_cli
-from kvfence.client import AdminClient, Client, GenerationResult, Usage
+from kvfence.client import AdminClient, AsyncClient, Client, GenerationResult, Usage
 from kvfence.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 
 FOUR_TOKENS_TEXT = "hél"  # 4 byte tokens: h, the two bytes of é, l
@@ -107,6 +107,37 @@ async def test_async_client_stream(cluster: Cluster) -> None:
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage == Usage(1, 5)
     assert [t for c in chunks for t in c.token_ids] == script_tokens()[:5]
     assert len({c.request_id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("how", ["close the client", "cancel the reader"])
+async def test_a_stream_cut_locally_is_a_typed_error_not_a_phantom_cancellation(
+    cluster: Cluster, how: str
+) -> None:
+    """Closing the AsyncClient under a stream ended its reader with a bare CancelledError, which
+    callers (wait_for, TaskGroup) read as their own task being cancelled. The control: a reader
+    that is itself cancelled still ends cancelled."""
+    from kvfence.errors import Cancelled
+
+    cluster.script.decode_hold = asyncio.Event()  # the stream stays open after its first chunk
+    client = AsyncClient(cluster.target, cluster.api_key)
+    got = asyncio.Event()
+
+    async def read() -> None:
+        async for _ in client.stream(prompt_ids=[10], max_new_tokens=5):
+            got.set()
+
+    reader = asyncio.create_task(read())
+    await eventually(lambda: "Decode" in cluster.decode[0].methods())
+    if how == "close the client":
+        await client.close()
+        with pytest.raises(Cancelled, match="cancelled locally"):
+            await reader
+    else:
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await client.close()
+    cluster.script.decode_hold.set()
 
 
 async def test_admin_client(cluster: Cluster) -> None:

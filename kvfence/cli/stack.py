@@ -7,7 +7,8 @@ revokes its older ones: only the key in ``up.json`` works), writes ``<state-dir>
 ``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` (owner-only,
 atomically: it exists, whole, exactly while the stack serves) and prints ``kvfence ready:
 <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C, SIGTERM or SIGHUP (the
-terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period).
+terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period);
+so does any of them exiting, and ``up`` then exits 1.
 """
 
 from __future__ import annotations
@@ -293,13 +294,20 @@ def run_stack(
             flush=True,
         )
         print(f"  (logs in {logs}, credentials in {up_path}; Ctrl-C stops)", flush=True)
+        failed = False
         while not stopping:
             for name, p in procs:
                 if p.poll() is not None:
-                    print(f"kvfence up: {name} exited with {p.returncode}", file=sys.stderr)
-                    stopping = True
+                    # A local stack with a service gone is not the stack that was asked for:
+                    # stop the rest, and say so in the exit status.
+                    print(
+                        f"kvfence up: {name} exited with {p.returncode}; stopping the stack "
+                        f"(see {logs})",
+                        file=sys.stderr,
+                    )
+                    stopping = failed = True
             time.sleep(0.2)
-        return 0
+        return 1 if failed else 0
     finally:
         _stop(procs)
         up_path.unlink(missing_ok=True)

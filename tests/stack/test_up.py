@@ -69,10 +69,12 @@ def test_node_with_other_model_is_refused(tmp_path):
         stack.stop()
 
 
-def test_services_stop_when_up_is_killed(tmp_path):
+@pytest.mark.parametrize("victim", ["up", "decode"])
+def test_the_stack_stops_whole_when_up_or_a_service_is_killed(tmp_path, victim):
     """kill -9 of `kvfence up` (the OOM killer, a lost container) cannot be passed on by up
     itself: its services, in sessions of their own, kept serving with their ports bound. The
-    kernel now sends them SIGTERM when up dies."""
+    kernel now sends them SIGTERM when up dies. A service killed instead stops the rest, and up
+    says so in its exit status (it exited 0)."""
     import signal
     import time
 
@@ -82,13 +84,19 @@ def test_services_stop_when_up_is_killed(tmp_path):
         assert len(children) == 3
         with stack.client() as c:  # control: they serve while up lives
             assert c.generate(prompt_ids=[1, 2], max_new_tokens=2, ignore_eos=True).token_ids
-        os.kill(stack.proc.pid, signal.SIGKILL)
+        if victim == "up":
+            os.kill(stack.proc.pid, signal.SIGKILL)
+        else:
+            (decode,) = [p for p in children if "decode" in " ".join(p.cmdline())]
+            decode.kill()
+            assert stack.proc.wait(timeout=60) == 1
+            assert not (tmp_path / "s" / "up.json").exists()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(
             p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children
         ):
             time.sleep(0.2)
         alive = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert alive == [], f"services outlived up: {alive}"
+        assert alive == [], f"services outlived {victim}: {alive}"
     finally:
         stack.stop()
