@@ -73,10 +73,8 @@ def request_context(request_id: str, tenant_id: str, **extra: Any) -> Iterator[N
     try:
         yield
     finally:
-        try:
+        # ValueError: the block was left in another context than it was entered in (an async
+        # generator, a streaming RPC handler, closed by the task that cancelled it). The
+        # bindings were made in the first context; there is nothing of them to undo here.
+        with suppress(ValueError):
             structlog.contextvars.reset_contextvars(**tokens)
-        except ValueError:
-            # The block was left in another context than it was entered in: an async generator
-            # (a streaming RPC handler) closed by the task that cancelled it. The bindings were
-            # made in the first context; there is nothing of them to undo here.
-            pass
