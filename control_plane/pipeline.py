@@ -386,7 +386,7 @@ class Pipeline:
         self.d.clients.count(node, "Decode")
         call = self.d.clients.decode(node).Decode(req, timeout=_left(deadline))
         detok = IncrementalDetokenizer(self.d.model.tokenizer)
-        stream = DecodeStream(rec, manifest, prompt, detok)
+        stream = DecodeStream(rec, manifest, prompt, detok, self.d.model.eos_ids)
         started = last = time.monotonic()
         try:
             async with contextlib.aclosing(run.read_stream(call)) as messages:

@@ -3,7 +3,8 @@
 Decode verifies the KV itself (DESIGN.md "Transfer manifest"); these checks make sure the control
 plane never relays an answer that is not about the request it asked for: a reservation of the wrong
 size, a manifest of another request, tokens before verification, a first token that does not
-continue prefill's, more tokens than asked for, a stream that ends without a finish reason.
+continue prefill's, more tokens than asked for, a stream that ends without a finish reason or
+with one its tokens do not bear out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from control_plane.detok import IncrementalDetokenizer
 from control_plane.lifecycle import RequestRecord
 from control_plane.registry import Node
 from kvfence.errors import IntegrityError, KvfenceError, Unavailable, from_rpc_error
+from kvfence.model.sampling import find_stop, stream_safe_len
 from kvfence.proto.kvfence.v1 import client_pb2, common_pb2, decode_pb2, prefill_pb2
 
 
@@ -65,7 +67,15 @@ def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
 
 
 class DecodeStream:
-    """Checks the decode stream message by message and turns it into client responses."""
+    """Checks the decode stream message by message and turns it into client responses.
+
+    Text follows the colocated engine's rules (``kvfence.model.scheduler``): decode ends a
+    sequence with "stop" once a stop string appears in its text, and the client's text ends
+    before that stop string. So text that could still grow into a stop string is held back until
+    the next message shows it does not, and text from a complete stop string on is never sent.
+    Token ids are relayed as they come (the stop string's tokens included, as the colocated
+    engine returns them). The finish reason must be one the tokens bear out.
+    """
 
     def __init__(
         self,
@@ -73,14 +83,19 @@ class DecodeStream:
         manifest: common_pb2.KvManifest,
         prompt: Prompt,
         detok: IncrementalDetokenizer,
+        eos_ids: frozenset[int] = frozenset(),
     ):
         self.rec = rec
         self.first_token = manifest.first_token
         self.prompt = prompt
         self.detok = detok
+        self.eos_ids = eos_ids
         self.verified = False
         self.finish_reason = ""
         self.completion_tokens = 0
+        self.last_token: int | None = None
+        self.text = ""  # every character the detokenizer has made final
+        self.sent = 0  # of which this many went to the client
 
     def accept(self, msg: decode_pb2.DecodeResponse) -> client_pb2.GenerateResponse | None:
         if msg.verified:
@@ -104,14 +119,16 @@ class DecodeStream:
                 reason="FIRST_TOKEN_MISMATCH",
             )
         self.completion_tokens += len(ids)
+        self.last_token = ids[-1]
         limit = self.prompt.sampling.max_new_tokens
         if self.completion_tokens > limit:
             raise IntegrityError(
                 f"decode sent {self.completion_tokens} tokens, more than max_new_tokens {limit}",
                 reason="TOO_MANY_TOKENS",
             )
+        self.text += self.detok.push(ids)
         return client_pb2.GenerateResponse(
-            request_id=self.rec.request_id, token_ids=ids, text=self.detok.push(ids)
+            request_id=self.rec.request_id, token_ids=ids, text=self._text(final=False)
         )
 
     def finish(self) -> client_pb2.GenerateResponse:
@@ -119,11 +136,49 @@ class DecodeStream:
             raise Unavailable(
                 "the decode stream ended before the request finished", reason="STREAM_TRUNCATED"
             )
+        self.text += self.detok.flush()
+        self._check_finish_reason()
         return client_pb2.GenerateResponse(
             request_id=self.rec.request_id,
-            text=self.detok.flush(),
+            text=self._text(final=True),
             usage=common_pb2.Usage(
                 prompt_tokens=len(self.prompt.token_ids), completion_tokens=self.completion_tokens
             ),
             finish_reason=self.finish_reason,
         )
+
+    def _text(self, final: bool) -> str:
+        """The text the client may have now that it has not had yet."""
+        stops = list(self.prompt.sampling.stop)
+        cut = find_stop(self.text, stops) if stops else None
+        if cut is not None:
+            end = cut
+        elif final or not stops:
+            end = len(self.text)
+        else:
+            end = stream_safe_len(self.text, stops)
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def _check_finish_reason(self) -> None:
+        """A finish that the tokens do not bear out would end a request OK with wrong data (a
+        truncated answer passed off as complete)."""
+        sampling = self.prompt.sampling
+        reason = self.finish_reason
+        if self.completion_tokens == 0:
+            ok = False  # decode always sends prefill's first token
+        elif reason == "length":
+            ok = self.completion_tokens == sampling.max_new_tokens
+        elif reason == "eos":
+            ok = not sampling.ignore_eos and self.last_token in self.eos_ids
+        elif reason == "stop":
+            ok = bool(sampling.stop) and find_stop(self.text, list(sampling.stop)) is not None
+        else:
+            ok = False
+        if not ok:
+            raise IntegrityError(
+                f"decode finished with {reason!r} after {self.completion_tokens} of "
+                f"{sampling.max_new_tokens} tokens, which its tokens do not bear out",
+                reason="FINISH_REASON",
+            )

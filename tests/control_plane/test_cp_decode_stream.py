@@ -1,0 +1,115 @@
+"""What the control plane relays from a decode stream: text cut at a stop string as the colocated
+engine cuts it, and only finish reasons the tokens bear out."""
+
+from __future__ import annotations
+
+import pytest
+
+from control_plane.admission import Prompt
+from control_plane.detok import IncrementalDetokenizer
+from control_plane.lifecycle import RequestRecord
+from control_plane.verify import DecodeStream
+from kvfence.errors import IntegrityError
+from kvfence.model.colocated import ColocatedEngine, GenerationRequest
+from kvfence.model.sampling import SamplingParams
+from kvfence.proto.kvfence.v1 import common_pb2, decode_pb2
+from kvfence.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+EOS = 2
+
+
+def stream_of(
+    first: int, max_new: int, stop: tuple[str, ...] = (), ignore_eos: bool = False
+) -> DecodeStream:
+    sampling = common_pb2.SamplingParams(max_new_tokens=max_new, stop=stop, ignore_eos=ignore_eos)
+    return DecodeStream(
+        RequestRecord("r1", "t1"),
+        common_pb2.KvManifest(first_token=first),
+        Prompt([5, 6, 7], sampling),
+        IncrementalDetokenizer(TOK),
+        frozenset({EOS}),
+    )
+
+
+def relay(stream: DecodeStream, messages: list[list[int]], reason: str) -> list[str]:
+    """The text of every client message, the final one last."""
+    stream.accept(decode_pb2.DecodeResponse(verified=True))
+    texts = []
+    for ids in messages:
+        out = stream.accept(decode_pb2.DecodeResponse(token_ids=ids))
+        assert out is not None
+        texts.append(out.text)
+    stream.accept(decode_pb2.DecodeResponse(finish_reason=reason))
+    texts.append(stream.finish().text)
+    return texts
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [["ab", "c", "st6"], ["abcs", "t6"], ["a", "b", "c", "s", "t", "6"], ["abcst6"]],
+    ids=["stop in one message", "split over two", "a token a message", "all at once"],
+)
+def test_the_text_ends_before_the_stop_string_however_it_is_split(chunks: list[str]) -> None:
+    """Decode ends with "stop" once "st" appears; the client used to get "st6" as well."""
+    messages = [TOK.encode(c) for c in chunks]
+    first = messages[0][0]
+    texts = relay(stream_of(first, 8, stop=("st",)), messages, "stop")
+    assert "".join(texts) == "abc"
+    assert all("s" not in t for t in texts)  # nothing of the stop string was ever sent early
+
+
+def test_text_that_only_looked_like_a_stop_string_is_sent_once_it_is_not() -> None:
+    messages = [TOK.encode(c) for c in ["ab", "s", "x", "yz"]]  # "s" could start "st": held
+    texts = relay(stream_of(messages[0][0], 6, stop=("st",)), messages, "length")
+    assert texts[:2] == ["ab", ""] and texts[2] == "sx"
+    assert "".join(texts) == "absxyz"  # control: no stop string, nothing cut
+
+
+def test_without_stop_strings_text_streams_as_it_comes() -> None:
+    messages = [TOK.encode(c) for c in ["ab", "st", "6"]]
+    assert relay(stream_of(messages[0][0], 5), messages, "length") == ["ab", "st", "6", ""]
+
+
+def test_the_stop_text_matches_the_colocated_engine() -> None:
+    """Same prompt, same stop string: the text the control plane relays from a decode stream is
+    the colocated engine's text."""
+    engine = ColocatedEngine.from_path(None, page_size=16, num_pages=32)
+    prompt = [40, 41, 42, 43, 44]
+    [free] = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=12))])
+    assert free.finish_reason == "length" and len(free.text) >= 4
+    stop = free.text[2:4]  # a stop string this greedy generation is sure to meet
+    params = SamplingParams(max_new_tokens=12, stop=(stop,))
+    [colo] = engine.generate([GenerationRequest(prompt, params)])
+    assert colo.finish_reason == "stop"
+    ids = colo.token_ids
+    texts = relay(
+        stream_of(ids[0], 12, stop=(stop,)), [[t] for t in ids], "stop"
+    )  # one token a message, as decode streams at stream_interval 1
+    assert "".join(texts) == colo.text
+
+
+@pytest.mark.parametrize(
+    "messages, reason, max_new, ignore_eos, ok",
+    [
+        ([[70, 71]], "length", 2, False, True),  # control: as many as asked
+        ([[70, 71]], "length", 8, False, False),  # a truncated answer passed off as complete
+        ([[70, EOS]], "eos", 8, False, True),  # control
+        ([[70, 71]], "eos", 8, False, False),  # no EOS came
+        ([[70, EOS]], "eos", 8, True, False),  # EOS was to be ignored
+        ([], "length", 8, False, False),  # no token at all (not even prefill's)
+        ([[70, 71]], "banana", 8, False, False),  # not a finish reason
+        ([[70, 71]], "stop", 8, False, False),  # no stop string was asked for
+    ],
+)
+def test_a_finish_the_tokens_do_not_bear_out_is_data_loss(
+    messages: list[list[int]], reason: str, max_new: int, ignore_eos: bool, ok: bool
+) -> None:
+    stream = stream_of(70, max_new, ignore_eos=ignore_eos)
+    if ok:
+        relay(stream, messages, reason)
+        assert stream.finish_reason == reason
+    else:
+        with pytest.raises(IntegrityError) as err:
+            relay(stream, messages, reason)
+        assert err.value.reason == "FINISH_REASON"
