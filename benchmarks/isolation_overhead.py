@@ -42,12 +42,10 @@ model.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import tempfile
 import time
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,7 +376,7 @@ def bench_stacks(
                 benchlib.log(f"stacks: {n} requests at concurrency {conc} x {rounds} rounds")
                 runs: dict[str, list[Any]] = {k: [] for k in stacks}
                 cpu = {k: CpuMeter(st) for k, st in stacks.items()}
-                for k in _balanced_turns(list(stacks), rounds, seed=conc):
+                for k in benchlib.turns(list(stacks), rounds, seed=conc):
                     st = stacks[k]
                     with cpu[k].measure():
                         runs[k].append(run_load(st.target, st.api_key, prompts, w.new, conc))
@@ -389,19 +387,6 @@ def bench_stacks(
     out["same_tokens"] = same
     out["started_first"] = order[0]
     return out
-
-
-def _balanced_turns(names: list[str], rounds: int, seed: int) -> Iterator[str]:
-    """Both stacks once a round, each first in half the rounds, the rounds in a seeded random
-    order. ``benchlib.turns`` shuffles every round on its own, and with a fixed seed its
-    imbalance is the same in every run (at concurrency 1, eight rounds: the second stack first
-    six times), so any effect of going first would lean every run the same way. (Identical
-    stacks did read apart in one direction, and still do with this order: RESULTS.md.)"""
-    a, b = names
-    orders = [(a, b), (b, a)] * (rounds // 2) + [(a, b)] * (rounds % 2)
-    random.Random(seed).shuffle(orders)
-    for order in orders:
-        yield from order
 
 
 def _same_tokens(stacks: dict[str, BenchStack], prompts: list[list[int]], new: int) -> bool:

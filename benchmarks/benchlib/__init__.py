@@ -66,15 +66,29 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
 
 
 def turns(names: Sequence[T], rounds: int, seed: int) -> Iterator[T]:
-    """Every name once per round, ``rounds`` times, in a new (seeded) random order each round, so
-    that a noisy shared machine slows every variant alike. Not one fixed order: there each
-    variant always runs right after the same other one and pays for its after-effects (a copy's
-    intra-op threads still spinning, a forward pass that flushed the caches) every time."""
-    order = list(names)
+    """Every name once per round, ``rounds`` times, so that a noisy shared machine slows every
+    variant alike.
+
+    Rounds are the rows of Latin squares over a seeded order of the names: in any ``n`` rounds
+    in a row (``n`` names) each name takes each position once, so none runs first (or last)
+    round after round; with a fixed seed a fresh shuffle every round left one always first in
+    some runs (``interleaved`` and the stack comparisons use this with as few as 3 rounds). The
+    squares alternate direction, every ``n`` rounds, so no name always runs right after the same
+    other one either (and pays for its after-effects: a copy's intra-op threads still spinning,
+    a forward pass that flushed the caches)."""
+    base = list(names)
     rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        yield from order
+    rng.shuffle(base)
+    n = len(base)
+    if n == 0:
+        return
+    squares = []
+    for order in (base, base[::-1]):
+        rows = [order[i:] + order[:i] for i in range(n)]
+        rng.shuffle(rows)
+        squares.extend(rows)
+    for r in range(rounds):
+        yield from squares[r % len(squares)]
 
 
 def interleaved(
