@@ -378,8 +378,9 @@ def bench_stacks(
                 cpu = {k: CpuMeter(st) for k, st in stacks.items()}
                 for k in benchlib.turns(list(stacks), rounds, seed=conc):
                     st = stacks[k]
-                    with cpu[k].measure():
-                        runs[k].append(run_load(st.target, st.api_key, prompts, w.new, conc))
+                    runs[k].append(
+                        run_load(st.target, st.api_key, prompts, w.new, conc, during=cpu[k].measure)
+                    )
                 out[str(conc)] = _stack_sides(runs, cpu, n)
         calls, pids = read_report(report)  # written by the off stack's nodes as they exited
     _check_patched(calls, pids, node_pids, second)

@@ -4,9 +4,13 @@ at a time, recording time to first token and the gaps between streamed chunks.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfence.client import AsyncClient
 from kvfence.errors import KvfenceError
@@ -77,9 +81,16 @@ async def _one(client: AsyncClient, prompt: list[int], max_new: int) -> RequestT
 
 
 async def drive(
-    target: str, api_key: str, prompts: list[list[int]], max_new: int, concurrency: int
+    target: str,
+    api_key: str,
+    prompts: list[list[int]],
+    max_new: int,
+    concurrency: int,
+    during: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> LoadResult:
-    """Run every prompt with at most ``concurrency`` in flight; wall time covers all of them."""
+    """Run every prompt with at most ``concurrency`` in flight; wall time covers all of them.
+    ``during`` (e.g. ``CpuMeter.measure``) is entered after the client's warm-up request and
+    left when the last prompt is done, so it sees exactly the prompts' work."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -96,13 +107,19 @@ async def drive(
                 except KvfenceError as err:  # counted and reported, not fatal to the benchmark
                     failures.append(f"{type(err).__name__}: {str(err)[:300]}")
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        wall = time.perf_counter() - t0
+        with during() if during is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            await asyncio.gather(*[worker() for _ in range(concurrency)])
+            wall = time.perf_counter() - t0
     return LoadResult(wall, timings, failures)
 
 
 def run_load(
-    target: str, api_key: str, prompts: list[list[int]], max_new: int, concurrency: int
+    target: str,
+    api_key: str,
+    prompts: list[list[int]],
+    max_new: int,
+    concurrency: int,
+    during: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> LoadResult:
-    return asyncio.run(drive(target, api_key, prompts, max_new, concurrency))
+    return asyncio.run(drive(target, api_key, prompts, max_new, concurrency, during))

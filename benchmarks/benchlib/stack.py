@@ -199,8 +199,8 @@ def compare_stacks(
     cpu = {k: CpuMeter(s) for k, s in stacks.items()}
     runs: dict[str, list[LoadResult]] = {k: [] for k in stacks}
     for k in benchlib.turns(list(stacks), rounds, seed=conc):
-        with cpu[k].measure():
-            runs[k].append(run_load(stacks[k].target, stacks[k].api_key, prompts, new, conc))
+        st = stacks[k]
+        runs[k].append(run_load(st.target, st.api_key, prompts, new, conc, during=cpu[k].measure))
     out: dict[str, Any] = {}
     for k, rs in runs.items():
         failures = [f for r in rs for f in r.failures]
