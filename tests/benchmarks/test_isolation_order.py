@@ -7,6 +7,7 @@ benchmark script's signal handling and environment, which this test process must
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_every_variant_takes_every_position_equally_often():
 def test_no_variant_always_follows_the_same_one():
     seq = _orders()["three_x2"]
     before: dict[str, set[str]] = {k: set() for k in "abc"}
-    for prev, cur in zip(seq, seq[1:], strict=False):
+    for prev, cur in itertools.pairwise(seq):
         before[cur].add(prev)
     assert all(len(p) >= 2 for p in before.values()), before
     assert _positions(seq, 3) == Counter({(k, p): 2 for k in "abc" for p in range(3)})
