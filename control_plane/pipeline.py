@@ -204,14 +204,15 @@ class Pipeline:
     async def _serve(
         self, run: Run, prompt: Prompt, tenant: Tenant, deadline: float, emit: Emit
     ) -> None:
-        node, reservation = await self._reserve(run, prompt, tenant, deadline)
-        self._transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
+        # Both nodes hold the tenant's KV: both zero it when freed, if the tenant asks.
         scrub = tenant.limits.scrub_on_free or self.d.scrub_on_free
+        node, reservation = await self._reserve(run, prompt, scrub, deadline)
+        self._transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
         manifest = await self._prefill(run, prompt, reservation, deadline, scrub)
         await self._decode(run, prompt, node, reservation, manifest, deadline, emit)
 
     async def _reserve(
-        self, run: Run, prompt: Prompt, tenant: Tenant, deadline: float
+        self, run: Run, prompt: Prompt, scrub_on_free: bool, deadline: float
     ) -> tuple[Node, prefill_pb2.Reservation]:
         """Reserve decode pages, waiting in the admission queue while no node has room."""
         loop = asyncio.get_running_loop()
@@ -230,7 +231,7 @@ class Pipeline:
                     if self.d.queue.may_try(ticket):
                         for node in decode_candidates(self.d.registry, pages, skip=set()):
                             res = await self._try_reserve(
-                                run, node, prompt, tenant, pages, deadline
+                                run, node, prompt, scrub_on_free, pages, deadline
                             )
                             if res is not None:
                                 return node, res
@@ -252,7 +253,13 @@ class Pipeline:
                 raise
 
     async def _try_reserve(
-        self, run: Run, node: Node, prompt: Prompt, tenant: Tenant, pages: int, deadline: float
+        self,
+        run: Run,
+        node: Node,
+        prompt: Prompt,
+        scrub_on_free: bool,
+        pages: int,
+        deadline: float,
     ) -> prefill_pb2.Reservation | None:
         rec = run.record
         req = decode_pb2.ReserveRequest(
@@ -260,7 +267,7 @@ class Pipeline:
             tenant_id=rec.tenant_id,
             prompt_tokens=len(prompt.token_ids),
             max_new_tokens=prompt.sampling.max_new_tokens,
-            scrub_on_free=tenant.limits.scrub_on_free or self.d.scrub_on_free,
+            scrub_on_free=scrub_on_free,
         )
         # Recorded before the call: a call cut short may still have reserved on the node.
         first_contact = node.node_id not in rec.contacted

@@ -107,8 +107,6 @@ class TenantStore:
                 f"tenant name {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
             )
         _check_limits(limits)
-        api_key = KEY_PREFIX + secrets.token_urlsafe(32)  # 32 bytes = 256 bits
-        key_id = "key_" + secrets.token_hex(8)
         try:
             with self._tx():
                 self._db.execute(
@@ -121,10 +119,7 @@ class TenantStore:
                         _now(),
                     ),
                 )
-                self._db.execute(
-                    "INSERT INTO api_keys VALUES (?, ?, ?, 0, ?)",
-                    (key_id, name, hash_key(api_key), _now()),
-                )
+                api_key, key_id = self._insert_key(name)
         except sqlite3.IntegrityError:
             raise AlreadyExists(f"tenant {name!r} already exists") from None
         return self.get(name), api_key, key_id
@@ -166,13 +161,17 @@ class TenantStore:
         """Another API key for tenant ``name``; returns (api_key, key_id). NotFound if no such
         tenant."""
         self.get(name)
-        api_key = KEY_PREFIX + secrets.token_urlsafe(32)
-        key_id = "key_" + secrets.token_hex(8)
         with self._tx():
-            self._db.execute(
-                "INSERT INTO api_keys VALUES (?, ?, ?, 0, ?)",
-                (key_id, name, hash_key(api_key), _now()),
-            )
+            return self._insert_key(name)
+
+    def _insert_key(self, name: str) -> tuple[str, str]:
+        """A new key for ``name``, stored hashed (inside the caller's transaction)."""
+        api_key = KEY_PREFIX + secrets.token_urlsafe(32)  # 32 bytes = 256 bits
+        key_id = "key_" + secrets.token_hex(8)
+        self._db.execute(
+            "INSERT INTO api_keys VALUES (?, ?, ?, 0, ?)",
+            (key_id, name, hash_key(api_key), _now()),
+        )
         return api_key, key_id
 
     def revoke_key(self, key_id: str) -> bool:

@@ -202,7 +202,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         res = self.reservations.get(request.reservation_id)
         try:
-            await self._verify(request, res)
+            params = await self._verify(request, res)
         except KvfenceError as err:
             await _end(context, err)
         assert res is not None
@@ -210,7 +210,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         res.state = ResState.DECODING
         self.pool.set_state(res.reservation_id, PageState.READY)
         self.pool.set_state(res.reservation_id, PageState.IN_USE)
-        params: Any = sampling_from_proto(request.sampling)
         seq = ActiveSeq(
             res.reservation_id,
             res.pages,
@@ -313,8 +312,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _verify(
         self, request: decode_pb2.DecodeRequest, res: DecodeReservation | None
-    ) -> None:
-        """Manifest checks 1-6; on failure quarantine, report, release and raise."""
+    ) -> Any:
+        """Manifest checks 1-6 and the sampling parameters; returns those parameters. On failure
+        quarantine, report, release and raise."""
         if res is not None and res.request_id != request.request_id:
             res = None  # never act on another request's reservation
         if res is not None and res.state == ResState.RESERVED:
@@ -363,6 +363,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._integrity_failure(res, err, stage="manifest")
                 self._release(res.reservation_id, "integrity")
             raise
+        return params
 
     def _checksums(self, page_ids: list[int], seeds: list[int]) -> list[int]:
         sums = kernels.page_checksum(self.pool.kv, torch.tensor(page_ids), torch.tensor(seeds))

@@ -35,7 +35,8 @@ from pydantic import (
 ENV_PREFIX = "KVFENCE__"
 # Names that become MQTT topic levels (cluster, node id): no "/" (a level separator), no "+" or "#"
 # (wildcards, which a broker refuses in a published topic), no spaces.
-NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+NAME_CHARS = "A-Za-z0-9_.-"
+NAME_PATTERN = rf"^[{NAME_CHARS}]+$"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -113,7 +114,7 @@ class NodeConfig(_Strict):
 
     role: Role = Role.CONTROL_PLANE
     # empty = "<role>-<pid>". A level of this node's MQTT topics, so constrained like `cluster`.
-    node_id: str = Field(default="", pattern=r"^[A-Za-z0-9_.-]*$")
+    node_id: str = Field(default="", pattern=rf"^[{NAME_CHARS}]*$")
     listen: str = "127.0.0.1:0"
     # Address others use to reach this node; empty = the bound listen address.
     advertise: str = ""

@@ -199,13 +199,12 @@ def resolve_shape(cfg: ClusterConfig) -> tuple[ModelShape, str]:
 def mistral_sliding_window(cfg: dict[str, Any]) -> int | None:
     """The attention window of a Mistral ``config.json`` when it is below the context (Mistral
     enables it by ``sliding_window`` alone; Mistral-7B-v0.1: 4096 of 32768), else None."""
-    window = cfg.get("sliding_window")
-    if str(cfg.get("model_type", "llama")) != "mistral" or window is None:
+    if str(cfg.get("model_type", "llama")) != "mistral" or cfg.get("sliding_window") is None:
         return None
-    context = int(cfg.get("max_position_embeddings", 2048))
-    if int(window) < 1:
+    window = int(cfg["sliding_window"])
+    if window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {window}")
-    return int(window) if int(window) < context else None
+    return window if window < int(cfg.get("max_position_embeddings", 2048)) else None
 
 
 def shape_from_hf_config(hf_config: dict[str, Any], origin: str) -> ModelShape:

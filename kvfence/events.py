@@ -412,10 +412,9 @@ class EventBus:
         cursor = self._buffer.first_seq() or self._seq + 1  # everything unacked is re-sent
         while True:
             self._wake.clear()
-            await send_status()
             while True:
-                # The status goes before the rest of a backlog: stop()'s offline status must not
-                # wait behind thousands of events and then be cut off by the flush timeout.
+                # The status goes first, and before the rest of a backlog: stop()'s offline status
+                # must not wait behind thousands of events and then be cut off by the flush timeout.
                 await send_status()
                 with self._lock:
                     first = self._buffer.first_seq()

@@ -505,16 +505,13 @@ class KvReceiver:
         # A prefill that says v >= 4 takes an answer as one frame.
         frame = PROTOCOL_VERSION >= WARM_VERSION and _version(hello) >= WARM_VERSION
         if problem is not None:
-            if problem == "RESERVATION_RELEASED":
-                self.report(
-                    "transfer_failed",
-                    {"reason": problem, "reservation_id": rid[:64], "stage": "ucx_hello"},
-                )
-            else:
-                self.report(
-                    "integrity_violation",
-                    {"check": problem, "reservation_id": rid[:64], "stage": "ucx_hello"},
-                )
+            # A late transfer is a failed one; anything else is a wrong hello.
+            kind, field = (
+                ("transfer_failed", "reason")
+                if problem == "RESERVATION_RELEASED"
+                else ("integrity_violation", "check")
+            )
+            self.report(kind, {field: problem, "reservation_id": rid[:64], "stage": "ucx_hello"})
             if PROTOCOL_VERSION >= WARM_VERSION:
                 strays.extend(self._stray_tags(rid, 0, hello.get("batch")))
             with contextlib.suppress(Exception):
