@@ -20,24 +20,34 @@ from kvfence.localstack import LocalStack
 BenchStack = LocalStack  # start / stop / services / node_rpc_counts / api_key
 
 
-class CpuMeter:
+class _Meter:
+    """Counters read before and after each span :meth:`measure` covers, their growth summed in
+    ``used``; a subclass says what it reads (``_now``)."""
+
+    used: Counter[Any]
+
+    def _now(self) -> dict[Any, float]:
+        raise NotImplementedError
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        before = self._now()
+        yield
+        for key, value in self._now().items():
+            self.used[key] += value - before.get(key, 0.0)
+
+
+class CpuMeter(_Meter):
     """User + system CPU seconds (threads included) of a stack's processes and of this one, the
     load generator, summed over the spans :meth:`measure` covers: where a token's cost goes when
     the stack, not the model, is the bound."""
 
     def __init__(self, stack: LocalStack):
         self.procs = {**stack.services(), "load_generator": psutil.Process()}
-        self.used = dict.fromkeys(self.procs, 0.0)
+        self.used = Counter(dict.fromkeys(self.procs, 0.0))
 
     def _now(self) -> dict[str, float]:
         return {role: sum(p.cpu_times()[:2]) for role, p in self.procs.items()}
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        before = self._now()
-        yield
-        for role, used in self._now().items():
-            self.used[role] += used - before[role]
 
     def us_per_token(self, tokens: int) -> dict[str, float]:
         """Each process's CPU µs per delivered token over everything measured."""
@@ -48,7 +58,7 @@ class CpuMeter:
 METRICS_CONFIG: dict[str, Any] = {"node": {"metrics_port": 0}}
 
 
-class StackMetrics:
+class StackMetrics(_Meter):
     """The Prometheus metrics of a stack started with :data:`METRICS_CONFIG`, summed over the
     spans :meth:`measure` covers: how many rows the decode node's steps ran, and how long requests
     spent in each state of their lifecycle (control plane), under a given load.
@@ -85,13 +95,6 @@ class StackMetrics:
                     )
                     out[(service, sample.name, labels)] = sample.value
         return out
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        before = self._now()
-        yield
-        for key, value in self._now().items():
-            self.used[key] += value - before.get(key, 0.0)
 
     def _mean(self, service: str, name: str, labels: str = "") -> float | None:
         count = self.used[(service, f"{name}_count", labels)]
