@@ -382,6 +382,7 @@ class KvReceiver:
         # alarm. An id never issued here is still UNKNOWN_RESERVATION.
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._listener: Any = None
+        self._stopped = False  # stop() began: a connection that reaches us now is not served
         self._handlers: set[asyncio.Task[None]] = set()
         self._endpoints: set[Any] = set()  # connected endpoints being served
         self.connections = 0  # endpoints accepted since start (tests, metrics)
@@ -407,6 +408,7 @@ class KvReceiver:
         self.port = self._listener.port
 
     async def stop(self) -> None:
+        self._stopped = True
         for t in list(self.transfers.values()):
             self.cancel(t.reservation_id)
         # Idle endpoints wait for a next hello: abort them so their handlers end now (every
@@ -449,6 +451,13 @@ class KvReceiver:
                 self._released.popitem(last=False)
 
     async def _on_connect(self, ep: Any) -> None:
+        if self._stopped:
+            # ucxx hands us a connection only once its own handshake is over, so one accepted
+            # before stop() (or while it waits for the handlers) can arrive after it: served, it
+            # would outlive the stopped node, a task and an endpoint waiting batch_timeout_s for
+            # a hello and reporting to a stopped event bus. Close it at once instead.
+            _abort(ep)
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
