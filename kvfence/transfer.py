@@ -552,6 +552,14 @@ class KvReceiver:
             # final answer in flight, and prefill would report a complete transfer as failed.
             await self._answer(ep, {"ok": True, "received": len(t.received)}, frame)
             return True
+        except asyncio.CancelledError:
+            # The handler task itself cancelled (stop() gave up waiting for it): the posted
+            # receives were settled on the way out, so the transfer is over; left RECEIVING, it
+            # would read as in progress until the reservation timed out.
+            if t.state == InboundState.RECEIVING:
+                t.state = InboundState.CANCELLED
+                t.error = "cancelled"
+            raise
         except Exception as err:
             if t.state == InboundState.RECEIVING:
                 t.state = InboundState.FAILED

@@ -206,3 +206,48 @@ async def test_control_a_transfer_to_a_running_decode_node_completes_and_frees_i
     finally:
         await dec.stop(grace=0)
     assert not rx._handlers and rx.open_endpoints == 0
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["handler-cancelled", "control"])
+async def test_a_cancelled_transfer_handler_leaves_its_transfer_cancelled(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    cancel,
+):
+    """The receiver's handler task cancelled mid-receive (``KvReceiver.stop`` cancels a handler
+    that outlives its wait) ends the transfer CANCELLED and done, not RECEIVING until the
+    reservation times out. Control: the same stalled transfer, not cancelled, stays RECEIVING."""
+    cfg = make_cfg(tiny_dir, tmp_path)
+    dec = await start_node(cfg, Role.DECODE, register=False)
+    ep = None
+    try:
+        pool, rx = dec.rt.pool, dec.receiver
+        async with grpc.aio.insecure_channel(dec.address) as ch:
+            res = await decode_pb2_grpc.DecodeStub(ch).Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id="r-stall", tenant_id="t", prompt_tokens=30, max_new_tokens=4
+                )
+            )
+        t = rx.transfers[res.reservation_id]
+        ep = await stalled_sender(dec, res, "batch")
+        assert await eventually(
+            lambda: (
+                t.state == InboundState.RECEIVING and pool.outstanding_ops(res.reservation_id) == 2
+            )
+        )
+        (handler,) = rx._handlers
+        if cancel:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(handler, 10)
+            assert t.state == InboundState.CANCELLED and t.done.is_set()
+            # the posted receives were settled, not abandoned
+            assert pool.outstanding_ops(res.reservation_id) == 0
+        else:
+            await asyncio.sleep(0.5)
+            assert t.state == InboundState.RECEIVING and not t.done.is_set()
+            assert not handler.done()
+    finally:
+        if ep is not None:
+            ep.abort()
+        await dec.stop(grace=0)
