@@ -135,7 +135,10 @@ class Run:
         return self._interrupt.result() if self._interrupt.done() else None
 
     def interrupt(self, err: KvfenceError) -> bool:
-        """Ask the pipeline to end the request with ``err``; the first interrupt wins."""
+        """Ask the pipeline to end the request with ``err``; the first interrupt wins.
+
+        True means the request will end with ``err``: the pipeline checks for an interrupt right
+        before it moves the request to FINISHED, and a terminal request refuses (False)."""
         if self._interrupt.done() or self.record.terminal:
             return False
         self._interrupt.set_result(err)

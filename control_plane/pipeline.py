@@ -418,6 +418,11 @@ class Pipeline:
         finally:
             if not call.done():
                 call.cancel()
+        # The one point where a request that has its whole answer is decided finished or
+        # interrupted: an interrupt accepted by now (an operator's abort answered aborted=True, a
+        # deadline) wins, even if the end of the stream had already arrived; from FINISHED on,
+        # Run.interrupt refuses. Nothing awaits between this check and the transition.
+        run.check()
         final = stream.finish()
         self._transition(rec, RequestState.FINISHED, completion_tokens=stream.completion_tokens)
         emit(final)

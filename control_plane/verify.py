@@ -73,8 +73,9 @@ class DecodeStream:
     sequence with "stop" once a stop string appears in its text, and the client's text ends
     before that stop string. So text that could still grow into a stop string is held back until
     the next message shows it does not, and text from a complete stop string on is never sent.
-    Token ids are relayed as they come (the stop string's tokens included, as the colocated
-    engine returns them). The finish reason must be one the tokens bear out.
+    Token ids are relayed as they come (the stop string's tokens and the EOS included, as the
+    colocated engine returns them); the EOS that ends a run is not rendered as text. The finish
+    reason must be one the tokens bear out.
     """
 
     def __init__(
@@ -126,7 +127,13 @@ class DecodeStream:
                 f"decode sent {self.completion_tokens} tokens, more than max_new_tokens {limit}",
                 reason="TOO_MANY_TOKENS",
             )
-        self.text += self.detok.push(ids)
+        # As the colocated engine renders text: the EOS that ends the run is never text (a
+        # checkpoint may not mark it special, and its tokenizer would render "</s>"); an ignored
+        # EOS is an ordinary token.
+        text_ids = ids
+        if not self.prompt.sampling.ignore_eos:
+            text_ids = [i for i in ids if i not in self.eos_ids]
+        self.text += self.detok.push(text_ids)
         return client_pb2.GenerateResponse(
             request_id=self.rec.request_id, token_ids=ids, text=self._text(final=False)
         )

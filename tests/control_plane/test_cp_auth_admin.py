@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cp_fakes import make_model_info
-from cp_harness import Cluster, make_cfg
+from cp_harness import Cluster, eventually, make_cfg
 
 from control_plane.service import ControlPlane
 from control_plane.tenants import TenantLimits
@@ -21,6 +21,9 @@ from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, control_pb2
 async def test_missing_bad_and_revoked_keys_are_refused(cluster: Cluster) -> None:
     # Control first: the valid key works.
     assert (await cluster.client().generate(prompt_ids=[10], max_new_tokens=1)).token_ids
+    # Prefill's pages are released in the background once decode verified the KV: let that call
+    # land before counting, or it is counted against the refused requests below.
+    await eventually(lambda: "Release" in cluster.prefill[0].methods())
     calls = cluster.node_calls()
     channel = grpc.aio.insecure_channel(cluster.target)
     stub = client_pb2_grpc.GenerationStub(channel)

@@ -3,6 +3,10 @@ engine cuts it, and only finish reasons the tokens bear out."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from control_plane.admission import Prompt
@@ -12,23 +16,29 @@ from control_plane.verify import DecodeStream
 from kvfence.errors import IntegrityError
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
 from kvfence.model.sampling import SamplingParams
+from kvfence.model.tiny import ensure_tiny_model
 from kvfence.proto.kvfence.v1 import common_pb2, decode_pb2
-from kvfence.tokenizer import ByteTokenizer
+from kvfence.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 TOK = ByteTokenizer()
 EOS = 2
 
 
 def stream_of(
-    first: int, max_new: int, stop: tuple[str, ...] = (), ignore_eos: bool = False
+    first: int,
+    max_new: int,
+    stop: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    tokenizer: Tokenizer = TOK,
+    eos_ids: frozenset[int] = frozenset({EOS}),
 ) -> DecodeStream:
     sampling = common_pb2.SamplingParams(max_new_tokens=max_new, stop=stop, ignore_eos=ignore_eos)
     return DecodeStream(
         RequestRecord("r1", "t1"),
         common_pb2.KvManifest(first_token=first),
         Prompt([5, 6, 7], sampling),
-        IncrementalDetokenizer(TOK),
-        frozenset({EOS}),
+        IncrementalDetokenizer(tokenizer),
+        eos_ids,
     )
 
 
@@ -86,6 +96,59 @@ def test_the_stop_text_matches_the_colocated_engine() -> None:
     texts = relay(
         stream_of(ids[0], 12, stop=(stop,)), [[t] for t in ids], "stop"
     )  # one token a message, as decode streams at stream_interval 1
+    assert "".join(texts) == colo.text
+
+
+PROMPT = [40, 41, 42, 43, 44]
+
+
+def checkpoint_with_plain_eos(folder: Path) -> tuple[ColocatedEngine, int]:
+    """The tiny model as a checkpoint whose EOS is ``</s>`` not marked special in tokenizer.json,
+    with the id of a token its greedy run emits (so the run ends on it): the engine and the id."""
+    free = ColocatedEngine.from_path(None, page_size=16, num_pages=32)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    [ref] = free.generate([GenerationRequest(PROMPT, params)])
+    eos = ref.token_ids[4]
+    shutil.copytree(ensure_tiny_model(), folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    [byte] = [piece for piece, i in vocab.items() if i == eos]
+    vocab[byte], vocab["</s>"] = 2, eos  # the byte token takes </s>'s old id
+    for added in spec["added_tokens"]:
+        if added["content"] == "</s>":
+            added["id"], added["special"] = eos, False
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert load_tokenizer(folder).decode([eos]) == "</s>"  # EOS renders: it is not special
+    return ColocatedEngine.from_path(folder, page_size=16, num_pages=32), eos
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos ends the run", "eos ignored"])
+def test_the_text_of_a_run_ended_by_a_plain_eos_matches_the_colocated_engine(
+    tmp_path: Path, ignore_eos: bool
+) -> None:
+    """The colocated engine never renders the EOS that ended a run; the control plane
+    detokenized every id decode sent, so a checkpoint whose EOS is not marked special ended the
+    client's text with "</s>". With ignore_eos (the control) the EOS is an ordinary token: both
+    render it."""
+    engine, eos = checkpoint_with_plain_eos(tmp_path / "ckpt")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=ignore_eos)
+    [colo] = engine.generate([GenerationRequest(PROMPT, params)])
+    assert colo.finish_reason == ("length" if ignore_eos else "eos")
+    assert eos in colo.token_ids and ("</s>" in colo.text) == ignore_eos
+    ids = colo.token_ids
+    stream = stream_of(
+        ids[0],
+        12,
+        ignore_eos=ignore_eos,
+        tokenizer=load_tokenizer(tmp_path / "ckpt"),
+        eos_ids=frozenset(engine.loaded.eos_token_ids),
+    )
+    stream.accept(decode_pb2.DecodeResponse(verified=True))
+    relayed = [stream.accept(decode_pb2.DecodeResponse(token_ids=[t])) for t in ids]
+    assert [t for out in relayed if out is not None for t in out.token_ids] == ids  # EOS too
+    stream.accept(decode_pb2.DecodeResponse(finish_reason=colo.finish_reason))
+    texts = [out.text for out in relayed if out is not None] + [stream.finish().text]
     assert "".join(texts) == colo.text
 
 

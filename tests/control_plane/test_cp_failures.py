@@ -234,3 +234,88 @@ async def test_a_cancelled_pipeline_task_ends_its_request_cancelled(cluster: Clu
     assert 'kvfence_requests_total{service="control-plane",status="OK"} 1.0' in text
     assert 'kvfence_requests_total{service="control-plane",status="CANCELLED"} 1.0' in text
     cluster.script.decode_hold.set()
+
+
+class _HeldEndOfStream:
+    """A decode call whose end of stream has arrived but is handed to the pipeline only when
+    ``go`` is set: the gap in which the control plane has the whole answer but has not yet
+    finished the request (a task switch, in production)."""
+
+    def __init__(self, call, at_end: asyncio.Event, go: asyncio.Event):
+        self._call, self._at_end, self._go = call, at_end, go
+
+    async def read(self):
+        msg = await self._call.read()
+        if msg is grpc.aio.EOF:
+            self._at_end.set()
+            await self._go.wait()
+        return msg
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)
+
+
+def hold_end_of_stream(cluster: Cluster) -> tuple[asyncio.Event, asyncio.Event]:
+    at_end, go = asyncio.Event(), asyncio.Event()
+    clients = cluster.cp.clients
+    original = clients.decode
+
+    class Stub:
+        def __init__(self, stub):
+            self._stub = stub
+
+        def Decode(self, *args, **kwargs):
+            return _HeldEndOfStream(self._stub.Decode(*args, **kwargs), at_end, go)
+
+        def __getattr__(self, name: str):
+            return getattr(self._stub, name)
+
+    clients.decode = lambda node: Stub(original(node))  # type: ignore[method-assign]
+    return at_end, go
+
+
+async def test_an_abort_that_races_the_last_token_wins_for_both(cluster: Cluster) -> None:
+    """The operator's abort lands after decode's last token and end of stream arrived, before the
+    pipeline finished the request: the operator was told aborted=True while the client got OK
+    with the whole answer. The abort was accepted, so the client must see it too."""
+    admin, auth = cluster.admin()
+    at_end, go = hold_end_of_stream(cluster)
+    call = asyncio.create_task(cluster.client().generate(prompt_ids=[10], max_new_tokens=4))
+    await asyncio.wait_for(at_end.wait(), 5)
+    [run] = list(cluster.cp.table)
+    assert run.record.state == RequestState.DECODING
+    resp = await admin.AbortRequest(
+        control_pb2.AbortRequestRequest(request_id=run.record.request_id), metadata=auth
+    )
+    go.set()
+    assert resp.aborted
+    with pytest.raises(Cancelled, match="aborted by an operator"):
+        await asyncio.wait_for(call, 5)
+    assert run.record.state == RequestState.CANCELLED
+    await eventually(lambda: released(cluster.decode[0]))  # a cancelled request releases decode
+
+
+async def test_an_abort_after_the_request_finished_is_refused_and_the_client_gets_ok(
+    cluster: Cluster,
+) -> None:
+    """Control for the race above: once the request is FINISHED (still in the table, on its way
+    out) an abort is refused, and after it left the table it is not found; the client gets OK."""
+    admin, auth = cluster.admin()
+    answers: list[bool] = []
+    original = cluster.cp.table.remove
+
+    def remove(run) -> None:
+        assert run.record.state == RequestState.FINISHED
+        assert cluster.cp.table.get(run.record.request_id) is run
+        answers.append(run.interrupt(Cancelled("the request was aborted by an operator")))
+        original(run)
+
+    cluster.cp.table.remove = remove  # type: ignore[method-assign]
+    result = await cluster.client().generate(prompt_ids=[10], max_new_tokens=4)
+    assert answers == [False]
+    assert (result.finish_reason, result.usage.completion_tokens) == ("length", 4)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await admin.AbortRequest(
+            control_pb2.AbortRequestRequest(request_id=result.request_id), metadata=auth
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
