@@ -14,6 +14,7 @@ A bad value raises :class:`ConfigError` whose message names the field and the ru
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -116,7 +117,8 @@ class NodeConfig(_Strict):
     # empty = "<role>-<pid>". A level of this node's MQTT topics, so constrained like `cluster`.
     node_id: str = Field(default="", pattern=rf"^[{NAME_CHARS}]*$")
     listen: str = "127.0.0.1:0"
-    # Address others use to reach this node; empty = the bound listen address.
+    # Address others use to reach this node, host:port; empty = the bound listen address. An IPv6
+    # host may come bare ("fd00::1:50061", as Kubernetes' $(POD_IP) gives it): it is bracketed.
     advertise: str = ""
     ucx_host: str = "127.0.0.1"
     ucx_port: int = Field(default=0, ge=0, le=65535)
@@ -128,6 +130,20 @@ class NodeConfig(_Strict):
     # public API. Both must be set for it to act.
     fault_hook: bool = False
     fault_file: Path | None = None
+
+    @field_validator("advertise")
+    @classmethod
+    def _bracket_ipv6_host(cls, value: str) -> str:
+        # Kubernetes builds the address by substitution, "$(POD_IP):port" (the Helm chart does),
+        # so an IPv6 pod gets "fd00::1:50061", which gRPC reads as a host without a port and
+        # cannot dial. The address ends in ":port", so a host before the last colon that is an
+        # IPv6 literal gets its brackets; anything else (names, IPv4, "[...]", URIs) is kept.
+        host, sep, port = value.rpartition(":")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return value
+        return f"[{host}]{sep}{port}"
 
 
 class TransferConfig(_Strict):

@@ -5,6 +5,8 @@ helm comes from ``.tools/bin/helm`` (``make helm`` installs it); a missing binar
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -473,3 +475,144 @@ def test_every_pod_can_reach_its_model(helm_home: Path, values: tuple[Path, ...]
             assert not mounts[-1].get("readOnly", False), f"{role}: {where} is read-only"
         volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
         assert {m["name"] for m in mounts} <= volumes
+
+
+# --- IPv6 pods ------------------------------------------------------------------------------------
+
+
+def node_config(docs: list[dict], role: str, pod_env: dict[str, str]):
+    """The kvfence config a pod of ``role`` loads: the ConfigMap plus its env as Kubernetes
+    expands it (``$(VAR)`` from earlier entries and the downward API, given as ``pod_env``)."""
+    text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+    env = dict(pod_env)
+    for e in container(find(docs, "Deployment", f"{FULLNAME}-{role}"))["env"]:
+        if "value" in e:
+            value = e["value"]
+            for name in ("POD_IP", "POD_NAME"):
+                value = value.replace(f"$({name})", pod_env[name])
+            env[e["name"]] = value
+    return parse_config(yaml.safe_load(text), environ=env)
+
+
+@pytest.mark.parametrize(("role", "port"), [("prefill", 50061), ("decode", 50071)])
+def test_ipv6_pod_advertises_a_bracketed_grpc_address(
+    helm_home: Path, role: str, port: int
+) -> None:
+    """On an IPv6-only cluster the pod IP is an IPv6 literal. The chart advertises
+    ``$(POD_IP):port``, which gRPC cannot dial unbracketed (it reads "fd00::1:50061" as a host
+    without a port); the node must advertise ``[fd00::1]:50061``."""
+    docs = render(helm_home)
+    cfg = node_config(docs, role, {"POD_NAME": "pod-0", "POD_IP": "fd00::1"})
+    assert cfg.node.advertise == f"[fd00::1]:{port}"
+    # UCX takes the host alone (the KV receiver's address is split at its last colon)
+    assert cfg.node.ucx_host == "fd00::1"
+    # control: an IPv4 pod advertises its address as before
+    cfg = node_config(docs, role, dict(POD_ENV))
+    assert cfg.node.advertise == f"10.1.2.3:{port}"
+    assert cfg.node.ucx_host == "10.1.2.3"
+
+
+# --- Secrets in the pods' checksum ----------------------------------------------------------------
+
+TOKENS = ["adminToken.value=admin-a", "nodeToken.value=node-a"]
+TLS = [
+    "tls.enabled=true",
+    "tls.publicCert=PUBCERT",
+    "tls.publicKey=PUBKEY",
+    "tls.internalCa=CA",
+    "tls.internalCert=INTCERT",
+    "tls.internalKey=INTKEY",
+]
+ROLES = ("control-plane", "prefill", "decode")
+
+
+def pod_annotations(docs: list[dict]) -> dict[str, dict[str, str]]:
+    return {
+        role: find(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["template"]["metadata"][
+            "annotations"
+        ]
+        for role in ROLES
+    }
+
+
+def restarted(before: list[str], after: list[str], home: Path) -> set[str]:
+    """The Deployments whose pod template changes between two `helm upgrade`s: Kubernetes rolls
+    exactly those (a Secret itself changes in place)."""
+    a = {r: find(render(home, sets=before), "Deployment", f"{FULLNAME}-{r}") for r in ROLES}
+    b = {r: find(render(home, sets=after), "Deployment", f"{FULLNAME}-{r}") for r in ROLES}
+    return {r for r in ROLES if a[r]["spec"]["template"] != b[r]["spec"]["template"]}
+
+
+@pytest.mark.parametrize(
+    ("change", "consumers"),
+    [
+        ("adminToken.value=admin-b", {"control-plane"}),
+        ("nodeToken.value=node-b", {"control-plane", "prefill", "decode"}),
+        ("tls.internalKey=INTKEY-2", {"control-plane", "prefill", "decode"}),
+        ("tls.publicCert=PUBCERT-2", {"control-plane", "prefill", "decode"}),
+    ],
+)
+def test_rotating_a_secret_restarts_the_pods_that_read_it(
+    helm_home: Path, change: str, consumers: set[str]
+) -> None:
+    """The control plane reads its tokens, and every service its TLS files, once at start: a
+    rotated Secret must change the pod template of every Deployment that mounts it, or its pods
+    keep the old value."""
+    base = [*TOKENS, *TLS]
+    assert restarted(base, [*base, change], helm_home) == consumers
+    # control: the same values again (a second render: renders are cached by their arguments)
+    # restart nothing
+    assert restarted(base, base[::-1], helm_home) == set()
+
+
+def test_unrelated_change_restarts_no_pod_for_secrets(helm_home: Path) -> None:
+    # Positive control: a change that touches neither the config nor a Secret rolls nothing, so
+    # the checksum above is not one that changes on every render.
+    assert restarted(TOKENS, [*TOKENS, "mqtt.resources.limits.memory=512Mi"], helm_home) == set()
+    # and the config checksum still rolls every service on a config change
+    assert restarted(TOKENS, [*TOKENS, "kv.scrubOnFree=true"], helm_home) == set(ROLES)
+
+
+def _secrets_checksum(secrets: dict[str, dict], names: list[str]) -> str:
+    # What the chart hashes: {secret name: its data} of the Secrets a pod mounts, as Go's
+    # json.Marshal writes it (keys sorted, no spaces).
+    used = {n: secrets[n]["data"] for n in names if n in secrets}
+    text = json.dumps(used, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("sets", [[], TLS], ids=["generated-tokens", "generated-tokens+tls"])
+def test_secrets_checksum_is_the_rendered_secrets(helm_home: Path, sets: list[str]) -> None:
+    """The checksum describes exactly the Secrets rendered beside it, generated tokens included
+    (the token is drawn once per render, not once per template that needs it)."""
+    docs = render(helm_home, sets=sets)
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    admin, node, tls = (f"{FULLNAME}-{s}" for s in ("admin-token", "node-token", "tls"))
+    assert (tls in secrets) == bool(sets)
+    pods = pod_annotations(docs)
+    assert pods["control-plane"]["checksum/secrets"] == _secrets_checksum(
+        secrets, [admin, node, tls]
+    )
+    for role in ("prefill", "decode"):
+        assert pods[role]["checksum/secrets"] == _secrets_checksum(secrets, [node, tls])
+
+
+def test_user_provided_secrets_get_no_checksum(helm_home: Path) -> None:
+    """An existingSecret is not rendered by the chart, so no checksum can follow it (values.yaml
+    says to restart the pods after rotating one); the chart's own Secrets still count."""
+    docs = render(helm_home, sets=["adminToken.existingSecret=ops-admin", "nodeToken.value=n"])
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    node = f"{FULLNAME}-node-token"
+    for role, pod in pod_annotations(docs).items():
+        assert pod["checksum/secrets"] == _secrets_checksum(secrets, [node]), role
+    everything_external = [
+        "adminToken.existingSecret=ops-admin",
+        "nodeToken.existingSecret=ops-node",
+        "tls.enabled=true",
+        "tls.existingSecret=ops-tls",
+    ]
+    docs = render(helm_home, sets=everything_external)
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for pod in pod_annotations(docs).values():
+        assert "checksum/secrets" not in pod
+        assert "checksum/config" in pod

@@ -36,6 +36,10 @@ spec:
         {{- include "kvfence.componentSelector" $sel | nindent 8 }}
       annotations:
         checksum/config: {{ include "kvfence.config" $root | sha256sum }}
+        {{- /* it reads the node token and the TLS files once, at start */}}
+        {{- with include "kvfence.secretsChecksum" (dict "root" $root "uses" (list "node" "tls")) }}
+        checksum/secrets: {{ . }}
+        {{- end }}
         {{- with $v.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -60,6 +64,9 @@ spec:
             {{- include "kvfence.nodeEnv" (dict "root" $root "role" $role) | nindent 12 }}
             - name: KVFENCE__NODE__LISTEN
               value: {{ printf "0.0.0.0:%d" (int $v.ports.grpc) | quote }}
+            {{- /* Bare on an IPv6 pod ("fd00::1:50061"): kvfence brackets an IPv6 host
+                   (kvfence/config.py). The UCX host stays bare: its address is split at the
+                   last colon. */}}
             - name: KVFENCE__NODE__ADVERTISE
               value: {{ printf "$(POD_IP):%d" (int $v.ports.grpc) | quote }}
             - name: KVFENCE__NODE__UCX_HOST
