@@ -112,7 +112,8 @@ def paged_decode_attention(
     Returns:
         ``out`` ``[B, num_heads, head_dim]`` in q's dtype (float32 accumulation), and
         ``error_flags`` bool ``[B]``: True when a page the sequence reads has ``page_gen[page] !=
-        expected_gen``, an id outside the pool, or ``seq_len`` needs more pages than ``max_pages``.
+        expected_gen``, an id outside the pool, ``seq_len`` needs more pages than ``max_pages``,
+        or ``seq_len < 1``.
         A flagged row reads no K/V and its output is zeros; the caller must fail that request.
     """
     return plan_decode_attention(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)(

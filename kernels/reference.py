@@ -259,8 +259,9 @@ def _attention_flagging(
     in_range = (pid >= 0) & (pid < num_pages)
     safe_pid = torch.where(in_range, pid, 0)
     stale = ~in_range | (page_gen[safe_pid] != expected_gen)
-    # A sequence longer than its block table can describe is as wrong as a stale page.
-    bad = (read & stale).any(dim=1) | (n_pages > max_pages)  # (B,)
+    # A sequence longer than its block table can describe is as wrong as a stale page, and so is
+    # one with nothing to attend to (seq_len >= 1 is the contract; zeros would pass for an answer).
+    bad = (read & stale).any(dim=1) | (n_pages > max_pages) | (seq < 1)  # (B,)
 
     # Flagged rows and unread table entries gather page 0 and are masked out below, so no byte of
     # a page the sequence does not own enters the arithmetic of its output.
@@ -272,7 +273,7 @@ def _attention_flagging(
     pos = torch.arange(n_read * page_size, device=device)  # (T,)
     valid = (pos[None, :] < seq[:, None]) & ~bad[:, None]  # (B, T)
     out = _attend(q, k, v, valid, scale)
-    # Rows with nothing valid (flagged, or an invalid seq_len <= 0) come out NaN: zero them.
+    # Rows with nothing valid (flagged) come out NaN: zero them.
     has_any = valid.any(dim=1)  # (B,)
     out = torch.where(has_any[:, None, None], out, 0.0)
     return out.to(q.dtype), bad

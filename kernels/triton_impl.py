@@ -68,7 +68,8 @@ def _paged_decode_kernel(
     n_pages = (seq_len + page_size - 1) // page_size
     # Pass 1: every page the sequence reads must carry the generation its block table expects.
     # Done before any K/V load so that a flagged sequence never reads the page it does not own.
-    bad = n_pages > max_pages
+    # A seq_len < 1 (the contract is >= 1) or one past the table is flagged as well.
+    bad = (seq_len < 1) | (n_pages > max_pages)
     n_check = tl.minimum(n_pages, max_pages)
     for p0 in range(0, n_check, BLOCK_P):
         idx = p0 + tl.arange(0, BLOCK_P)

@@ -84,6 +84,23 @@ def test_seq_len_beyond_block_table_is_flagged(make_pool, make_batch):
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+def test_seq_len_below_one_is_flagged(make_pool, make_batch):
+    # The contract is seq_len >= 1; a row with less has nothing to attend to and used to come out
+    # as zeros with no flag, as if it were a valid answer.
+    pool = make_pool()
+    batch = make_batch(pool, [1, 20, 20, 20, 33])
+    clean, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [False] * 5  # control: seq_len 1, the least valid, is not flagged
+    batch.seq_lens[1:4] = torch.tensor([0, -5, -(2**31)], dtype=torch.int32)
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [False, True, True, True, False]
+    assert int(out[1:4].count_nonzero()) == 0
+    assert torch.equal(out[[0, 4]], clean[[0, 4]])
+    # the dispatcher and a plan agree
+    got = kernels.paged_decode_attention(*batch.args(pool, layer=0))
+    assert torch.equal(got[0], out) and torch.equal(got[1], flags)
+
+
 def test_rejects_bad_arguments(make_pool, make_batch):
     pool = make_pool()
     batch = make_batch(pool, [5])

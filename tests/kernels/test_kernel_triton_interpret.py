@@ -22,6 +22,7 @@ REPO = HERE.parents[1]
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 STALE_FLAGS = [False, True, False, False, True]
+SHORT_FLAGS = [False, True, True, True, False]  # seq_len 1 (valid), 0, -5, INT32_MIN, 33
 
 
 def _attention_cases(make_pool, make_batch) -> dict:
@@ -39,6 +40,12 @@ def _attention_cases(make_pool, make_batch) -> dict:
         stale.block_tables[3, 3] = 10**6  # wild id past seq_len: not read
         stale.seq_lens[4] = 65  # needs a fifth page the table cannot name: flagged
         cases[f"attn_stale_{name}"] = (pool_stale, stale, 0)
+    # seq_len < 1 breaks the contract: flagged like a stale page. f32 only (the check reads no
+    # K/V, so the dtype cannot matter); the rows' tables name real pages, which must not be read.
+    pool_short = make_pool(num_pages=24, seed=8)
+    short = make_batch(pool_short, [1, 20, 20, 20, 33], seed=9)
+    short.seq_lens[1:4] = torch.tensor([0, -5, -(2**31)], dtype=torch.int32)
+    cases["attn_short_f32"] = (pool_short, short, 0)
     shapes = {
         "attn_d64_ps32_mha": (
             dict(page_size=32, head_dim=64, num_kv_heads=4),
@@ -146,6 +153,18 @@ def test_attention_stale_generations_flag_exactly_those_rows(runs, name):
     tol = TOL[batch.q.dtype]
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     assert bool(torch.isfinite(out).all())
+
+
+def test_attention_seq_len_below_one_is_flagged_as_the_reference_does(runs):
+    attn, _, results = runs
+    pool, batch, layer = attn["attn_short_f32"]
+    out, flags = results["attn_short_f32"]
+    want, want_flags = reference.paged_decode_attention(*batch.args(pool, layer))
+    assert flags.tolist() == want_flags.tolist() == SHORT_FLAGS
+    assert int(out[torch.tensor(SHORT_FLAGS)].count_nonzero()) == 0
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # Positive control: the valid rows (seq_len 1 and 33) are plain attention, and nonzero.
+    assert int(out[0].count_nonzero()) > 0 and int(out[4].count_nonzero()) > 0
 
 
 @pytest.mark.parametrize("name", ["attn_d64_ps32_mha", "attn_d128_group8", "attn_ps48"])
