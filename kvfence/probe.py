@@ -9,12 +9,19 @@ Against any running kvfence deployment (only the public API and two tenant API k
 3. **under load** — while A's load runs, B sends the same probes again (they include prompts sized
    to page boundaries); **after load** — once more, when the free pages hold A's stale data;
 4. **over-length** — B sends prompts at the advertised ``admissible_limit``: ``prompt + max_new ==
-   limit + 1`` and far over must be rejected with INVALID_ARGUMENT before any token; ``== limit``
-   must not be rejected as over-length (RESOURCE_EXHAUSTED there is "not verified", a warning).
+   limit + 1`` and far over must be rejected with INVALID_ARGUMENT, ``google.rpc.ErrorInfo``
+   reason ``OVER_ADMISSIBLE_LIMIT``, before any token; ``== limit`` must not be rejected as
+   over-length (RESOURCE_EXHAUSTED there is "not verified", a warning).
 
 Checks: any n-gram (``ngram`` consecutive ids) of A's canaries in B's output ids, or any of A's
 canary markers, any 8 hex digits of one, or the marker prefix, in B's text or error messages, is
-a LEAK; an over-length request that is not rejected with INVALID_ARGUMENT is a FAILURE; B's greedy
+a LEAK; an over-length request that is not rejected with INVALID_ARGUMENT and reason
+``OVER_ADMISSIBLE_LIMIT`` is a FAILURE: accepted, another status (``wrong-status``) or another
+reason (``wrong-reason``, e.g. ``OVER_TENANT_TOKEN_LIMIT`` or ``INVALID_PARAMETERS``). A refusal
+for another reason shows nothing about the admissible limit, and the probe's own requests are
+valid, so the server refused them for something it should not have: a failure, like a wrong
+status, not "inconclusive" (which means no canary load was verified; run the probe with a tenant B
+that has no per-request token limit). B's greedy
 output under load that differs from its solo baseline is a DIVERGENCE, reported as a warning
 (batching can change float rounding; an operator should look, but it does not prove a leak by
 itself), or as a failure with ``fail_on_divergence`` (``--fail-on-divergence``: for deployments
@@ -59,6 +66,10 @@ PHASE_UNDER_LOAD = "under-load"
 PHASE_AFTER_LOAD = "after-load"
 PHASE_AT_LIMIT = "at-limit"
 PHASE_OVER_LENGTH = "over-length"
+
+# The ErrorInfo reason of a refusal over the admissible limit: control_plane.admission's
+# OVER_ADMISSIBLE_LIMIT (a copy: the probe needs only the public API, not the control plane).
+OVER_ADMISSIBLE_LIMIT_REASON = "OVER_ADMISSIBLE_LIMIT"
 
 _MARKER_PREFIX = "KVFCANARY"
 MARKER_PIECE = 8  # hex digits of one of A's markers that, in B's text, count as a leak
@@ -226,10 +237,11 @@ class OverLengthResult:
     prompt_tokens: int
     max_new_tokens: int
     limit: int
-    outcome: str  # "rejected" (pass) | "accepted" | "wrong-status"
+    outcome: str  # "rejected" (pass) | "accepted" | "wrong-status" | "wrong-reason"
     status: str  # gRPC status name, "OK" when the request completed
     tokens_yielded: int
     message: str = ""
+    reason: str = ""  # the error's google.rpc.ErrorInfo reason, "" when the request completed
 
     @property
     def ok(self) -> bool:
@@ -638,6 +650,7 @@ class IsolationProbe:
         rid = ""
         status = "OK"
         message = ""
+        reason = ""
         err: KvfenceError | None = None
         try:
             for chunk in client.stream(
@@ -650,16 +663,20 @@ class IsolationProbe:
                     break  # accepted: enough to show it, and to scan for a leak
         except KvfenceError as e:
             err = e
-            status, message = e.code.name, _one_line(e.message)
-        if isinstance(err, InvalidArgument) and not got:
-            outcome = "rejected"
-        elif err is None or got:
+            status, message, reason = e.code.name, _one_line(e.message), e.reason
+        if err is None or got:
             outcome = "accepted"
-        else:
+        elif not isinstance(err, InvalidArgument):
             outcome = "wrong-status"
+        elif err.reason != OVER_ADMISSIBLE_LIMIT_REASON:
+            outcome = "wrong-reason"  # refused, but not as over the admissible limit
+        else:
+            outcome = "rejected"
         self._scan(PHASE_OVER_LENGTH, name, _Outcome(got, "".join(text), rid, err))
         self.report.over_length.append(
-            OverLengthResult(name, prompt, max_new, limit, outcome, status, len(got), message)
+            OverLengthResult(
+                name, prompt, max_new, limit, outcome, status, len(got), message, reason
+            )
         )
         self.progress.step("tenant B over-length")
 
@@ -832,6 +849,7 @@ __all__ = [
     "EXIT_CLEAN",
     "EXIT_ERROR",
     "EXIT_FAILED",
+    "OVER_ADMISSIBLE_LIMIT_REASON",
     "CanaryIndex",
     "IsolationProbe",
     "Leak",

@@ -26,6 +26,7 @@ from stack_harness import Stack
 from typer.testing import CliRunner
 
 from kvfence.cli.probe import register
+from kvfence.errors import InvalidArgument
 from kvfence.probe import (
     CanaryIndex,
     ProbeOptions,
@@ -38,6 +39,7 @@ from kvfence.probe import (
 )
 from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, common_pb2
 
+ADMISSIBLE_REASON = "OVER_ADMISSIBLE_LIMIT"  # the ErrorInfo reason of kvfence's admission
 SMALL_POOLS = ["--prefill-pool-tokens", "1024", "--decode-pool-tokens", "768"]
 
 
@@ -101,10 +103,20 @@ KEYS = {"Bearer key-a": "a", "Bearer key-b": "b"}
 class LeakyGeneration(client_pb2_grpc.GenerationServicer):
     """Hands tenant A's previous prompt to tenant B as "stale KV", and checks no length."""
 
-    def __init__(self, mode: str = "copy") -> None:
+    def __init__(
+        self, mode: str = "copy", over_length_reason: str = ADMISSIBLE_REASON, a_delay_s: float = 0
+    ) -> None:
         # "copy": B gets A's ids and text verbatim; "piece": B's text carries 10 hex digits of
-        # one of A's markers (no whole marker, no prefix, no id of A's)
+        # one of A's markers (no whole marker, no prefix, no id of A's); "clean": no leak.
+        # Every mode but "copy" refuses over-length requests with INVALID_ARGUMENT and
+        # ``over_length_reason`` as the ErrorInfo reason, as kvfence's admission does.
         self.mode = mode
+        self.over_length_reason = over_length_reason
+        # A's k-th request lasts k * a_delay_s: A's requests end one after another, so B's
+        # probes run while some are in flight (with none, A's load may end before B's first
+        # probe and the probe is inconclusive, exit 2)
+        self.a_delay_s = a_delay_s
+        self.a_requests = 0
         self.last_a_ids: list[int] = []
         self.last_a_text = ""
         self.b_requests = 0
@@ -136,8 +148,11 @@ class LeakyGeneration(client_pb2_grpc.GenerationServicer):
         n = request.max_new_tokens
         text = ""
         if self.mode != "copy" and len(ids) + n > FAKE_LIMIT:  # only "copy" also accepts these
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "over the admissible limit")
+            err = InvalidArgument("over the limit", reason=self.over_length_reason)
+            await context.abort_with_status(err.to_status())
         if tenant == "a":
+            self.a_requests += 1
+            await asyncio.sleep(self.a_delay_s * self.a_requests)
             if ids:
                 self.last_a_ids = ids
             else:
@@ -154,6 +169,9 @@ class LeakyGeneration(client_pb2_grpc.GenerationServicer):
                 out += [9] * (n - len(out))
                 marker_digits = len("KVFCANARY")
                 text = self.last_a_text[marker_digits : marker_digits + 10]
+            elif self.mode == "clean":
+                out = [(x * 7) % 200 + 3 for x in ids[:n]]
+                out += [9] * (n - len(out))
             elif self.last_a_ids:  # the bug: decode attends over pages another tenant wrote
                 out = (self.last_a_ids * (n // len(self.last_a_ids) + 1))[:n]
                 text = self.last_a_text[:64]
@@ -235,6 +253,42 @@ def test_a_piece_of_a_marker_in_b_text_is_a_leak() -> None:
     assert {leak.kind for leak in report.leaks} == {"text"}
 
 
+def test_over_length_rejection_counts_only_with_the_admissible_limit_reason() -> None:
+    """An INVALID_ARGUMENT for another reason (a tenant's token limit, bad parameters) does not
+    show the admissible limit enforced: it used to count as a correct rejection (exit 0)."""
+    for reason in ("OVER_TENANT_TOKEN_LIMIT", "INVALID_PARAMETERS"):
+        for target in _serve(LeakyGeneration(mode="clean", over_length_reason=reason)):
+            report = run_isolation_probe(
+                target, "key-a", "key-b", options=ProbeOptions(requests=8, seed=3, timeout=10)
+            )
+        assert report.leaks == []
+        assert [r.outcome for r in report.over_length] == ["wrong-reason"] * 4, report.over_length
+        assert {(r.status, r.reason) for r in report.over_length} == {("INVALID_ARGUMENT", reason)}
+        assert len(report.over_length_failures) == 4
+        assert report.exit_code == 1 and report.verdict == "FAIL"
+
+
+def test_over_length_rejection_with_the_admissible_limit_reason_passes() -> None:
+    """Positive control of the test above: the same fake with kvfence's reason passes."""
+    for target in _serve(LeakyGeneration(mode="clean", a_delay_s=0.05)):
+        report = run_isolation_probe(
+            target, "key-a", "key-b", options=ProbeOptions(requests=8, seed=3, timeout=10)
+        )
+    assert [r.outcome for r in report.over_length] == ["rejected"] * 4, report.over_length
+    assert all(r.reason == ADMISSIBLE_REASON for r in report.over_length)
+    assert report.over_length_failures == [] and report.leaks == []
+    assert report.exit_code == 0 and report.verdict in {"PASS", "WARN"}, report.warnings
+
+
+def test_the_probe_expects_the_control_planes_reason() -> None:
+    """The probe cannot import the control plane (it runs against any deployment): its copy of
+    the reason must equal admission's."""
+    from control_plane.admission import OVER_ADMISSIBLE_LIMIT
+    from kvfence.probe import OVER_ADMISSIBLE_LIMIT_REASON
+
+    assert OVER_ADMISSIBLE_LIMIT_REASON == OVER_ADMISSIBLE_LIMIT == ADMISSIBLE_REASON
+
+
 def test_canary_index_finds_pieces_of_markers_and_the_prefix() -> None:
     index = CanaryIndex(4)
     marker = "KVFCANARY0123456789abcdef"
@@ -262,9 +316,10 @@ def test_the_probe_exit_code_needs_probes_during_the_load_and_can_fail_on_diverg
 def test_cli_fails_on_divergence_only_when_asked() -> None:
     args = ["probe", "isolation", "--tenant-a-key", "key-a", "--tenant-b-key", "key-b"]
     args += ["--requests", "6", "--seed", "1", "--timeout", "10", "--json"]
-    for target in _serve(LeakyGeneration(mode="diverge")):  # a fresh fake each: it remembers A
+    # a fresh fake each: it remembers A
+    for target in _serve(LeakyGeneration(mode="diverge", a_delay_s=0.05)):
         default = CliRunner().invoke(_cli(), [*args, "--target", target])
-    for target in _serve(LeakyGeneration(mode="diverge")):
+    for target in _serve(LeakyGeneration(mode="diverge", a_delay_s=0.05)):
         strict = CliRunner().invoke(_cli(), [*args, "--target", target, "--fail-on-divergence"])
     out = json.loads(default.stdout)
     assert out["leak_count"] == 0 and out["diverged"] > 0  # nothing copied, outputs changed
@@ -337,6 +392,7 @@ def test_healthy_stack_passes(stack: Stack) -> None:
     assert report.admissible_limit == 768 and report.page_size == 16
     assert [r.outcome for r in report.over_length] == ["rejected"] * 4, report.over_length
     assert all(r.status == "INVALID_ARGUMENT" and r.tokens_yielded == 0 for r in report.over_length)
+    assert all(r.reason == ADMISSIBLE_REASON for r in report.over_length)
     assert report.at_limit is not None and report.at_limit.outcome in {"accepted", "not-verified"}
     assert report.canary_ok > 0 and report.probes_under_load_ok > 0 and report.compared > 0
     assert report.probes_overlapping_load > 0  # B really ran while A's canaries were in flight
