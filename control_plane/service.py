@@ -26,7 +26,7 @@ from control_plane.generation import GenerationServicer
 from control_plane.lifecycle import RequestState, RequestTable
 from control_plane.model_info import ModelAccess, ModelInfo, load_model_info
 from control_plane.pipeline import SHUTTING_DOWN, EventSink, Pipeline, PipelineDeps
-from control_plane.registry import Node, NodeRegistryServicer, Registry
+from control_plane.registry import ROLES, Node, NodeRegistryServicer, Registry
 from control_plane.routing import NodeClients
 from control_plane.tenants import TenantStore
 from kvfence import tls
@@ -88,6 +88,7 @@ class ControlPlane:
         self.table = RequestTable()
         self.queue = AdmissionQueue(cp.admission_queue)
         self.access = ModelAccess()
+        self.metrics.model_online.labels(model=self.model.name).set(1)
         self.registry = Registry(
             self.model,
             cp.heartbeat_interval_s,
@@ -97,6 +98,7 @@ class ControlPlane:
             on_refused=self._node_refused,
             on_capacity=self.queue.notify,
         )
+        self._count_nodes()
         self.clients = NodeClients(tls.internal_channel_credentials(cfg.tls), self.metrics)
         self.deps = PipelineDeps(
             model=self.model,
@@ -214,6 +216,7 @@ class ControlPlane:
         """The operator's switch; going offline fails queued requests at once."""
         self.access.online = online
         self.access.reason = "" if online else (reason or "taken offline by an operator")
+        self.metrics.model_online.labels(model=self.model.name).set(1 if online else 0)
         log.warning("model access changed", model=self.model.name, online=online, reason=reason)
         self.events.emit("model_access", model=self.model.name, online=online, reason=reason)
         if not online:
@@ -240,7 +243,13 @@ class ControlPlane:
             ]
         )
 
+    def _count_nodes(self) -> None:
+        # The nodes gauge (an alert fires at zero of a role), set on every join and loss.
+        for role in ROLES:
+            self.metrics.nodes.labels(role=role).set(len(self.registry.nodes(role)))
+
     def _node_joined(self, node: Node) -> None:
+        self._count_nodes()
         self.events.emit(
             "node_joined", node=node.node_id, role=node.role, pool_tokens=node.pool_tokens
         )
@@ -250,6 +259,7 @@ class ControlPlane:
         self.events.emit("node_refused", node=req.node_id, role=req.role, reason=reason)
 
     def _node_lost(self, node: Node) -> None:
+        self._count_nodes()
         self.clients.drop(node.node_id)
         runs = self.table.using_node(node.node_id)
         for run in runs:

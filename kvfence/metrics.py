@@ -150,6 +150,21 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        # Control plane only (labelled, so the nodes, which never set them, expose no sample).
+        self.nodes = Gauge(
+            "nodes",
+            "Nodes registered and heartbeating, by role (control plane).",
+            ["role"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.model_online = Gauge(
+            "model_online",
+            "1 while the model serves, 0 while an operator has taken it offline (control plane).",
+            ["model"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.events_dropped_total = Counter(
             "events_dropped_total",
             "Cluster events dropped because the buffer was full.",

@@ -119,3 +119,48 @@ async def test_a_node_restarted_in_place_is_a_lost_node(
         result = await asyncio.wait_for(call, 5)
         assert result.usage.completion_tokens == 4 and lost == []
     assert "decode-0" in {n.node_id for n in cluster.cp.registry.nodes()}
+
+
+def _gauge(cluster: Cluster, name: str, **labels: str) -> float | None:
+    """The sample of ``name`` with ``labels`` in the control plane's metrics, None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(cluster.cp.metrics.render().decode()):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+async def test_the_nodes_gauge_follows_joins_and_losses(tmp_path: Path) -> None:
+    """`kvfence_nodes{role}` (the KvfenceNoNodes alert) counts the registered nodes of a role:
+    up when one joins, down to 0 when the last one is lost."""
+    c = await make_cluster(tmp_path)
+    try:
+        assert _gauge(c, "kvfence_nodes", role="prefill") == 1
+        assert _gauge(c, "kvfence_nodes", role="decode") == 1
+        extra = FakeNode("prefill", "prefill-1", c.script)
+        assert (await c.add_node(extra)).accepted
+        assert _gauge(c, "kvfence_nodes", role="prefill") == 2
+        for node in (c.prefill[0], extra):
+            await node.stop_heartbeats()
+        while c.cp.registry.nodes("prefill"):
+            await asyncio.sleep(0.05)
+        assert _gauge(c, "kvfence_nodes", role="prefill") == 0
+        assert _gauge(c, "kvfence_nodes", role="decode") == 1  # control: the other role stays
+    finally:
+        await c.close()
+
+
+async def test_the_model_online_gauge_follows_the_kill_switch(cluster: Cluster) -> None:
+    """`kvfence_model_online` (the KvfenceModelOffline alert) is 0 while an operator has the
+    model offline and 1 again once it is back online."""
+    name = cluster.cp.model.name
+    assert _gauge(cluster, "kvfence_model_online", model=name) == 1
+    admin, auth = cluster.admin()
+    await admin.SetModelAccess(
+        control_pb2.SetModelAccessRequest(online=False, reason="incident"), metadata=auth
+    )
+    assert _gauge(cluster, "kvfence_model_online", model=name) == 0
+    await admin.SetModelAccess(control_pb2.SetModelAccessRequest(online=True), metadata=auth)
+    assert _gauge(cluster, "kvfence_model_online", model=name) == 1

@@ -616,3 +616,83 @@ def test_user_provided_secrets_get_no_checksum(helm_home: Path) -> None:
     for pod in pod_annotations(docs).values():
         assert "checksum/secrets" not in pod
         assert "checksum/config" in pod
+
+
+# --- monitoring ----------------------------------------------------------------------------------
+
+MONITORING = ("monitoring.podMonitor.enabled=true", "monitoring.prometheusRule.enabled=true")
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_monitoring_objects_are_off_by_default(helm_home: Path) -> None:
+    kinds = {d["kind"] for d in render(helm_home)}
+    assert not kinds & {"PodMonitor", "PrometheusRule"}
+    # control: asked for, both render
+    kinds = {d["kind"] for d in render(helm_home, sets=MONITORING)}
+    assert {"PodMonitor", "PrometheusRule"} <= kinds
+
+
+def test_pod_monitor_scrapes_the_metrics_port_of_every_kvfence_service(helm_home: Path) -> None:
+    """The PodMonitor's selector picks exactly the control plane, prefill and decode pods (not
+    the broker's), each of which serves its metrics on the port it names, and it copies the
+    component label the KvfenceTargetDown alert selects on."""
+    docs = render(helm_home, sets=(*MONITORING, "monitoring.podMonitor.labels.release=prom"))
+    pm = find(docs, "PodMonitor", FULLNAME)
+    assert pm["metadata"]["labels"]["release"] == "prom"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    selected = set()
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod = d["spec"]["template"]
+        if not _selects(pm["spec"]["selector"], pod["metadata"]["labels"]):
+            continue
+        selected.add(d["metadata"]["name"].removeprefix(f"{FULLNAME}-"))
+        ports = {p["name"]: p["containerPort"] for p in container(d)["ports"]}
+        env = {e["name"]: e.get("value") for e in container(d)["env"]}
+        assert endpoint["port"] in ports
+        assert env["KVFENCE__NODE__METRICS_PORT"] == str(ports[endpoint["port"]])
+        assert env["KVFENCE__NODE__METRICS_HOST"] == "0.0.0.0"
+    assert selected == {"control-plane", "prefill", "decode"}
+    relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert relabel["kvfence_component"] == [
+        "__meta_kubernetes_pod_label_app_kubernetes_io_component"
+    ]
+
+
+def test_prometheus_rule_is_the_alert_rule_file(helm_home: Path) -> None:
+    """The PrometheusRule carries files/kvfence-alerts.yaml unchanged (its {{ $labels }}
+    templates are Prometheus', and Helm must not have expanded them)."""
+    docs = render(helm_home, sets=MONITORING)
+    rule = find(docs, "PrometheusRule", FULLNAME)
+    want = yaml.safe_load((CHART / "files" / "kvfence-alerts.yaml").read_text())
+    assert rule["spec"] == want
+    summaries = [r["annotations"]["summary"] for g in want["groups"] for r in g["rules"]]
+    assert any("{{ $labels." in s for s in summaries)
+
+
+def test_helm_lint_strict_with_monitoring(helm_home: Path) -> None:
+    args = [a for s in MONITORING for a in ("--set", s)]
+    proc = helm("lint", "--strict", str(CHART), *args, tmp=helm_home)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # control: a value the schema does not know fails the same lint
+    proc = helm(
+        "lint",
+        "--strict",
+        str(CHART),
+        *args,
+        "--set",
+        "monitoring.podMonitor.intervall=1m",
+        tmp=helm_home,
+    )
+    assert proc.returncode != 0
