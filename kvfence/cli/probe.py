@@ -164,10 +164,11 @@ def _print_report(report: ProbeReport) -> None:
     ol_detail = f"{len(report.over_length) - len(fails)}/{len(report.over_length)} rejected"
     for r in fails:
         ol_detail += (
-            f"; {r.name} ({r.prompt_tokens}+{r.max_new_tokens}) {r.outcome}: {r.status}, "
-            f"{r.tokens_yielded} tokens"
+            f"; {r.name} ({r.prompt_tokens}+{r.max_new_tokens}) {r.outcome}: {r.status}"
+            + (f" {r.reason}" if r.reason else "")
+            + f", {r.tokens_yielded} tokens"
         )
-    row("over-length rejected (INVALID_ARGUMENT)", not fails, ol_detail)
+    row("over-length rejected (INVALID_ARGUMENT, OVER_ADMISSIBLE_LIMIT)", not fails, ol_detail)
     at = report.at_limit
     if at is not None:
         row(

@@ -280,6 +280,24 @@ def test_over_length_rejection_with_the_admissible_limit_reason_passes() -> None
     assert report.exit_code == 0 and report.verdict in {"PASS", "WARN"}, report.warnings
 
 
+def test_cli_names_the_reason_of_a_wrong_rejection() -> None:
+    """The table tells the operator which reason came back, not only that a check failed."""
+    args = ["probe", "isolation", "--tenant-a-key", "key-a", "--tenant-b-key", "key-b"]
+    args += ["--requests", "6", "--seed", "1", "--timeout", "10"]
+    for target in _serve(
+        LeakyGeneration(mode="clean", over_length_reason="OVER_TENANT_TOKEN_LIMIT")
+    ):
+        wrong = CliRunner().invoke(_cli(), [*args, "--target", target], env={"COLUMNS": "400"})
+    assert wrong.exit_code == 1, wrong.output
+    assert "wrong-reason: INVALID_ARGUMENT OVER_TENANT_TOKEN_LIMIT" in " ".join(
+        wrong.stdout.split()
+    )
+    # control: kvfence's own reason passes the same row
+    for target in _serve(LeakyGeneration(mode="clean", a_delay_s=0.05)):
+        right = CliRunner().invoke(_cli(), [*args, "--target", target], env={"COLUMNS": "400"})
+    assert "4/4 rejected" in right.stdout and "wrong-reason" not in right.stdout
+
+
 def test_the_probe_expects_the_control_planes_reason() -> None:
     """The probe cannot import the control plane (it runs against any deployment): its copy of
     the reason must equal admission's."""
