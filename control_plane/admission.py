@@ -47,8 +47,11 @@ def _invalid(message: str) -> InvalidArgument:
     return InvalidArgument(message, reason=INVALID_PARAMETERS)
 
 
-def validate(req: client_pb2.GenerateRequest, model: ModelInfo) -> Prompt:
-    """Check the parameters and tokenize; raises InvalidArgument naming the bad field."""
+def validate(
+    req: client_pb2.GenerateRequest, model: ModelInfo, text_ids: list[int] | None = None
+) -> Prompt:
+    """Check the parameters and tokenize (unless the caller did: ``text_ids``); raises
+    InvalidArgument naming the bad field."""
     if req.model and req.model != model.name:
         raise _invalid(f"unknown model {req.model!r}; this cluster serves {model.name!r}")
     if req.max_new_tokens < 1:
@@ -63,7 +66,10 @@ def validate(req: client_pb2.GenerateRequest, model: ModelInfo) -> Prompt:
         raise _invalid(f"stop strings must be 1-{MAX_STOP_CHARS} characters long")
     kind = req.WhichOneof("prompt")
     if kind == "text":
-        ids = model.tokenizer.encode(req.text) if req.text else []
+        if text_ids is not None:
+            ids = text_ids
+        else:
+            ids = model.tokenizer.encode(req.text) if req.text else []
     elif kind == "token_ids":
         ids = list(req.token_ids.ids)
         bad = [i for i in ids if i >= model.vocab_size]
@@ -92,15 +98,44 @@ def validate(req: client_pb2.GenerateRequest, model: ModelInfo) -> Prompt:
     return Prompt(ids, sampling)
 
 
-def check_limit(prompt: Prompt, limit: int, context_window: int) -> None:
-    """Refuse a request that can never fit: prompt + max_new_tokens over the admissible limit."""
-    p, m = len(prompt.token_ids), prompt.sampling.max_new_tokens
+def prompt_tokens_at_least(
+    req: client_pb2.GenerateRequest, model: ModelInfo
+) -> tuple[int, str] | None:
+    """A lower bound on the prompt's tokens known before tokenizing, with how it was found ("" when
+    exact), or None (no prompt, or a tokenizer without a bound).
+
+    The control plane tokenizes on behalf of the event loop that every tenant's requests and the
+    nodes' heartbeats share: one prompt of megabytes held it for seconds (nodes were declared
+    lost). A list of ids is as long as it is; a text of B bytes is at least B /
+    ``max_text_bytes_per_token`` tokens. When that plus max_new_tokens is over the limit, no
+    tokenizing can make it fit, and :func:`check_limit` refuses it first.
+    """
+    kind = req.WhichOneof("prompt")
+    if kind == "token_ids":
+        return len(req.token_ids.ids), ""
+    if kind != "text":
+        return None
+    per = getattr(model.tokenizer, "max_text_bytes_per_token", None)
+    if not per:
+        return None
+    nbytes = len(req.text.encode("utf-8"))
+    return -(-nbytes // per), f"a text of {nbytes} bytes; one token stands for at most {per}"
+
+
+def check_limit(
+    prompt_tokens: int, max_new_tokens: int, limit: int, context_window: int, bound: str = ""
+) -> None:
+    """Refuse a request that can never fit: prompt + max_new_tokens over the admissible limit.
+    ``bound`` (from :func:`prompt_tokens_at_least`) says the prompt count is a lower bound."""
+    p, m = prompt_tokens, max(max_new_tokens, 0)
     if p + m <= limit:
         return
+    at_least = "at least " if bound else ""
+    how = f": {bound}" if bound else ""
     raise InvalidArgument(
-        f"prompt_tokens ({p}) + max_new_tokens ({m}) = {p + m} exceeds the admissible limit of "
-        f"{limit} tokens (model context window {context_window}, smallest KV pool of the nodes "
-        f"serving it included)",
+        f"prompt_tokens ({at_least}{p}{how}) + max_new_tokens ({m}) = {at_least}{p + m} exceeds "
+        f"the admissible limit of {limit} tokens (model context window {context_window}, "
+        f"smallest KV pool of the nodes serving it included)",
         reason=OVER_ADMISSIBLE_LIMIT,
         metadata={
             "prompt_tokens": str(p),

@@ -16,6 +16,9 @@ from kvfence.proto.kvfence.v1 import common_pb2
 
 
 class Tokenizer(Protocol):
+    # kvfence.tokenizer.Tokenizer's bound: UTF-8 bytes of text one token can stand for, or None.
+    max_text_bytes_per_token: int | None
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -23,6 +26,8 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     """Byte-level tokenizer: token ``offset + b`` is byte ``b``; lower ids are specials."""
+
+    max_text_bytes_per_token: int | None = 1
 
     def __init__(self, offset: int = 3):
         self.offset = offset

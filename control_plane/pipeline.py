@@ -51,6 +51,9 @@ log = get_logger("pipeline")
 # Give up waiting for capacity this long before the deadline, so the client gets
 # RESOURCE_EXHAUSTED from us rather than DEADLINE_EXCEEDED from its own timer.
 QUEUE_MARGIN_S = 0.1
+# Texts at least this long are tokenized in a worker thread: a thread costs more than a short
+# text's tokenizing, and a long one's would hold the event loop.
+TOKENIZE_IN_THREAD_CHARS = 4096
 MODEL_OFFLINE = "MODEL_OFFLINE"
 NO_NODES = "NO_NODES"
 SHUTTING_DOWN = "SHUTTING_DOWN"
@@ -104,7 +107,7 @@ class Pipeline:
         )
         status = "OK"
         try:
-            prompt = self._admit(run, req, tenant)
+            prompt = await self._admit(run, req, tenant)
             await self._serve(run, prompt, tenant, deadline, emit)
         except KvfenceError as err:
             status = err.code.name
@@ -152,15 +155,33 @@ class Pipeline:
 
     # -- admission (no node contact) ---------------------------------------------------------------
 
-    def _admit(self, run: Run, req: client_pb2.GenerateRequest, tenant: Tenant) -> Prompt:
+    async def _admit(self, run: Run, req: client_pb2.GenerateRequest, tenant: Tenant) -> Prompt:
         rec = run.record
         try:
             self._check_serving()
-            prompt = admission.validate(req, self.d.model)
+            known = admission.prompt_tokens_at_least(req, self.d.model)
+            if known is not None:  # refuse what cannot fit before paying for the tokenizer
+                rec.prompt_tokens, rec.max_new_tokens = known[0], req.max_new_tokens
+                admission.check_limit(
+                    known[0],
+                    req.max_new_tokens,
+                    self.d.registry.admissible_limit(),
+                    self.d.model.context_window,
+                    known[1],
+                )
+            text_ids = None
+            if req.WhichOneof("prompt") == "text" and len(req.text) >= TOKENIZE_IN_THREAD_CHARS:
+                # A long text off the event loop (the tokenizer releases the GIL for it), so other
+                # tenants' streams and the nodes' heartbeats go on meanwhile.
+                text_ids = await asyncio.to_thread(self.d.model.tokenizer.encode, req.text)
+            prompt = admission.validate(req, self.d.model, text_ids)
             rec.prompt_tokens = len(prompt.token_ids)
             rec.max_new_tokens = prompt.sampling.max_new_tokens
             admission.check_limit(
-                prompt, self.d.registry.admissible_limit(), self.d.model.context_window
+                len(prompt.token_ids),
+                prompt.sampling.max_new_tokens,
+                self.d.registry.admissible_limit(),
+                self.d.model.context_window,
             )
             admission.check_tenant(tenant, prompt, self.d.table.active_for_tenant(tenant.name) - 1)
             for role in (DECODE, PREFILL):

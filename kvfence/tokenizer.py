@@ -22,10 +22,23 @@ BYTE_OFFSET = 3
 BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
 
 
+# How much a normalizer may shrink text before it is split into tokens (NFC composes "e" and a
+# combining accent, 3 bytes, into "é", 2; StripAccents drops the accent): a generous factor on
+# top of the longest token, so that a bound derived from it never refuses a prompt that fits.
+NORMALIZER_SLACK = 4
+# A text this long is encoded with the call that releases the GIL (encode_batch): the control
+# plane tokenizes on its event loop's behalf, and holding the GIL there stalls every tenant.
+UNLOCKED_ENCODE_CHARS = 4096
+
+
 class Tokenizer(Protocol):
     """What the engine needs from a tokenizer."""
 
     vocab_size: int  # ids the tokenizer itself can render
+    # An upper bound on the UTF-8 bytes of input text that one token can stand for, or None when
+    # there is none (a tokenizer with an unknown token maps a whole unknown word to it). The
+    # control plane refuses a text prompt that cannot fit before tokenizing it.
+    max_text_bytes_per_token: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -36,6 +49,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens after three specials (for a checkpoint without tokenizer.json)."""
 
     vocab_size = BYTE_OFFSET + 256
+    max_text_bytes_per_token: int | None = 1  # one token per byte, no normalizer
 
     def encode(self, text: str) -> list[int]:
         return [BYTE_OFFSET + b for b in text.encode("utf-8")]
@@ -64,8 +78,15 @@ class HFTokenizer:
 
         self._tok = _Tok.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.max_text_bytes_per_token = _max_text_bytes_per_token(
+            json.loads(self._tok.to_str()), self._tok.get_vocab(with_added_tokens=True)
+        )
 
     def encode(self, text: str) -> list[int]:
+        if len(text) >= UNLOCKED_ENCODE_CHARS:
+            # encode() holds the GIL throughout (measured: a thread running it stalled an event
+            # loop for the whole 0.6 s of a 360k-token text); encode_batch releases it.
+            return list(self._tok.encode_batch([text])[0].ids)
         return list(self._tok.encode(text).ids)
 
     def _renderable(self, i: int) -> bool:
@@ -87,6 +108,28 @@ class HFTokenizer:
         if run:
             out.append(self._tok.decode(run, skip_special_tokens=True))
         return "".join(out)
+
+
+def _max_text_bytes_per_token(spec: dict, vocab: dict[str, int]) -> int | None:
+    """The ``max_text_bytes_per_token`` of a ``tokenizer.json``: None unless every piece of text
+    becomes tokens no longer than the vocabulary's longest (BPE over bytes, or with byte
+    fallback: no unknown token swallows a word); then that length in UTF-8 bytes, which is at
+    least the raw bytes a token stands for (byte-level "Ġ" is 2 bytes for a space, "▁" 3, and
+    "<0x0A>" 6 for one), times NORMALIZER_SLACK."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or not vocab:
+        return None
+
+    def byte_level(part: dict | None) -> bool:
+        if not part:
+            return False
+        if part.get("type") == "ByteLevel":
+            return True
+        return any(byte_level(p) for p in part.get("pretokenizers", []))
+
+    if not (model.get("byte_fallback") or byte_level(spec.get("pre_tokenizer"))):
+        return None
+    return NORMALIZER_SLACK * max(len(token.encode("utf-8")) for token in vocab)
 
 
 # Tokenizer files kvfence does not read: a folder with one of these but no tokenizer.json has a

@@ -221,3 +221,78 @@ async def test_a_sampled_request_reaches_both_nodes_with_one_seed(
     await small_pools.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
     greedy = [r for m, r in small_pools.prefill[0].calls if m == "Prefill"][-1]
     assert not greedy.sampling.HasField("seed")
+
+
+# -- prompts too long to tokenize cheaply -----------------------------------------------------
+
+
+def _spy_encode(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sleep_s: float = 0.0):
+    """Record (text length, ran on the event loop's thread) per tokenizer call."""
+    import threading
+    import time
+
+    tok = cluster.cp.model.tokenizer
+    real = tok.encode
+    calls: list[tuple[int, bool]] = []
+
+    def encode(text: str) -> list[int]:
+        calls.append((len(text), threading.current_thread() is threading.main_thread()))
+        if sleep_s and len(text) >= 1000:
+            time.sleep(sleep_s)  # a slow tokenizer that releases the GIL, as encode_batch does
+        return real(text)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    return calls
+
+
+@pytest.mark.parametrize("size", [157, 8 << 20], ids=["just-over", "8MiB"])
+async def test_a_text_that_cannot_fit_is_refused_before_tokenizing(
+    small_pools: Cluster, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """An 8 MiB prompt used to be tokenized on the event loop first, holding every tenant's
+    requests and the nodes' heartbeats for seconds (nodes were declared lost). A text of more
+    bytes than the limit allows tokens (one byte per token at most, here) cannot fit."""
+    calls = _spy_encode(small_pools, monkeypatch)
+    with pytest.raises(InvalidArgument) as err:
+        await small_pools.client().generate("x" * size, max_new_tokens=4)
+    assert err.value.reason == "OVER_ADMISSIBLE_LIMIT"
+    assert f"prompt_tokens (at least {size}: a text of {size} bytes" in err.value.message
+    assert calls == [] and small_pools.node_calls() == 0
+    [event] = small_pools.events.of("admission_rejected")
+    assert event["prompt_tokens"] == size
+    # control: at the limit (156 bytes + 4 new tokens = 160) it is tokenized and served
+    result = await small_pools.client().generate("x" * 156, max_new_tokens=4)
+    assert result.usage.prompt_tokens == 156 and calls == [(156, True)]
+
+
+async def test_a_long_text_is_tokenized_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt that fits is tokenized in a worker thread: the event loop keeps serving
+    meanwhile. Control: a short one is tokenized in place (a thread would cost more)."""
+    from control_plane.pipeline import TOKENIZE_IN_THREAD_CHARS
+
+    c = await make_cluster(tmp_path, context_window=16384, decode_pool=16384, prefill_pool=16384)
+    try:
+        calls = _spy_encode(c, monkeypatch, sleep_s=0.5)
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                t = loop.time()
+                await asyncio.sleep(0.01)
+                gaps.append(loop.time() - t)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        long_text = "y" * TOKENIZE_IN_THREAD_CHARS
+        result = await c.client().generate(long_text, max_new_tokens=2)
+        tick.cancel()
+        assert result.usage.prompt_tokens == TOKENIZE_IN_THREAD_CHARS
+        assert calls == [(TOKENIZE_IN_THREAD_CHARS, False)]
+        assert max(gaps) < 0.25, max(gaps)  # the 0.5 s of tokenizing held nothing
+        await c.client().generate("y" * 100, max_new_tokens=2)
+        assert calls[1] == (100, True)
+    finally:
+        await c.close()

@@ -125,3 +125,38 @@ def test_cli_init_tiny(cli: Any, tmp_path: Path, tiny_dir: Path) -> None:
     result = CliRunner().invoke(cli, ["model", "init-tiny", str(tmp_path / "x")])
     assert result.exit_code == 0
     assert result.stdout.split() == [str(tmp_path / "x"), fingerprint(tiny_dir)]
+
+
+def _wordpiece_json(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_text_bytes_per_token_bounds_every_encoding(tiny_dir: Path, tmp_path: Path) -> None:
+    """The control plane refuses a text prompt of more than limit x ``max_text_bytes_per_token``
+    bytes without tokenizing it: the bound must hold for any text (specials, multi-byte
+    characters, long runs), or a prompt that fits would be refused."""
+    texts = ["", "a", "</s><s><pad>", "héllo wörld ✓ 🙂", "ab" * 3000, "\n" * 500, "</s>" * 300]
+    for tok in (HFTokenizer(tiny_dir / "tokenizer.json"), ByteTokenizer()):
+        per = tok.max_text_bytes_per_token
+        assert per is not None and per >= 1
+        for text in texts:
+            assert len(tok.encode(text)) * per >= len(text.encode("utf-8")), (text[:20], per)
+    # a tokenizer with an unknown token maps a whole unknown word to one id: no bound exists
+    wordpiece = HFTokenizer(_wordpiece_json(tmp_path / "wp.json"))
+    assert len(wordpiece.encode("zzzzzzzzzzzzzzzzzzzz")) == 1
+    assert wordpiece.max_text_bytes_per_token is None
+
+
+def test_a_long_text_encodes_as_a_short_one_does(tiny_dir: Path) -> None:
+    """Long texts take the call that releases the GIL (encode_batch): same ids as encode()."""
+    from kvfence.tokenizer import UNLOCKED_ENCODE_CHARS
+
+    tok = HFTokenizer(tiny_dir / "tokenizer.json")
+    text = ("héllo </s> wörld " * UNLOCKED_ENCODE_CHARS)[:UNLOCKED_ENCODE_CHARS]
+    assert tok.encode(text) == list(tok._tok.encode(text).ids)
+    assert tok.encode(text[:100]) == list(tok._tok.encode(text[:100]).ids)  # control: short
