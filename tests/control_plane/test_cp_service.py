@@ -12,7 +12,7 @@ from cp_fakes import make_model_info
 from cp_harness import Cluster, eventually, make_cfg, make_cluster
 
 from control_plane.service import serve
-from kvfence.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from kvfence.errors import DeadlineExceeded, InvalidArgument, KvfenceError, Unavailable
 
 
 async def test_serve_runs_until_stop_event(tmp_path: Path) -> None:
@@ -152,3 +152,31 @@ async def test_the_control_plane_publishes_its_retained_status(tmp_path: Path) -
             await first.stop(grace=0)
         offline = await wait_for(False)
         assert offline["node_id"] == "control-plane"
+
+
+async def test_one_info_line_per_request_and_its_states_at_debug(cluster: Cluster) -> None:
+    """A request's state changes are debug lines and its end one info line carrying what an
+    operator needs (a busy control plane logged six info lines per request). Control: the
+    end line is there, with the request's numbers, for a finished and a refused request."""
+    import structlog
+
+    from kvfence import logging as kvlog
+
+    before = structlog.get_config()
+    kvlog.configure("json", "DEBUG")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await cluster.client().generate(prompt_ids=[10, 11, 12], max_new_tokens=3)
+            with pytest.raises(KvfenceError):
+                await cluster.client().generate(prompt_ids=[10], max_new_tokens=10**6)
+    finally:
+        structlog.configure(**before)
+    ended = [e for e in logs if e["event"] == "request ended"]
+    states = [e for e in logs if e["event"] == "request state"]
+    assert [e["log_level"] for e in ended] == ["info", "info"]
+    assert states and {e["log_level"] for e in states} == {"debug"}
+    ok, refused = ended
+    assert (ok["dst"], ok["prompt_tokens"], ok["completion_tokens"]) == ("FINISHED", 3, 3)
+    assert ok["decode_node"] == "decode-0" and ok["seconds"] > 0
+    assert refused["dst"] == "REJECTED" and "OVER_ADMISSIBLE_LIMIT" in refused["reason"]
+    assert {e["request_id"] for e in states} >= {ok["request_id"]}
