@@ -696,3 +696,24 @@ def test_helm_lint_strict_with_monitoring(helm_home: Path) -> None:
         tmp=helm_home,
     )
     assert proc.returncode != 0
+
+
+def test_runbook_label_selectors_match_the_pods(helm_home: Path) -> None:
+    """RUNBOOK.md's `kubectl ... -l KEY=VALUE` must find the release's pods: a selector on a
+    label the pod templates lack (it named app.kubernetes.io/part-of) finds nothing during an
+    incident."""
+    import re
+
+    runbook = " ".join((ROOT / "RUNBOOK.md").read_text().split())  # commands wrap lines
+    keys = set(re.findall(r"-l ([\w./-]+)=", runbook))
+    assert keys, "the runbook names no label selector"
+    pods = [
+        d["spec"]["template"]["metadata"]["labels"]
+        for d in render(helm_home)
+        if d["kind"] == "Deployment" and d["metadata"]["name"] != f"{FULLNAME}-mosquitto"
+    ]
+    assert len(pods) == 3
+    for key in keys:
+        assert all(key in labels for labels in pods), key
+    # control: the key the runbook used to name is not on the pods
+    assert not any("app.kubernetes.io/part-of" in labels for labels in pods)
