@@ -97,6 +97,11 @@ class DecodeStream:
         self.last_token: int | None = None
         self.text = ""  # every character the detokenizer has made final
         self.sent = 0  # of which this many went to the client
+        self._stops = tuple(prompt.sampling.stop)
+        # self.text only grows: the stop strings in it are looked for in what is new (plus the
+        # longest stop string) and the first one found is kept.
+        self._stop_at: int | None = None
+        self._stop_searched = 0  # no stop string ends at or before this index of self.text
 
     def accept(self, msg: decode_pb2.DecodeResponse) -> client_pb2.GenerateResponse | None:
         if msg.verified:
@@ -154,10 +159,17 @@ class DecodeStream:
             finish_reason=self.finish_reason,
         )
 
+    def _stop(self) -> int | None:
+        """Where the first stop string begins in self.text (find_stop of the whole text)."""
+        if self._stop_at is None and self._stops:
+            self._stop_at = find_stop(self.text, self._stops, self._stop_searched)
+            self._stop_searched = len(self.text)
+        return self._stop_at
+
     def _text(self, final: bool) -> str:
         """The text the client may have now that it has not had yet."""
-        stops = list(self.prompt.sampling.stop)
-        cut = find_stop(self.text, stops) if stops else None
+        stops = self._stops
+        cut = self._stop()
         if cut is not None:
             end = cut
         elif final or not stops:
@@ -180,7 +192,7 @@ class DecodeStream:
         elif reason == "eos":
             ok = not sampling.ignore_eos and self.last_token in self.eos_ids
         elif reason == "stop":
-            ok = bool(sampling.stop) and find_stop(self.text, list(sampling.stop)) is not None
+            ok = bool(sampling.stop) and self._stop() is not None
         else:
             ok = False
         if not ok:

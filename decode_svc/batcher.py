@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence import logging as kvlog
+from kvfence.detok import StopWatch
 from kvfence.errors import Cancelled, IntegrityError, KvfenceError
 from kvfence.kv.pool import PagePool, PageRef
 from kvfence.model.engine import DecodeBatch
-from kvfence.model.sampling import SamplingParams, find_stop
+from kvfence.model.sampling import SamplingParams
 
 log = kvlog.get_logger("decode.batcher")
 
@@ -41,6 +42,9 @@ class ActiveSeq:
     emit: Callable[[tuple[str, Any]], None]
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # accepted, not yet emitted (stream_interval)
+    # The text of ``generated`` and the stop strings found in it, kept token by token on the
+    # engine thread (kvfence.detok): the same answer as searching detokenize(generated).
+    watch: StopWatch | None = field(default=None, repr=False)
 
 
 class DecodeBatcher:
@@ -127,7 +131,7 @@ class DecodeBatcher:
         reason = None
         if token in self.eos_ids and not p.ignore_eos:
             reason = "eos"
-        elif p.stop and find_stop(self.detokenize(seq.generated), p.stop) is not None:
+        elif p.stop and self._stop_found(seq):
             reason = "stop"
         elif len(seq.generated) >= p.max_new_tokens:
             reason = "length"
@@ -137,6 +141,14 @@ class DecodeBatcher:
         if reason is not None:
             self._finish(seq, ("finish", reason))
         return reason is not None
+
+    def _stop_found(self, seq: ActiveSeq) -> bool:
+        """Whether a stop string is in the text of ``seq.generated``: every token is pushed once,
+        an EOS that counts never (it ends the sequence first), so the cost of a step does not
+        grow with the sequence's length, which would slow every row of the batch."""
+        if seq.watch is None:
+            seq.watch = StopWatch(self.detokenize, seq.params.stop)
+        return seq.watch.push(seq.generated[seq.watch.token_count :]) is not None
 
     def _run(self) -> None:
         # Nothing may end this loop but stop(): were the thread to die, every request on the node

@@ -29,10 +29,11 @@ from collections import abc, deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from kvfence.detok import StopWatch
 from kvfence.errors import IntegrityError
 from kvfence.kv.pool import PageRef
 from kvfence.model.engine import DecodeBatch, Engine
-from kvfence.model.sampling import SamplingParams, find_stop, sample, stream_safe_len
+from kvfence.model.sampling import SamplingParams, sample, stream_safe_len
 from kvfence.tokenizer import Tokenizer
 
 
@@ -67,6 +68,8 @@ class Sequence:
     error: IntegrityError | None = None
     emitted_tokens: int = 0
     emitted_chars: int = 0
+    # The text rendered token by token (stop strings, streamed text): kvfence.detok.
+    watch: StopWatch | None = field(default=None, repr=False)
 
     @property
     def last_position(self) -> int:
@@ -286,16 +289,26 @@ class Scheduler:
         tok, params = seq.output_ids[-1], seq.sampling
         ids = seq.output_ids
         eos = tok in self.eos and not params.ignore_eos
-        # The text is rendered when something reads it: the stream, a stop string, the end.
-        render = self.stream_text or params.stop or eos or len(ids) >= params.max_new_tokens
-        if render:
+        last = len(ids) >= params.max_new_tokens
+        cut = None
+        # The text is rendered when something reads it: the stream, a stop string, the end. When
+        # it is read at every token, it is kept incrementally: the same text as
+        # tokenizer.decode(ids) (without the EOS that ends the run), at a cost per token that
+        # does not grow with the sequence (kvfence.detok).
+        if self.stream_text or params.stop:
+            if seq.watch is None:
+                seq.watch = StopWatch(self.tokenizer, params.stop)
+            if not eos:  # every earlier token was pushed: an EOS that counts ends the run
+                cut = seq.watch.push(ids[seq.watch.token_count :])
+            if self.stream_text or eos or cut is not None or last:
+                seq.text = seq.watch.text()
+        elif eos or last:
             seq.text = self.tokenizer.decode(ids[:-1] if eos else ids)
-        cut = find_stop(seq.text, params.stop) if params.stop else None
         if eos:
             seq.finish_reason = FinishReason.EOS
         elif cut is not None:
             seq.text, seq.finish_reason = seq.text[:cut], FinishReason.STOP
-        elif len(ids) >= params.max_new_tokens:
+        elif last:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is not None:
             self._end(seq, SequenceStatus.FINISHED, touched)

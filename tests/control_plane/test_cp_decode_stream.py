@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from control_plane.admission import Prompt
 from control_plane.detok import IncrementalDetokenizer
@@ -176,3 +178,73 @@ def test_a_finish_the_tokens_do_not_bear_out_is_data_loss(
         with pytest.raises(IntegrityError) as err:
             relay(stream, messages, reason)
         assert err.value.reason == "FINISH_REASON"
+
+
+def old_find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def old_stream_safe_len(text: str, stops: list[str]) -> int:
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[end - k : end] == s[:k]:
+                hold = max(hold, k)
+                break
+    return end - hold
+
+
+class WholeTextStream(DecodeStream):
+    """DecodeStream as it was: every message searched the whole text and sliced every suffix."""
+
+    def _text(self, final: bool) -> str:
+        stops = list(self.prompt.sampling.stop)
+        cut = old_find_stop(self.text, stops) if stops else None
+        if cut is not None:
+            end = cut
+        elif final or not stops:
+            end = len(self.text)
+        else:
+            end = old_stream_safe_len(self.text, stops)
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_every_message_relays_the_text_it_relayed_when_it_searched_the_whole_text(
+    data: st.DataObject,
+) -> None:
+    """The stop strings are looked for in the new text only, and the held-back suffix found from
+    the last characters only: the same text in every message as before."""
+    text = data.draw(st.text(alphabet="abcé€\ufffd", min_size=1, max_size=40))
+    ids = TOK.encode(text)
+    if data.draw(st.booleans()):  # bytes of a character cut short, somewhere
+        ids.insert(data.draw(st.integers(0, len(ids))), TOK.encode("€")[0])
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(ids)), max_size=8))) | {len(ids)})
+    messages = [ids[a:b] for a, b in zip([0, *cuts], cuts, strict=False) if ids[a:b]]
+    whole = TOK.decode(ids)
+    stops = tuple(
+        data.draw(st.lists(st.one_of(
+            st.text(alphabet="abcé€\ufffd", min_size=1, max_size=6),
+            st.tuples(st.integers(0, len(whole)), st.integers(1, 8)).map(
+                lambda t: whole[t[0] : t[0] + t[1]]
+            ).filter(bool),
+        ), max_size=16))
+    )  # fmt: skip
+    reason = "stop" if old_find_stop(whole, list(stops)) is not None else "length"
+    sampling = common_pb2.SamplingParams(max_new_tokens=len(ids), stop=stops)
+    got, want = (
+        relay(
+            cls(RequestRecord("r1", "t1"), common_pb2.KvManifest(first_token=ids[0]),
+                Prompt([5, 6, 7], sampling), IncrementalDetokenizer(TOK), frozenset({EOS})),
+            messages, reason,
+        )
+        for cls in (DecodeStream, WholeTextStream)
+    )  # fmt: skip
+    assert got == want

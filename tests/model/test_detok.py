@@ -1,0 +1,238 @@
+"""Incremental detokenization (kvfence.detok): after every token, the text it keeps is exactly
+``tokenizer.decode(all ids)`` for every tokenizer it treats incrementally (byte fallback,
+byte-level BPE, the byte tokenizer), the stop strings it finds are the ones a search of that whole
+text finds, and the rewritten ``find_stop``/``stream_safe_len`` answer as the old ones did."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
+
+from kvfence.detok import IncrementalDetokenizer, StopWatch, cut_rule
+from kvfence.model.sampling import find_stop, stream_safe_len
+from kvfence.model.tiny import ensure_tiny_model
+from kvfence.tokenizer import ByteTokenizer, HFTokenizer, _bytes_to_unicode, load_tokenizer
+
+# Pieces that stress what decoding across tokens does: characters of 1-4 UTF-8 bytes, a
+# replacement character that is real text, pieces that look like byte tokens, words with and
+# without the SentencePiece space mark.
+TEXT_PIECES = ["a", "b", "ab", "é", "€", "中文", "😀", "\ufffd", "<0x4", "0x41>", "st", "op", "x"]
+SP_PIECES = ["▁", "▁▁", "▁a", "▁ab", "▁€", "a▁", *TEXT_PIECES]
+SPECIALS = ["<unk>", "<s>", "</s>"]
+ADDED = [("<|eot|>", True), ("<tool>", False), ("<0x41>", False), ("▁plain", False)]
+
+
+def _save(tok: RawTokenizer, folder: Path, name: str) -> HFTokenizer:
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    for content, special in ADDED:
+        added = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([added])
+    path = folder / f"{name}.json"
+    path.write_text(tok.to_str())
+    return HFTokenizer(path)
+
+
+def sentencepiece_tokenizer(folder: Path, strip: bool = True) -> HFTokenizer:
+    """Llama 2 / Mistral's layout: BPE with byte fallback (<0x00>..<0xFF> after three specials),
+    Metaspace, and the Replace, ByteFallback, Fuse, Strip decoder chain."""
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"<0x{b:02X}>": len(SPECIALS) + b for b in range(256)})
+    for piece in SP_PIECES:
+        vocab.setdefault(piece, len(vocab))
+    tok = RawTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    chain = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(chain + ([decoders.Strip(" ", 1, 0)] if strip else []))
+    return _save(tok, folder, f"sentencepiece-{strip}")
+
+
+def byte_level_tokenizer(folder: Path) -> HFTokenizer:
+    """GPT-2 / Llama 3 / Qwen2's layout: byte-level BPE whose multi-byte pieces split characters."""
+    to_char = _bytes_to_unicode()
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({to_char[b]: len(SPECIALS) + b for b in range(256)})
+    for piece in [*TEXT_PIECES, " a", "ab c"]:
+        raw = piece.encode()
+        for cut in range(len(raw)):  # whole pieces and pieces that end mid-character
+            vocab.setdefault("".join(to_char[b] for b in raw[: cut + 1]), len(vocab))
+            vocab.setdefault("".join(to_char[b] for b in raw[cut:]), len(vocab))
+    tok = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return _save(tok, folder, "byte-level")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    folder = tmp_path_factory.mktemp("tokenizers")
+    return {
+        "tiny": load_tokenizer(ensure_tiny_model()),
+        "byte": ByteTokenizer(),
+        "byte-level": byte_level_tokenizer(folder),
+        "sentencepiece": sentencepiece_tokenizer(folder),
+        "sentencepiece-nostrip": sentencepiece_tokenizer(folder, strip=False),
+    }
+
+
+FIXTURES = [HealthCheck.function_scoped_fixture]  # the tokenizers, built once per module
+KINDS = ["tiny", "byte", "byte-level", "sentencepiece", "sentencepiece-nostrip"]
+
+
+def ids_for(tok: object) -> st.SearchStrategy[list[int]]:
+    """Random ids, weighted towards UTF-8 lead and continuation bytes and past the vocabulary."""
+    size = tok.vocab_size  # type: ignore[attr-defined]
+    utf8 = [3 + b for b in (0x41, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80)]
+    one = st.one_of(
+        st.integers(0, size + 8),  # anything, unrenderable ids included
+        st.sampled_from([0, 1, 2, *utf8]),  # specials and bytes of multi-byte characters
+        st.integers(max(0, size - 30), size - 1),  # the added tokens and the last pieces
+    )
+    return st.lists(one, max_size=40)
+
+
+def test_the_supported_tokenizers_are_incremental_and_others_fall_back(tokenizers: dict) -> None:
+    for kind in KINDS:
+        assert IncrementalDetokenizer(tokenizers[kind]).exact, kind
+        assert IncrementalDetokenizer(tokenizers[kind].decode).exact, kind  # the bound method
+    # Anything else: the full decode every time, as before (and another decoder, below).
+    assert cut_rule(object()) is None
+    assert not IncrementalDetokenizer(lambda ids: "x" * len(ids)).exact
+    assert not IncrementalDetokenizer(_Subclass()).exact  # a decode that was overridden
+
+
+class _Subclass(ByteTokenizer):
+    def decode(self, ids: Sequence[int]) -> str:
+        return super().decode(ids).upper()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=300, deadline=None, suppress_health_check=FIXTURES)
+@given(data=st.data())
+def test_the_incremental_text_is_the_full_decode_after_every_token(
+    tokenizers: dict, kind: str, data: st.DataObject
+) -> None:
+    tok = tokenizers[kind]
+    ids = data.draw(ids_for(tok))
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)))
+    detok = IncrementalDetokenizer(tok)
+    emitted, n = "", 0
+    while n < len(ids):
+        step = ids[n : n + chunks[n]]
+        n += len(step)
+        emitted += detok.push(step)
+        text = tok.decode(ids[:n])
+        assert detok.text() == text, (ids[:n], detok.text(), text)
+        for pos in (0, detok.stable_len, len(text) // 2, len(text) + 1):
+            assert detok.text_from(pos) == text[pos:]
+        assert emitted == text[: detok.stable_len]  # what was emitted is that text's beginning
+    assert emitted + detok.flush() == tok.decode(ids)  # the control plane's whole text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=200, deadline=None, suppress_health_check=FIXTURES)
+@given(data=st.data())
+def test_the_stable_text_never_changes(tokenizers: dict, kind: str, data: st.DataObject) -> None:
+    tok = tokenizers[kind]
+    ids = data.draw(ids_for(tok))
+    detok = IncrementalDetokenizer(tok)
+    stable: list[str] = []
+    for i in ids:
+        detok.push([i])
+        stable.append(detok.text()[: detok.stable_len])
+    final = tok.decode(ids)
+    assert all(final.startswith(s) for s in stable)
+
+
+def old_find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def old_stream_safe_len(text: str, stops: Sequence[str]) -> int:
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[end - k : end] == s[:k]:
+                hold = max(hold, k)
+                break
+    return end - hold
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=200, deadline=None, suppress_health_check=FIXTURES)
+@given(data=st.data())
+def test_stop_strings_are_found_where_a_search_of_the_whole_text_finds_them(
+    tokenizers: dict, kind: str, data: st.DataObject
+) -> None:
+    tok = tokenizers[kind]
+    ids = data.draw(ids_for(tok))
+    whole = tok.decode(ids)
+    # Stop strings the text contains (pieces of it), and ones it may not.
+    spans = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3))
+    stops = [whole[a : a + n] for a, n in spans if whole[a : a + n]]
+    stops += data.draw(st.lists(st.sampled_from([*TEXT_PIECES, "é€", "b中"]), max_size=3))
+    watch = StopWatch(tok, stops)
+    for n in range(1, len(ids) + 1):
+        want = old_find_stop(tok.decode(ids[:n]), stops) if stops else None
+        got = watch.push(ids[watch.token_count : n])
+        assert got == want, (ids[:n], stops)
+        if want is not None:
+            break  # the sequence ends at its first stop string
+        assert watch.text() == tok.decode(ids[:n])
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    text=st.text(alphabet="ab\ufffdc", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\ufffdc", max_size=12), max_size=4),
+)
+def test_stream_safe_len_and_find_stop_answer_as_before(text: str, stops: list[str]) -> None:
+    assert stream_safe_len(text, stops) == old_stream_safe_len(text, stops)
+    assert find_stop(text, stops) == old_find_stop(text, stops)  # empty stop strings too
+    for start in range(len(text) + 1):
+        # The contract: occurrences that end after start, the earliest of them.
+        ends_after = [
+            i for s in stops for i in range(len(text) - len(s) + 1)
+            if text.startswith(s, i) and i + len(s) > start
+        ]  # fmt: skip
+        if start == 0:
+            continue  # start 0 is the whole search (an empty stop string matches at 0)
+        assert find_stop(text, stops, start) == (min(ends_after) if ends_after else None)
+
+
+def test_stream_safe_len_holds_back_what_could_grow_into_a_stop_string() -> None:
+    stops = ["x" * 255 + "y", "ab" * 100 + "c"]
+    assert stream_safe_len("hello " + "x" * 300, stops) == 6 + 300 - 255
+    assert stream_safe_len("hello " + "ab" * 150, stops) == 6 + 300 - 200
+    assert stream_safe_len("hello " + "ab" * 150 + "\ufffd\ufffd", stops) == 6 + 300 - 200
+    assert stream_safe_len("hello", stops) == 5  # control: nothing to hold
+    assert stream_safe_len("hex", ["", "x"]) == 3  # an empty stop string holds nothing
+
+
+def tiny_json_with(decoder: dict) -> str:
+    spec = json.loads((ensure_tiny_model() / "tokenizer.json").read_text())
+    spec["decoder"] = decoder
+    return json.dumps(spec)
+
+
+def test_a_decoder_not_argued_for_falls_back_to_the_full_decode(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    metaspace = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
+    path.write_text(tiny_json_with(metaspace))
+    tok = HFTokenizer(path)
+    detok = IncrementalDetokenizer(tok)
+    assert not detok.exact and detok.stable_len == 0
+    ids = [3 + b for b in "héllo".encode()]
+    for n in range(1, len(ids) + 1):
+        detok.push(ids[n - 1 : n])
+        assert detok.text() == tok.decode(ids[:n])
