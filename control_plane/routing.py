@@ -3,16 +3,21 @@
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
 (shortest first). The estimates only order and pre-filter the candidates; the node's own answer to
 Reserve / Prefill (RESOURCE_EXHAUSTED = "not now") is authoritative.
+
+Every call to a node carries the cluster node token (the nodes refuse calls without it): the stubs
+``NodeClients`` hands out add it themselves, so a caller cannot forget it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 
 from control_plane.registry import DECODE, PREFILL, Node, Registry
+from kvfence.auth import with_token
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -22,21 +27,36 @@ log = get_logger("routing")
 RELEASE_TIMEOUT_S = 5.0
 
 
+@dataclass
+class _NodeChannel:
+    address: str
+    channel: grpc.aio.Channel
+    decode: decode_pb2_grpc.DecodeStub | None = None
+    prefill: prefill_pb2_grpc.PrefillStub | None = None
+
+
 class NodeClients:
-    """One channel per registered node; counts every RPC sent, by (node_id, method)."""
+    """One channel per registered node, its stubs sending the node token on every call; counts
+    every RPC sent, by (node_id, method)."""
 
     def __init__(
-        self, credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None
+        self,
+        node_token: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        metrics: Metrics | None = None,
     ):
+        if not node_token:
+            raise ValueError("the control plane calls nodes with the cluster node token")
+        self._node_token = node_token
         self._credentials = credentials
         self._metrics = metrics
-        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+        self._channels: dict[str, _NodeChannel] = {}
         self.rpc_counts: Counter[tuple[str, str]] = Counter()
 
-    def _channel(self, node: Node) -> grpc.aio.Channel:
+    def _channel(self, node: Node) -> _NodeChannel:
         known = self._channels.get(node.node_id)
-        if known is not None and known[0] == node.grpc_address:
-            return known[1]
+        if known is not None and known.address == node.grpc_address:
+            return known
         if known is not None:
             self.drop(node.node_id)
         if self._credentials is None:
@@ -45,8 +65,8 @@ class NodeClients:
             channel = grpc.aio.secure_channel(
                 node.grpc_address, self._credentials, options=CHANNEL_OPTIONS
             )
-        self._channels[node.node_id] = (node.grpc_address, channel)
-        return channel
+        known = self._channels[node.node_id] = _NodeChannel(node.grpc_address, channel)
+        return known
 
     def count(self, node: Node, method: str) -> None:
         self.rpc_counts[(node.node_id, method)] += 1
@@ -54,10 +74,20 @@ class NodeClients:
             self._metrics.rpcs_total.labels(method=f"client:{method}").inc()
 
     def decode(self, node: Node) -> decode_pb2_grpc.DecodeStub:
-        return decode_pb2_grpc.DecodeStub(self._channel(node))
+        """The node's Decode stub (every call carries the node token)."""
+        known = self._channel(node)
+        if known.decode is None:
+            known.decode = with_token(decode_pb2_grpc.DecodeStub(known.channel), self._node_token)
+        return known.decode
 
     def prefill(self, node: Node) -> prefill_pb2_grpc.PrefillStub:
-        return prefill_pb2_grpc.PrefillStub(self._channel(node))
+        """The node's Prefill stub (every call carries the node token)."""
+        known = self._channel(node)
+        if known.prefill is None:
+            known.prefill = with_token(
+                prefill_pb2_grpc.PrefillStub(known.channel), self._node_token
+            )
+        return known.prefill
 
     def total(self, method: str | None = None) -> int:
         return sum(n for (_, m), n in self.rpc_counts.items() if method in (None, m))
@@ -66,10 +96,10 @@ class NodeClients:
         known = self._channels.pop(node_id, None)
         if known is not None:
             # Closing cancels the calls still open on the channel: the node is gone.
-            asyncio.get_running_loop().create_task(known[1].close(grace=None))
+            asyncio.get_running_loop().create_task(known.channel.close(grace=None))
 
     async def close(self) -> None:
-        channels = [c for _, c in self._channels.values()]
+        channels = [c.channel for c in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 

@@ -99,7 +99,9 @@ class ControlPlane:
             on_capacity=self.queue.notify,
         )
         self._count_nodes()
-        self.clients = NodeClients(tls.internal_channel_credentials(cfg.tls), self.metrics)
+        self.clients = NodeClients(
+            self.node_token, tls.internal_channel_credentials(cfg.tls), self.metrics
+        )
         self.deps = PipelineDeps(
             model=self.model,
             access=self.access,

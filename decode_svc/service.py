@@ -13,6 +13,8 @@ pages go back when the ``Decode`` stream ends, however it ends (finished, failed
 control plane): the control plane's ``Release``, which it logs and forgets when it fails, is not
 needed for them. A ``Release`` that arrives while the stream is open ends the stream CANCELLED.
 A ``Decode`` may not ask for more new tokens than its reservation was made for.
+Every RPC needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED
+and reserves, decodes or releases nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kvfence.errors import (
 from kvfence.events import EventBus
 from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
-from kvfence.node import NodeRuntime, sampling_from_proto
+from kvfence.node import NodeRuntime, NodeTokenCheck, sampling_from_proto
 from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from kvfence.server import abort, take_ready
 from kvfence.transfer import InboundState, InboundTransfer, KvReceiver
@@ -117,8 +119,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         metrics: Metrics,
         receiver: KvReceiver,
         tokenizer: Any,
+        node_token: str,
     ):
         self.cfg = cfg
+        self.authenticate = NodeTokenCheck(node_token, metrics)
         self.rt = rt
         self.pool = rt.pool
         self.bus = bus
@@ -165,6 +169,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.Reservation:
+        await self.authenticate(context, "Reserve")
         self.rpc_count += 1
         self.metrics.rpcs_total.labels(method="Reserve").inc()
         with kvlog.request_context(request.request_id, request.tenant_id):
@@ -177,6 +182,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        await self.authenticate(context, "Decode")  # once per stream
         self.rpc_count += 1
         self.metrics.rpcs_total.labels(method="Decode").inc()
         # How the stream ended, for requests_total: a finish, a failure's status, or CANCELLED
@@ -253,6 +259,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.ReleaseResponse:
+        await self.authenticate(context, "Release")
         rid = self.by_request.get(request.request_id)
         held = rid is not None and self._release(rid, request.reason or "release")
         return prefill_pb2.ReleaseResponse(held=held)
@@ -260,6 +267,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Stats(
         self, request: prefill_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.NodeStats:
+        await self.authenticate(context, "Stats")
         return node_stats(self.rt, self.rpc_count, len(self.reservations))
 
     # ---- reservation -------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 scripts that need the real thing (separate processes, real gRPC and UCX).
 
 ``LocalStack`` starts ``python -m kvfence up`` on free ports with its own state directory, waits for
-``up.json``, and offers clients for tenants, the admin API and each node's Stats. ``stop()`` sends
+``up.json``, and offers clients for tenants, the admin API and each node's Stats (called with the
+cluster node token, as the nodes require). ``stop()`` sends
 SIGTERM, waits, and kills whatever is left, the services included, so a failed run leaves no
 process behind. (``psutil`` comes with the ``test`` extra; it is imported only when a stack starts.)
 """
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import yaml
 
+from kvfence.auth import node_token_path, read_token, with_token
 from kvfence.client import AdminClient, Client
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -129,10 +131,17 @@ class LocalStack:
         with self.admin() as admin:
             return str(admin.create_tenant(name, **limits).api_key)
 
+    def node_token(self) -> str:
+        """The cluster node token: ``control_plane.node_token_file`` of the config, else the one
+        the control plane generated in the state directory."""
+        configured = (self.config.get("control_plane") or {}).get("node_token_file")
+        return read_token(node_token_path(Path(configured) if configured else None, self.state_dir))
+
     def node_stats(self) -> dict[str, prefill_pb2.NodeStats]:
         """Stats of every registered node, by node id."""
         with self.admin() as admin:
             nodes = admin.list_nodes().nodes
+        token = self.node_token()
         stats = {}
         for node in nodes:
             with grpc.insecure_channel(node.grpc_address) as ch:
@@ -141,7 +150,9 @@ class LocalStack:
                     if node.role == "prefill"
                     else decode_pb2_grpc.DecodeStub(ch)
                 )
-                stats[node.node_id] = stub.Stats(prefill_pb2.StatsRequest(), timeout=5)
+                stats[node.node_id] = with_token(stub, token).Stats(
+                    prefill_pb2.StatsRequest(), timeout=5
+                )
         return stats
 
     def node_rpc_counts(self) -> dict[str, int]:

@@ -1,8 +1,12 @@
-"""What prefill and decode nodes share: the loaded model on a page pool, and registration.
+"""What prefill and decode nodes share: the loaded model on a page pool, registration, and the
+node token check on their RPCs.
 
 ``NodeRuntime`` loads the checkpoint (the embedded tiny model when the config names none), sizes the
 pool for the node's role and builds the engine. ``NodeAgent`` registers the node with the control
 plane and heartbeats; a refusal (fingerprint or layout mismatch) is fatal for the node.
+``NodeTokenCheck`` refuses every Prefill / Decode service call that does not carry the cluster node
+token (only the control plane holds it); gRPC health and reflection are other services and stay
+open.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from pathlib import Path
 import grpc
 
 from kvfence import logging as kvlog
-from kvfence.auth import read_token
+from kvfence.auth import read_token, token_matches
 from kvfence.config import ClusterConfig, ModelShape, Role
+from kvfence.errors import Unauthenticated
 from kvfence.kv.pool import PagePool
+from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
-from kvfence.server import CHANNEL_OPTIONS
+from kvfence.server import CHANNEL_OPTIONS, abort, bearer_token
 
 log = kvlog.get_logger("node")
 
@@ -80,6 +86,32 @@ class NodeRuntime:
         node_id = cfg.node.node_id or f"{role.value}-{os.getpid()}"
         engine = Engine(loaded.model, pool)
         return cls(role, node_id, loaded.fingerprint, layout, pool, engine, loaded)
+
+
+class NodeTokenCheck:
+    """Refuses a node RPC without the cluster node token: UNAUTHENTICATED, before the call
+    touches anything (it is not counted as served: ``rpc_count`` and ``rpcs_total`` stay), counted
+    in ``requests_total{status="UNAUTHENTICATED"}`` and logged without the token. One constant-time
+    compare per call; a ``Decode`` stream is checked once, when it opens."""
+
+    def __init__(self, token: str, metrics: Metrics):
+        if not token:
+            raise ValueError("a node needs the cluster node token")
+        self._token = token
+        self._metrics = metrics
+
+    async def __call__(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        presented = bearer_token(context)
+        if token_matches(presented, self._token):
+            return
+        self._metrics.requests_total.labels(status="UNAUTHENTICATED").inc()
+        log.warning(
+            "node rpc refused",
+            method=method,
+            peer=context.peer(),
+            reason="no node token" if presented is None else "wrong node token",
+        )
+        await abort(context, Unauthenticated(f"{method} needs the cluster node token"))
 
 
 class RegistrationRefused(RuntimeError):

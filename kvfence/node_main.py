@@ -5,6 +5,11 @@ internal CA (mutual TLS: only the control plane calls nodes), and the node reach
 plane's registry over TLS trusting the internal CA (sign the public certificate with it, or serve
 the public endpoint without TLS inside the cluster).
 
+Whatever the TLS settings, every Prefill / Decode RPC must carry the cluster node token
+(``control_plane.node_token_file``, else ``<state_dir>/node_token``, created there if this node
+starts before the control plane; ``kvfence.auth``), the same token the node registers with: only
+the control plane holds it. Health and reflection need none (Kubernetes probes).
+
 Start-up order: load the model and pool, start the metrics endpoint, the UCX listener (decode) and
 the gRPC server (health, reflection), register with the control plane, then connect the event bus
 and publish the node's retained status (``kvfence/v1/<cluster>/nodes/<node_id>``: online, role,
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfence import logging as kvlog
-from kvfence.auth import node_token_path
+from kvfence.auth import NODE_TOKEN_FILE, load_or_create_token, node_token_path
 from kvfence.config import ClusterConfig, Role
 from kvfence.events import EventBus
 from kvfence.metrics import Metrics
@@ -48,6 +53,7 @@ class RunningNode:
     bus: EventBus
     metrics: Metrics
     receiver: Any = None
+    node_token: str = ""  # what its RPCs require (tests call the node with it)
 
     @property
     def address(self) -> str:
@@ -73,6 +79,8 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
     if role not in (Role.PREFILL, Role.DECODE):
         raise ValueError(f"not a node role: {role}")
     loop = asyncio.get_running_loop()
+    cp = cfg.control_plane
+    node_token = load_or_create_token(cp.node_token_file, cp.state_dir, NODE_TOKEN_FILE, "kvfn_")
     rt = await loop.run_in_executor(None, NodeRuntime.build, cfg, role)
     metrics = Metrics(role.value)
     bus = EventBus(
@@ -101,14 +109,14 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             report=lambda kind, payload: servicer.report_transfer(kind, payload),
         )
         servicer: Any = DecodeServicer(
-            cfg, rt, bus, metrics, receiver, load_tokenizer(model_dir(cfg))
+            cfg, rt, bus, metrics, receiver, load_tokenizer(model_dir(cfg)), node_token
         )
         registrar: Any = decode_pb2_grpc.add_DecodeServicer_to_server
         service_name = "kvfence.v1.Decode"
     else:
         from prefill_svc.service import PrefillServicer
 
-        servicer = PrefillServicer(cfg, rt, bus, metrics)
+        servicer = PrefillServicer(cfg, rt, bus, metrics, node_token)
         registrar = prefill_pb2_grpc.add_PrefillServicer_to_server
         service_name = "kvfence.v1.Prefill"
     try:
@@ -127,7 +135,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
         metrics.stop()
         raise
     servicer.start()
-    node = RunningNode(rt, server, servicer, None, bus, metrics, receiver)
+    node = RunningNode(rt, server, servicer, None, bus, metrics, receiver, node_token)
     grpc_address = cfg.node.advertise or f"{host_of(cfg.node.listen)}:{server.port}"
     ucx_address = receiver.address if receiver is not None else ""
     instance_id = uuid.uuid4().hex

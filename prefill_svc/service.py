@@ -17,7 +17,9 @@ the pages, so a ``Release`` (or a cancel, or a failure) in the middle leaves the
 until both have ended (``PagePool.begin_ops``). A call releases
 only the pages it allocated itself: a duplicate ``Prefill`` for a request already here is refused
 without touching the first one's pages. Bad input (a token outside the vocabulary, a sampled
-request without a seed) is INVALID_ARGUMENT, found before any page is taken.
+request without a seed) is INVALID_ARGUMENT, found before any page is taken. Every RPC needs the
+cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED and runs or
+releases nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from kvfence.events import EventBus
 from kvfence.faults import Fault, FaultHook
 from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
-from kvfence.node import NodeRuntime, sampling_from_proto
+from kvfence.node import NodeRuntime, NodeTokenCheck, sampling_from_proto
 from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from kvfence.server import abort
 from kvfence.transfer import (
@@ -74,8 +76,11 @@ class Held:
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """The Prefill gRPC service (see module docstring)."""
 
-    def __init__(self, cfg: ClusterConfig, rt: NodeRuntime, bus: EventBus, metrics: Metrics):
+    def __init__(
+        self, cfg: ClusterConfig, rt: NodeRuntime, bus: EventBus, metrics: Metrics, node_token: str
+    ):
         self.cfg = cfg
+        self.authenticate = NodeTokenCheck(node_token, metrics)
         self.rt = rt
         self.pool = rt.pool
         self.bus = bus
@@ -114,6 +119,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        await self.authenticate(context, "Prefill")
         self.rpc_count += 1
         self.metrics.rpcs_total.labels(method="Prefill").inc()
         self.queue_length += 1
@@ -140,12 +146,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.ReleaseResponse:
+        await self.authenticate(context, "Release")
         held = self._release(request.request_id)
         return prefill_pb2.ReleaseResponse(held=held)
 
     async def Stats(
         self, request: prefill_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.NodeStats:
+        await self.authenticate(context, "Stats")
         return node_stats(self.rt, self.rpc_count, len(self.held))
 
     # ---- the work ----------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class Cluster:
             **up_options,
         }
         self.cfg = build_up_config(base, port=free_port_pair(), state_dir=state_dir, **opts)
+        self.config = self.cfg  # the resolved config (Stack.node_token reads it)
         self.cfg_path = state_dir / "cluster.yaml"
         self.cfg_path.write_text(yaml.safe_dump(self.cfg))
         self.roles = {f"prefill-{i}": "prefill" for i in range(prefill)}
@@ -127,6 +128,7 @@ class Cluster:
     target = Stack.target
     admin = Stack.admin
     create_tenant = Stack.create_tenant
+    node_token = Stack.node_token
     node_stats = Stack.node_stats
     wait_pools_free = Stack.wait_pools_free
 

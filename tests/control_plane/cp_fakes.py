@@ -2,7 +2,9 @@
 
 They register with the control plane's real NodeRegistry and heartbeat like real nodes, so the
 control plane cannot tell them apart; a test scripts errors, holds and token streams, then asserts
-on ``calls`` (exact method names and order).
+on ``calls`` (exact method names and order). Like real nodes they refuse a call without the node
+token they registered with (UNAUTHENTICATED, not recorded in ``calls``); ``presented`` keeps the
+token every call carried, refused ones included.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import grpc
 
 from control_plane.model_info import ByteTokenizer, ModelInfo
-from kvfence.errors import KvfenceError
+from kvfence.errors import KvfenceError, Unauthenticated
 from kvfence.proto.kvfence.v1 import (
     common_pb2,
     control_pb2,
@@ -26,7 +28,7 @@ from kvfence.proto.kvfence.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from kvfence.server import abort
+from kvfence.server import abort, bearer_token
 
 FINGERPRINT = "sha256:test-model"
 TEXT = "héllo wörld ✓ kvfence"  # multi-byte characters on purpose
@@ -72,8 +74,24 @@ class Script:
         return [self.tokens[i % len(self.tokens)] for i in range(n)]
 
 
-class FakeDecode(decode_pb2_grpc.DecodeServicer):
+class _NodeTokenFake:
+    """The node token check of a real node (kvfence.node.NodeTokenCheck), recording each token."""
+
+    node_token: str | None = None  # set when the fake registers
+
+    def __init__(self) -> None:
+        self.presented: list[tuple[str, str | None]] = []
+
+    async def authenticate(self, method: str, context: Any) -> None:
+        token = bearer_token(context)
+        self.presented.append((method, token))
+        if self.node_token is None or token != self.node_token:
+            await abort(context, Unauthenticated(f"{method} needs the cluster node token"))
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer, _NodeTokenFake):
     def __init__(self, node_id: str, script: Script, page_size: int):
+        _NodeTokenFake.__init__(self)
         self.node_id = node_id
         self.script = script
         self.page_size = page_size
@@ -84,6 +102,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return [m for m, _ in self.calls]
 
     async def Reserve(self, request: Any, context: Any) -> prefill_pb2.Reservation:
+        await self.authenticate("Reserve", context)
         self.calls.append(("Reserve", request))
         self.entered.set()
         if self.script.reserve_error is not None:
@@ -100,6 +119,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         )
 
     async def Decode(self, request: Any, context: Any) -> Any:
+        await self.authenticate("Decode", context)
         self.calls.append(("Decode", request))
         self.entered.set()
         yield decode_pb2.DecodeResponse(verified=True)
@@ -113,12 +133,14 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         yield decode_pb2.DecodeResponse(finish_reason=self.script.finish_reason)
 
     async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:
+        await self.authenticate("Release", context)
         self.calls.append(("Release", request))
         return prefill_pb2.ReleaseResponse(held=True)
 
 
-class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+class FakePrefill(prefill_pb2_grpc.PrefillServicer, _NodeTokenFake):
     def __init__(self, node_id: str, script: Script):
+        _NodeTokenFake.__init__(self)
         self.node_id = node_id
         self.script = script
         self.calls: list[tuple[str, Any]] = []
@@ -128,6 +150,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return [m for m, _ in self.calls]
 
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
+        await self.authenticate("Prefill", context)
         self.calls.append(("Prefill", request))
         self.entered.set()
         if self.script.prefill_hold is not None:
@@ -150,6 +173,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillResponse(manifest=manifest, pages_sent=1, bytes_sent=64)
 
     async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:
+        await self.authenticate("Release", context)
         self.calls.append(("Release", request))
         return prefill_pb2.ReleaseResponse(held=True)
 
@@ -206,6 +230,7 @@ class FakeNode:
 
     async def register(self, cp_port: int, node_token: str) -> control_pb2.RegisterResponse:
         self._metadata = [("authorization", f"Bearer {node_token}")]
+        self.servicer.node_token = node_token  # and requires it, as a real node does
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{cp_port}")
         stub = control_pb2_grpc.NodeRegistryStub(self._channel)
         resp = await stub.Register(

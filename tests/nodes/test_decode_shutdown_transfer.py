@@ -11,6 +11,7 @@ import torch
 from asyncwait import eventually
 from test_prefill_decode import make_cfg, tiny_dir  # noqa: F401  (fixture)
 
+from kvfence.auth import with_token
 from kvfence.config import Role
 from kvfence.kv.pool import PageState
 from kvfence.node_main import start_node
@@ -57,7 +58,7 @@ async def test_decode_shutdown_mid_receive_frees_pages_and_ends_the_handler(
     try:
         pool, rx = dec.rt.pool, dec.receiver
         async with grpc.aio.insecure_channel(dec.address) as ch:
-            res = await decode_pb2_grpc.DecodeStub(ch).Reserve(
+            res = await with_token(decode_pb2_grpc.DecodeStub(ch), dec.node_token).Reserve(
                 decode_pb2.ReserveRequest(
                     request_id="r-stall", tenant_id="t", prompt_tokens=30, max_new_tokens=4
                 )
@@ -173,7 +174,7 @@ async def test_control_a_transfer_to_a_running_decode_node_completes_and_frees_i
     try:
         pool, rx = dec.rt.pool, dec.receiver
         async with grpc.aio.insecure_channel(dec.address) as ch:
-            stub = decode_pb2_grpc.DecodeStub(ch)
+            stub = with_token(decode_pb2_grpc.DecodeStub(ch), dec.node_token)
             res = await stub.Reserve(
                 decode_pb2.ReserveRequest(
                     request_id="r-ok", tenant_id="t", prompt_tokens=30, max_new_tokens=4
@@ -223,7 +224,7 @@ async def test_a_cancelled_transfer_handler_leaves_its_transfer_cancelled(
     try:
         pool, rx = dec.rt.pool, dec.receiver
         async with grpc.aio.insecure_channel(dec.address) as ch:
-            res = await decode_pb2_grpc.DecodeStub(ch).Reserve(
+            res = await with_token(decode_pb2_grpc.DecodeStub(ch), dec.node_token).Reserve(
                 decode_pb2.ReserveRequest(
                     request_id="r-stall", tenant_id="t", prompt_tokens=30, max_new_tokens=4
                 )

@@ -14,6 +14,7 @@ import torch
 from asyncwait import eventually
 from test_prefill_decode import make_cfg, run_request
 
+from kvfence.auth import with_token
 from kvfence.config import Role
 from kvfence.kv.pool import PagePool
 from kvfence.model.tiny import ensure_tiny_model
@@ -362,8 +363,8 @@ async def fault_nodes(tiny_model, tmp_path):
         yield (
             dec,
             pre,
-            decode_pb2_grpc.DecodeStub(dch),
-            prefill_pb2_grpc.PrefillStub(pch),
+            with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token),
+            with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token),
             fault_file,
             stop_prefill,
         )

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from kvfence.auth import bearer_metadata, with_token
 from kvfence.config import Role, parse_config
 from kvfence.errors import error_info
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
@@ -50,7 +51,12 @@ async def nodes(tiny_dir, tmp_path):
     pre = await start_node(cfg, Role.PREFILL, register=False)
     dch = grpc.aio.insecure_channel(dec.address)
     pch = grpc.aio.insecure_channel(pre.address)
-    yield dec, pre, decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
+    yield (
+        dec,
+        pre,
+        with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token),
+        with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token),
+    )
     await dch.close()
     await pch.close()
     await pre.stop(grace=1)
@@ -273,8 +279,8 @@ async def test_a_node_serves_its_metrics_where_configured(tiny_dir, tmp_path, ho
     try:
         assert pre.metrics._server.server_address[0] == host
         await run_request(
-            decode_pb2_grpc.DecodeStub(dch),
-            prefill_pb2_grpc.PrefillStub(pch),
+            with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token),
+            with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token),
             "m",
             "t",
             [5, 6, 7],
@@ -337,7 +343,10 @@ async def test_a_release_while_verified_is_written_ends_that_stream_and_no_other
     # Drive the handler's generator as grpc.aio does: one message, the write, the next message.
     aborted: list[grpc.StatusCode] = []
 
-    class Context:  # the one use the handler makes of its context here: ending the call
+    class Context:  # what the handler uses of its context here: the node token, ending the call
+        def invocation_metadata(self):
+            return bearer_metadata(dec.node_token)
+
         async def abort_with_status(self, status):
             aborted.append(status.code)
             raise asyncio.CancelledError  # how grpc.aio's abort ends a handler
@@ -346,7 +355,7 @@ async def test_a_release_while_verified_is_written_ends_that_stream_and_no_other
     first = await handler.__anext__()
     assert first.verified
     if release_first:
-        await dec.servicer.Release(prefill_pb2.ReleaseRequest(request_id="r1"), None)
+        await dec.servicer.Release(prefill_pb2.ReleaseRequest(request_id="r1"), Context())
     tokens = []
     try:
         async for msg in handler:

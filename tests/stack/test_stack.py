@@ -7,12 +7,16 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_harness import Stack
 
+from kvfence.auth import bearer_metadata
 from kvfence.errors import InvalidArgument, KvfenceError
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
 from kvfence.model.sampling import SamplingParams
+from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +95,42 @@ def test_over_length_is_rejected_before_any_node_rpc(stack):
         ok = c.generate(prompt_ids=prompt(limit - 8, 1), max_new_tokens=8, ignore_eos=True)
         assert len(ok.token_ids) == 8
         assert sum(s.rpc_count for s in stack.node_stats().values()) > sum(after.values())
+
+
+def test_nodes_refuse_calls_without_the_node_token(stack):
+    """The audit, on a stack without internal mTLS: whoever reached a node's port could reserve
+    its pages and release other tenants' requests. Now each call without the cluster node token
+    is UNAUTHENTICATED and changes nothing; health (Kubernetes probes) needs no token."""
+    with stack.admin() as admin:
+        nodes = admin.list_nodes().nodes
+    before = stack.node_stats()
+    release = prefill_pb2.ReleaseRequest(request_id="req-0123456789abcdef")
+    reserve = decode_pb2.ReserveRequest(
+        request_id="evil", tenant_id="evil", prompt_tokens=700, max_new_tokens=8
+    )
+    for node in nodes:
+        with grpc.insecure_channel(node.grpc_address) as ch:
+            stub = (
+                decode_pb2_grpc.DecodeStub(ch)
+                if node.role == "decode"
+                else prefill_pb2_grpc.PrefillStub(ch)
+            )
+            calls = [(stub.Release, release), (stub.Stats, prefill_pb2.StatsRequest())]
+            if node.role == "decode":
+                calls.append((stub.Reserve, reserve))
+            for call, req in calls:
+                for metadata in (None, bearer_metadata("kvfn_not-the-cluster-token")):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call(req, metadata=metadata, timeout=5)
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(ch)
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+    # control: the same Stats with the token (node_stats sends it) answers, and nothing moved
+    after = stack.node_stats()
+    assert {k: (s.free_pages, s.rpc_count) for k, s in after.items()} == {
+        k: (s.free_pages, s.rpc_count) for k, s in before.items()
+    }
 
 
 def test_cancel_mid_decode_returns_every_page(stack):
