@@ -171,11 +171,17 @@ class AdmissionQueue:
     anyone already waiting. Without that, a stream of small requests can keep taking the pages a
     large one waits for until its deadline passes (starvation). Every change of capacity or model
     access wakes the waiters; the head retries, the others check whether they are now the head.
+
+    One tenant may hold at most ``per_tenant`` places: without that bound, a tenant with no
+    concurrency limit could fill the queue with long-deadline requests and every other tenant
+    would be refused QUEUE_FULL until they expired.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, per_tenant: int | None = None):
         self.capacity = capacity
+        self.per_tenant = capacity if per_tenant is None else min(per_tenant, capacity)
         self._order: collections.deque[object] = collections.deque()
+        self._by_tenant: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Event()
 
     @property
@@ -191,19 +197,32 @@ class AdmissionQueue:
         """True when ``ticket`` may try to reserve now: nobody waits, or it heads the queue."""
         return not self._order or self._order[0] is ticket
 
+    def waiting_for(self, tenant: str) -> int:
+        return self._by_tenant[tenant]
+
     @contextlib.contextmanager
-    def slot(self, ticket: object) -> Iterator[None]:
-        """Hold a queue place for the block; ResourceExhausted at once when the queue is full."""
-        if len(self._order) >= self.capacity:
+    def slot(self, ticket: object, tenant: str) -> Iterator[None]:
+        """Hold a queue place for the block; ResourceExhausted at once when the queue, or the
+        tenant's share of it, is full. The message tells a tenant its own count only."""
+        if self._by_tenant[tenant] >= self.per_tenant:
             raise ResourceExhausted(
-                f"admission queue is full ({len(self._order)} requests waiting for capacity)",
+                f"tenant {tenant} already has {self._by_tenant[tenant]} requests waiting for "
+                f"capacity (at most {self.per_tenant})",
                 reason=QUEUE_FULL,
             )
+        if len(self._order) >= self.capacity:
+            raise ResourceExhausted(
+                "the admission queue is full: no capacity for now, retry later", reason=QUEUE_FULL
+            )
         self._order.append(ticket)
+        self._by_tenant[tenant] += 1
         try:
             yield
         finally:
             self._order.remove(ticket)
+            self._by_tenant[tenant] -= 1
+            if not self._by_tenant[tenant]:
+                del self._by_tenant[tenant]  # no entry per tenant that ever waited
             self.notify()  # the next request may now head the queue
 
     async def changed(self, timeout: float) -> None:

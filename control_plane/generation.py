@@ -81,12 +81,15 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         metrics: Metrics,
         default_deadline_s: float,
         list_models: Callable[[], client_pb2.ListModelsResponse],
+        *,
+        max_deadline_s: float,
     ):
         self.pipeline = pipeline
         self.tenants = tenants
         self.table = table
         self.metrics = metrics
         self.default_deadline_s = default_deadline_s
+        self.max_deadline_s = max_deadline_s
         self._list_models = list_models
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -101,7 +104,11 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
             await abort(context, err)
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()
-        budget = self.default_deadline_s if remaining is None else min(remaining, 10**7)
+        # A client's own deadline is kept up to max_deadline_s: a request holds its queue place
+        # (and its pages) until then, so an unbounded one could hold them for good.
+        budget = (
+            self.default_deadline_s if remaining is None else min(remaining, self.max_deadline_s)
+        )
         deadline = loop.time() + budget
         run = Run(RequestRecord("req-" + secrets.token_hex(8), tenant.name))
         out: asyncio.Queue[object] = asyncio.Queue()

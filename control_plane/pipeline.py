@@ -264,7 +264,7 @@ class Pipeline:
                             reason=admission.NO_CAPACITY,
                         )
                     if not in_queue:  # first wait: take a place in the queue (or fail if full)
-                        queued.enter_context(self.d.queue.slot(ticket))
+                        queued.enter_context(self.d.queue.slot(ticket, run.record.tenant_id))
                         in_queue = True
                         continue  # heading an empty queue: try again at once
                     await run.guard(self.d.queue.changed(min(give_up - now, self.d.poll_s)))

@@ -86,7 +86,7 @@ class ControlPlane:
             cp.node_token_file, Path(cp.state_dir), NODE_TOKEN_FILE, "kvfn_"
         )
         self.table = RequestTable()
-        self.queue = AdmissionQueue(cp.admission_queue)
+        self.queue = AdmissionQueue(cp.admission_queue, cp.admission_queue_per_tenant)
         self.access = ModelAccess()
         self.metrics.model_online.labels(model=self.model.name).set(1)
         self.registry = Registry(
@@ -121,6 +121,7 @@ class ControlPlane:
             self.metrics,
             cp.default_deadline_s,
             self.list_models,
+            max_deadline_s=cp.max_deadline_s,
         )
         self.admin = AdminServicer(
             self.admin_token, self.tenants, self.deps, cfg.model.clamp_context, self.set_access

@@ -212,14 +212,21 @@ class ControlPlaneConfig(_Strict):
     address: str = ""
     state_dir: Path = Path(".kvfence")
     admission_queue: int = Field(default=256, ge=1)
+    # Places of the admission queue one tenant may hold (at most admission_queue): so that one
+    # tenant cannot lock the others out of it.
+    admission_queue_per_tenant: int = Field(default=64, ge=1)
     default_deadline_s: float = Field(default=120.0, gt=0)
+    # The longest deadline a client may ask (its gRPC timeout is cut to this): a request holds
+    # its queue place, and its pages, until its deadline.
+    max_deadline_s: float = Field(default=3600.0, gt=0)
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
     # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).
     node_timeout_s: float = Field(default=5.0, gt=0)
     admin_token_file: Path | None = None
-    # Shared by the control plane and every node (kvfence/auth.py); None = generated under
-    # state_dir by the control plane, which only nodes sharing that directory can read.
+    # Shared by the control plane and every node (kvfence/auth.py): nodes present it to register,
+    # and every call to a node must carry it. None = generated under state_dir (by the first
+    # process of the cluster to start), which only processes sharing that directory can read.
     node_token_file: Path | None = None
 
     @model_validator(mode="after")
@@ -229,6 +236,11 @@ class ControlPlaneConfig(_Strict):
                 f"node_timeout_s ({self.node_timeout_s:g}) must be at least "
                 f"{NODE_TIMEOUT_HEARTBEATS} x heartbeat_interval_s ({self.heartbeat_interval_s:g}),"
                 " or nodes are declared lost between heartbeats"
+            )
+        if self.default_deadline_s > self.max_deadline_s:
+            raise ValueError(
+                f"default_deadline_s ({self.default_deadline_s:g}) must not exceed "
+                f"max_deadline_s ({self.max_deadline_s:g})"
             )
         return self
 

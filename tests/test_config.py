@@ -186,3 +186,13 @@ def test_env_override_controls_for_the_rejected_shapes():
     # names without the prefix are not overrides at all
     unrelated = {"KVFENCE_": "x", "KVFENCEX__NODE": "x"}
     assert parse_config({}, environ=unrelated).node.role == Role.CONTROL_PLANE
+
+
+def test_default_deadline_may_not_exceed_max_deadline() -> None:
+    from kvfence.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="max_deadline_s"):
+        parse_config({"control_plane": {"default_deadline_s": 600, "max_deadline_s": 60}}, {})
+    # control: within the cap it parses
+    cfg = parse_config({"control_plane": {"default_deadline_s": 60, "max_deadline_s": 600}}, {})
+    assert cfg.control_plane.max_deadline_s == 600

@@ -190,14 +190,34 @@ def test_admission_queue_is_first_come_first_served() -> None:
     q = AdmissionQueue(capacity=2)
     big, small, late = object(), object(), object()
     assert q.may_try(small)  # control: with nobody waiting anyone may try
-    with q.slot(big):
+    with q.slot(big, "a"):
         assert q.may_try(big) and not q.may_try(late)
-        with q.slot(small):
+        with q.slot(small, "b"):
             assert not q.may_try(small)  # behind big
-            with pytest.raises(ResourceExhausted), q.slot(late):
+            with pytest.raises(ResourceExhausted) as err, q.slot(late, "c"):
                 pass
+            assert "retry later" in err.value.message
+            assert "2" not in err.value.message  # nothing about how busy other tenants are
         assert q.may_try(big)
     assert q.waiting == 0 and q.may_try(late)
+
+
+def test_one_tenant_cannot_take_the_whole_queue() -> None:
+    """A tenant holds at most ``per_tenant`` places: one with no concurrency limit used to fill
+    the queue and lock every other tenant out (QUEUE_FULL) until its deadlines passed."""
+    from control_plane.admission import AdmissionQueue
+
+    q = AdmissionQueue(capacity=4, per_tenant=2)
+    with q.slot(object(), "greedy"), q.slot(object(), "greedy"):
+        with pytest.raises(ResourceExhausted) as err, q.slot(object(), "greedy"):
+            pass
+        assert err.value.reason == "QUEUE_FULL"
+        assert "tenant greedy already has 2 requests waiting" in err.value.message
+        # control: another tenant still gets a place, up to the queue's capacity
+        with q.slot(object(), "other"), q.slot(object(), "other"):
+            assert q.waiting == 4 and q.waiting_for("other") == 2
+    assert q.waiting == 0 and q.waiting_for("greedy") == 0
+    assert not q._by_tenant  # nothing kept per tenant once it waits no more
 
 
 @pytest.mark.parametrize("seed", [None, 12345])
@@ -294,5 +314,55 @@ async def test_a_long_text_is_tokenized_off_the_event_loop(
         assert max(gaps) < 0.25, max(gaps)  # the 0.5 s of tokenizing held nothing
         await c.client().generate("y" * 100, max_new_tokens=2)
         assert calls[1] == (100, True)
+    finally:
+        await c.close()
+
+
+async def test_a_clients_deadline_is_cut_to_max_deadline(tmp_path: Path) -> None:
+    """A client's gRPC timeout of days used to be kept (up to 10^7 s): waiting for pages, the
+    request held its queue place that long. Now it gives up at max_deadline_s. Control: a
+    deadline under the cap is the client's own."""
+    c = await make_cluster(tmp_path, max_deadline_s=1.0, default_deadline_s=1.0)
+    try:
+        c.script.reserve_error = ResourceExhausted("pool full")
+        loop = asyncio.get_running_loop()
+        for timeout, want in ((10**6, 1.0), (0.5, 0.5)):
+            started = loop.time()
+            with pytest.raises(ResourceExhausted) as err:
+                await c.client(timeout=timeout).generate(prompt_ids=[10], max_new_tokens=2)
+            waited = loop.time() - started
+            assert err.value.reason == "NO_CAPACITY"
+            assert want * 0.7 < waited < want + 0.5, (timeout, waited)
+    finally:
+        await c.close()
+
+
+async def test_a_tenant_over_its_queue_share_is_refused_while_another_gets_in(
+    tmp_path: Path,
+) -> None:
+    """Through the service: a tenant with its share of the queue (2 of 4) waiting is refused
+    QUEUE_FULL at once; another tenant's request still queues, and is served once there is
+    room."""
+    c = await make_cluster(tmp_path, admission_queue=4, admission_queue_per_tenant=2)
+    try:
+        c.script.reserve_error = ResourceExhausted("pool full")
+        waiting = [
+            asyncio.create_task(c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2))
+            for _ in range(2)
+        ]
+        while c.cp.queue.waiting < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        assert err.value.reason == "QUEUE_FULL" and "tenant acme" in err.value.message
+        _, other_key, _ = c.cp.tenants.create_tenant("other", TenantLimits())
+        other = asyncio.create_task(
+            c.client(other_key, timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        )
+        while c.cp.queue.waiting < 3:
+            await asyncio.sleep(0.01)
+        c.script.reserve_error = None
+        for done in await asyncio.gather(*waiting, other):
+            assert done.usage.completion_tokens == 2
     finally:
         await c.close()
