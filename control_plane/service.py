@@ -294,5 +294,5 @@ async def serve(cfg: ClusterConfig, stop_event: asyncio.Event, **kwargs: Any) ->
     try:
         await stop_event.wait()
     finally:
-        await cp.stop()
+        await cp.stop(cfg.control_plane.shutdown_grace_s)
         cp.metrics.stop()

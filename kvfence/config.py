@@ -219,6 +219,9 @@ class ControlPlaneConfig(_Strict):
     # The longest deadline a client may ask (its gRPC timeout is cut to this): a request holds
     # its queue place, and its pages, until its deadline.
     max_deadline_s: float = Field(default=3600.0, gt=0)
+    # How long a stopping control plane lets running requests finish before it fails them
+    # (SHUTTING_DOWN); the chart's terminationGracePeriodSeconds must exceed it.
+    shutdown_grace_s: float = Field(default=25.0, ge=0)
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
     # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvfence.client import AdminClient
 
 STOP_GRACE_S = 10.0
+LOCAL_SHUTDOWN_GRACE_S = 5.0  # the control plane's, under STOP_GRACE_S
 DEMO_TENANT = "demo"
 # Signals that stop `up` and, through it, every service it started (they run in their own
 # sessions, so a closed terminal's SIGHUP reaches only `up`).
@@ -173,6 +174,10 @@ def build_up_config(
     cp["listen"] = f"127.0.0.1:{port}"
     cp["admin_listen"] = f"127.0.0.1:{port + 1 if port else 0}"
     cp["state_dir"] = str(state_dir.resolve())
+    # Running requests get a shorter grace than a pod's, within the STOP_GRACE_S after which
+    # `up` kills what is left: a stopping control plane fails them cleanly (SHUTTING_DOWN)
+    # instead of being killed with them. A base config's own value is kept.
+    cp.setdefault("shutdown_grace_s", LOCAL_SHUTDOWN_GRACE_S)
     cfg.setdefault("node", {})["listen"] = "127.0.0.1:0"
     return cfg
 

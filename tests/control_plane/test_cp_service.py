@@ -24,6 +24,31 @@ async def test_serve_runs_until_stop_event(tmp_path: Path) -> None:
     await asyncio.wait_for(task, 5)
 
 
+@pytest.mark.parametrize("grace", [None, 7.0])
+async def test_serve_stops_with_the_configured_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grace: float | None
+) -> None:
+    """A stopping control plane gave running requests a fixed 5 s of the pod's 30 s; it now
+    gives them control_plane.shutdown_grace_s (default 25 s)."""
+    from control_plane import service
+
+    seen: list[float] = []
+    real_stop = service.ControlPlane.stop
+
+    async def stop(self: service.ControlPlane, grace: float = 5.0) -> None:
+        seen.append(grace)
+        await real_stop(self, 0)
+
+    monkeypatch.setattr(service.ControlPlane, "stop", stop)
+    cfg = make_cfg(tmp_path, **({} if grace is None else {"shutdown_grace_s": grace}))
+    stop_event = asyncio.Event()
+    task = asyncio.create_task(serve(cfg, stop_event, model_info=make_model_info()))
+    await eventually(lambda: (tmp_path / "admin_token").exists())
+    stop_event.set()
+    await asyncio.wait_for(task, 5)
+    assert seen == [25.0 if grace is None else grace]
+
+
 async def test_default_deadline_applies_without_a_client_deadline(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, default_deadline_s=0.5)
     try:

@@ -100,3 +100,19 @@ def test_the_stack_stops_whole_when_up_or_a_service_is_killed(tmp_path, victim):
         assert alive == [], f"services outlived {victim}: {alive}"
     finally:
         stack.stop()
+
+
+def test_up_gives_the_control_plane_a_grace_under_its_own_kill_timeout(tmp_path):
+    """`up` kills what is left STOP_GRACE_S after SIGTERM; the control plane's default grace
+    (25 s, for a pod) would have it killed with requests running instead of failing them
+    cleanly. Control: a base config's own value is kept."""
+    from kvfence.cli.stack import STOP_GRACE_S, build_up_config
+
+    opts = dict(
+        model=None, context_window=None, prefill_pool_tokens=256, decode_pool_tokens=256,
+        page_size=16, port=0, state_dir=tmp_path,
+    )  # fmt: skip
+    cfg = build_up_config({}, **opts)
+    assert cfg["control_plane"]["shutdown_grace_s"] < STOP_GRACE_S
+    own = build_up_config({"control_plane": {"shutdown_grace_s": 1.5}}, **opts)
+    assert own["control_plane"]["shutdown_grace_s"] == 1.5
