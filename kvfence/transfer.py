@@ -159,6 +159,20 @@ def use_ucx_futures() -> None:
     os.environ.setdefault("UCXX_LOG_LEVEL", "ERROR")
 
 
+def service_ucx_defaults() -> None:
+    """UCX settings of a kvfence service process (call before ucxx starts; an operator's own
+    environment wins): TCP on loopback when nothing is said, Python futures
+    (:func:`use_ucx_futures`), and a listener that may take its port while connections of a
+    previous process on it are in TIME_WAIT. UCX's TCP listener sets no SO_REUSEADDR unless
+    told, so a decode container restarted in its pod (same network namespace, same fixed
+    ``ucx_port``) failed to start, "Device is busy", for the minute after its previous process
+    had served transfers. On Linux SO_REUSEADDR does not let a second process listen on a port
+    that one is listening on."""
+    os.environ.setdefault("UCX_TLS", "tcp,self")
+    os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+    use_ucx_futures()
+
+
 def stop_ucx_notifier() -> None:
     """Stop ucxx's notifier thread if this process started one: it is not a daemon thread, and
     once the event loop has closed it would keep the process from exiting."""

@@ -656,3 +656,69 @@ def test_endpoints_that_closed_leave_no_frames_behind():
     connections, frames = (int(x) for x in out.split()[-2:])
     assert connections == 6  # six endpoints served a transfer each, and closed
     assert frames == 0
+
+
+# A decode's receiver on a fixed port serves one transfer and its process exits (argv "serve");
+# a new process (the restarted decode) then listens on the same port (argv "listen").
+REBIND_SCRIPT = """
+import asyncio, sys
+from kvfence.kv.pool import PagePool
+from kvfence.transfer import (EndpointPool, KvReceiver, OutboundPage, page_buffer, send_pages,
+                              service_ucx_defaults, stop_ucx_notifier)
+import torch
+
+mode, port = sys.argv[1], int(sys.argv[2])
+
+async def main():
+    service_ucx_defaults()
+    pool = PagePool(2, num_layers=2, page_size=4, num_kv_heads=2, head_dim=8)
+    rx = KvReceiver(pool, host="127.0.0.1", port=port, max_batch_bytes=1 << 20,
+                    batch_timeout_s=5, report=lambda kind, payload: None)
+    try:
+        await rx.start()
+    except Exception as err:
+        print("refused", type(err).__name__)
+        return
+    endpoints = EndpointPool(max_idle_per_peer=4)  # prefill keeps the endpoint for the next
+    if mode == "serve":
+        t = rx.expect("r", "r", b"k" * 32, pool.allocate(1, "r"))
+        await send_pages(rx.address, reservation_id="r", request_id="r", secret=b"k" * 32,
+                         pages=[OutboundPage(0, page_buffer(torch.ones(pool.kv.shape[1:])))],
+                         page_bytes=pool.page_bytes, max_batch_bytes=1 << 20, batch_timeout_s=5,
+                         endpoints=endpoints)
+        await asyncio.wait_for(t.done.wait(), 5)
+    print("listening", rx.port == port)
+    await rx.stop()  # decode stops first and closes the pooled endpoint's connection
+    await endpoints.close()
+
+asyncio.run(main())
+stop_ucx_notifier()
+"""
+
+
+@pytest.mark.parametrize("reuse", [None, "n"], ids=["service-defaults", "operator-says-n"])
+def test_a_restarted_receiver_takes_its_fixed_port_at_once(reuse):
+    """A decode container restarted in its pod listens on the same fixed UCX port while its
+    previous process's connections are in TIME_WAIT: UCX refused the port ("Device is busy")
+    for a minute. The services' UCX defaults let it bind. Control: with the operator's
+    UCX_TCP_CM_REUSEADDR=n (their value wins) the same restart is refused."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TCP_CM_REUSEADDR"}
+    env["UCX_TLS"] = "tcp,self"
+    if reuse is not None:
+        env["UCX_TCP_CM_REUSEADDR"] = reuse
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+
+    def run(mode: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", REBIND_SCRIPT, mode, port],
+            capture_output=True, text=True, timeout=120, env=env, check=True,
+        ).stdout  # fmt: skip
+        return out.split()[-2:]
+
+    assert run("serve") == ["listening", "True"]
+    want = ["listening", "True"] if reuse is None else ["refused", "UCXXBusyError"]
+    assert run("listen") == want

@@ -47,7 +47,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 
     def _serve(role: Role, config: Path | None) -> None:
         from kvfence import logging as kvlog
-        from kvfence.transfer import stop_ucx_notifier, use_ucx_futures
+        from kvfence.transfer import service_ucx_defaults, stop_ucx_notifier
 
         kvlog.configure("json", os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
         _stop_with_parent()
@@ -56,9 +56,8 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         except ConfigError as err:
             typer.echo(str(err), err=True)
             raise typer.Exit(2) from None
-        os.environ.setdefault("UCX_TLS", "tcp,self")
         # One event loop per service process: ucxx's notifier thread can complete UCX futures.
-        use_ucx_futures()
+        service_ucx_defaults()
         try:
             asyncio.run(_run_service(cfg, role))
         except KeyboardInterrupt:
