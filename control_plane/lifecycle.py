@@ -110,16 +110,19 @@ def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fie
     record.state = dst
     if reason:
         record.reason = reason
+    line = dict(
+        request_id=record.request_id,
+        tenant_id=record.tenant_id,
+        src=str(src),
+        dst=str(dst),
+        reason=reason or None,
+    )
     if dst in TERMINAL:
         # One line per request at info (what an operator reads; a busy control plane serves
         # thousands a second), each state change on the way at debug.
         log.info(
             "request ended",
-            request_id=record.request_id,
-            tenant_id=record.tenant_id,
-            src=str(src),
-            dst=str(dst),
-            reason=reason or None,
+            **line,
             prompt_tokens=record.prompt_tokens,
             max_new_tokens=record.max_new_tokens,
             decode_node=record.decode_node or None,
@@ -128,15 +131,7 @@ def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fie
             **fields,
         )
     else:
-        log.debug(
-            "request state",
-            request_id=record.request_id,
-            tenant_id=record.tenant_id,
-            src=str(src),
-            dst=str(dst),
-            reason=reason or None,
-            **fields,
-        )
+        log.debug("request state", **line, **fields)
     return now - entered
 
 
