@@ -41,6 +41,16 @@ async def stalled_sender(dec, res, stage: str):
     return ep
 
 
+async def reserve(dec):
+    """Reserve decode pages for a 30-token prompt, as the control plane would."""
+    async with grpc.aio.insecure_channel(dec.address) as ch:
+        return await with_token(decode_pb2_grpc.DecodeStub(ch), dec.node_token).Reserve(
+            decode_pb2.ReserveRequest(
+                request_id="r-stall", tenant_id="t", prompt_tokens=30, max_new_tokens=4
+            )
+        )
+
+
 @pytest.mark.parametrize("stage", ["hello", "batch"])
 async def test_decode_shutdown_mid_receive_frees_pages_and_ends_the_handler(
     tiny_dir,  # noqa: F811
@@ -57,12 +67,7 @@ async def test_decode_shutdown_mid_receive_frees_pages_and_ends_the_handler(
     ep = None
     try:
         pool, rx = dec.rt.pool, dec.receiver
-        async with grpc.aio.insecure_channel(dec.address) as ch:
-            res = await with_token(decode_pb2_grpc.DecodeStub(ch), dec.node_token).Reserve(
-                decode_pb2.ReserveRequest(
-                    request_id="r-stall", tenant_id="t", prompt_tokens=30, max_new_tokens=4
-                )
-            )
+        res = await reserve(dec)
         t = rx.transfers[res.reservation_id]
         ep = await stalled_sender(dec, res, stage)
         want_ops = 2 if stage == "batch" else 0
@@ -223,12 +228,7 @@ async def test_a_cancelled_transfer_handler_leaves_its_transfer_cancelled(
     ep = None
     try:
         pool, rx = dec.rt.pool, dec.receiver
-        async with grpc.aio.insecure_channel(dec.address) as ch:
-            res = await with_token(decode_pb2_grpc.DecodeStub(ch), dec.node_token).Reserve(
-                decode_pb2.ReserveRequest(
-                    request_id="r-stall", tenant_id="t", prompt_tokens=30, max_new_tokens=4
-                )
-            )
+        res = await reserve(dec)
         t = rx.transfers[res.reservation_id]
         ep = await stalled_sender(dec, res, "batch")
         assert await eventually(
