@@ -170,6 +170,7 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
             healthy=node.heartbeat_age_s <= self.d.registry.heartbeat_interval_s * 2,
             last_heartbeat_age_s=node.heartbeat_age_s,
             layout=node.layout,
+            draining=node.draining,
         )
 
     def model_status(self) -> control_pb2.ModelStatus:

@@ -25,7 +25,12 @@ from control_plane.detok import IncrementalDetokenizer
 from control_plane.lifecycle import RequestRecord, RequestState, RequestTable, Run, transition
 from control_plane.model_info import ModelAccess, ModelInfo
 from control_plane.registry import DECODE, PREFILL, Node, Registry
-from control_plane.routing import NodeClients, decode_candidates, prefill_candidates
+from control_plane.routing import (
+    NodeClients,
+    decode_candidates,
+    prefill_candidates,
+    refused_draining,
+)
 from control_plane.tenants import Tenant
 from control_plane.verify import DecodeStream, check_manifest, check_reservation, node_error
 from kvfence.config import pages_needed
@@ -297,8 +302,11 @@ class Pipeline:
         try:
             res = await run.guard(self.d.clients.decode(node).Reserve(req, timeout=_left(deadline)))
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                # "No room now": nothing held; skip the node until its next heartbeat.
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or refused_draining(
+                self.d.registry, node, err
+            ):
+                # "No room now" (or "shutting down"): nothing held; skip the node until its next
+                # heartbeat (a draining one for good).
                 if first_contact:
                     del rec.contacted[node.node_id]
                 node.reserved_since_heartbeat = node.free_pages
@@ -381,7 +389,11 @@ class Pipeline:
             )
         except grpc.aio.AioRpcError as err:
             gone = unreachable(err)
-            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or gone:
+            if (
+                err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                or gone
+                or refused_draining(self.d.registry, node, err)
+            ):
                 if first_contact:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""

@@ -4,6 +4,11 @@ A node registers once (role, addresses, fingerprint, layout, pool) and then hear
 whose fingerprint or layout differs from the model's is refused: its KV pages would not mean the
 same thing on the other side of a transfer. A node silent for ``node_timeout_s`` is lost; the
 registry drops it and tells the control plane, which fails every request that used it.
+
+A node that heartbeats ``draining`` is shutting down (``kvfence.node_main``): it stays registered,
+and its requests run on, but routing sends it no new one (``control_plane.routing``). Draining is
+one way: a later heartbeat without the flag does not undo it (only a new registration, a new
+process, does). Once drained the node stops heartbeating and is dropped as lost, with nothing on it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class Node:
     # Prefill calls this control plane has in flight on the node (added to its queue length).
     in_flight: int = 0
     instance_id: str = ""  # the registering process's (RegisterRequest.instance_id)
+    # Shutting down: finishing what it holds, sent no new Reserve / Prefill (module docstring).
+    draining: bool = False
 
     @property
     def free_estimate(self) -> int:
@@ -165,15 +172,26 @@ class Registry:
         node.queue_length = req.queue_length
         node.reserved_since_heartbeat = 0
         node.last_heartbeat = time.monotonic()
+        if req.draining:
+            self.mark_draining(node)
         if grew:
             self._on_capacity()
         return control_pb2.HeartbeatResponse(known=True)
+
+    def mark_draining(self, node: Node) -> None:
+        """The node is shutting down (its heartbeat, or its answer to a Reserve / Prefill, said
+        so): route nothing new to it. Its requests are not touched."""
+        if node.draining:
+            return
+        node.draining = True
+        log.info("node draining", node_id=node.node_id, role=node.role)
 
     def reap(self) -> list[Node]:
         """Drop every node silent for longer than ``node_timeout_s``; returns them."""
         lost = [n for n in self._nodes.values() if n.heartbeat_age_s > self.node_timeout_s]
         for node in lost:
-            self._lose(node, f"no heartbeat for {node.heartbeat_age_s:.1f} s")
+            drained = " after draining" if node.draining else ""
+            self._lose(node, f"no heartbeat for {node.heartbeat_age_s:.1f} s{drained}")
         return lost
 
     def lose(self, node: Node, why: str) -> None:

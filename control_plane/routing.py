@@ -2,7 +2,10 @@
 
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
 (shortest first). The estimates only order and pre-filter the candidates; the node's own answer to
-Reserve / Prefill (RESOURCE_EXHAUSTED = "not now") is authoritative.
+Reserve / Prefill (RESOURCE_EXHAUSTED = "not now") is authoritative. A draining node (shutting
+down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took nothing for
+the request, is marked draining at once (``refused_draining``) and the request tries another node
+or waits, as after RESOURCE_EXHAUSTED.
 
 Every call to a node carries the cluster node token (the nodes refuse calls without it): the stubs
 ``NodeClients`` hands out add it themselves, so a caller cannot forget it.
@@ -18,6 +21,7 @@ import grpc
 
 from control_plane.registry import DECODE, PREFILL, Node, Registry
 from kvfence.auth import with_token
+from kvfence.errors import NODE_DRAINING, error_info
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -125,16 +129,33 @@ class NodeClients:
 
 
 def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
-    """Decode nodes that could hold ``pages`` now, most free pages first."""
+    """Decode nodes that could hold ``pages`` now, most free pages first; never a draining one."""
     nodes = [
         n
         for n in registry.nodes(DECODE)
-        if n.node_id not in skip and n.total_pages >= pages and n.free_estimate >= pages
+        if n.node_id not in skip
+        and not n.draining
+        and n.total_pages >= pages
+        and n.free_estimate >= pages
     ]
     return sorted(nodes, key=lambda n: (-n.free_estimate, n.node_id))
 
 
 def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
-    """Prefill nodes, shortest queue first."""
-    nodes = [n for n in registry.nodes(PREFILL) if n.node_id not in skip]
+    """Prefill nodes, shortest queue first; never a draining one."""
+    nodes = [n for n in registry.nodes(PREFILL) if n.node_id not in skip and not n.draining]
     return sorted(nodes, key=lambda n: (n.queue_length + n.in_flight, n.node_id))
+
+
+def refused_draining(registry: Registry, node: Node, err: grpc.aio.AioRpcError) -> bool:
+    """True when ``node`` refused a Reserve / Prefill because it is draining (UNAVAILABLE, reason
+    NODE_DRAINING): it took nothing, so the caller goes on to another node, or waits, as after
+    RESOURCE_EXHAUSTED, rather than failing the request. The node is marked draining now, ahead of
+    its next heartbeat; its other requests go on."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    info = error_info(err)
+    if info is None or info.reason != NODE_DRAINING:
+        return False
+    registry.mark_draining(node)
+    return True

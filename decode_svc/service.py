@@ -15,6 +15,11 @@ needed for them. A ``Release`` that arrives while the stream is open ends the st
 A ``Decode`` may not ask for more new tokens than its reservation was made for.
 Every RPC needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED
 and reserves, decodes or releases nothing.
+
+Draining (the node shutting down, ``kvfence.node_main``): a new ``Reserve`` is refused UNAVAILABLE,
+reason ``NODE_DRAINING``, taking nothing (the control plane tries another node); the transfers,
+``Decode`` streams and ``Release`` calls of the reservations already made go on, and the node is
+drained once it holds no reservation.
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ from kvfence import logging as kvlog
 from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
+    NODE_DRAINING,
     Cancelled,
     IntegrityError,
     InvalidArgument,
     KvfenceError,
     ResourceExhausted,
+    Unavailable,
 )
 from kvfence.events import EventBus
 from kvfence.kv.pool import PageRef, PageState
@@ -139,6 +146,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.rpc_count = 0
         self.batcher: DecodeBatcher | None = None
         self._reaper: asyncio.Task[None] | None = None
+        # Set once the node shuts down: new reservations are refused (module docstring).
+        self.draining = False
 
     def start(self) -> None:
         loaded: Any = self.rt.loaded
@@ -164,6 +173,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._release(rid, "shutdown")
         if self.batcher is not None:
             self.batcher.stop()
+
+    def busy(self) -> bool:
+        """Whether the node still holds work (a draining node waits for this to be False)."""
+        return bool(self.reservations)
+
+    def held_counts(self) -> dict[str, int]:
+        decoding = sum(r.state == ResState.DECODING for r in self.reservations.values())
+        return {"reservations": len(self.reservations), "decoding": decoding}
 
     # ---- RPCs --------------------------------------------------------------------------------
     async def Reserve(
@@ -272,6 +289,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     # ---- reservation -------------------------------------------------------------------------
     def _reserve(self, req: decode_pb2.ReserveRequest) -> prefill_pb2.Reservation:
+        if self.draining:
+            raise Unavailable(
+                f"decode node {self.rt.node_id} is draining (shutting down): reserve elsewhere",
+                reason=NODE_DRAINING,
+            )
         if req.prompt_tokens < 1 or req.max_new_tokens < 1:
             raise InvalidArgument("prompt_tokens and max_new_tokens must be >= 1")
         if req.request_id in self.by_request:

@@ -130,6 +130,13 @@ class NodeConfig(_Strict):
     # public API. Both must be set for it to act.
     fault_hook: bool = False
     fault_file: Path | None = None
+    # On SIGTERM a prefill or decode node drains first: it tells the control plane (heartbeats
+    # with `draining`, so it is sent no new requests), refuses new Reserve / Prefill calls
+    # (UNAVAILABLE, reason NODE_DRAINING: the control plane tries another node) and lets the
+    # work it holds finish, then stops. This long at most: what still runs then fails as on a
+    # plain stop. 0 = no drain. Keep it under the pod's terminationGracePeriodSeconds (the Helm
+    # chart's drainTimeoutS sets both).
+    drain_timeout_s: float = Field(default=25.0, ge=0)
 
     @field_validator("advertise")
     @classmethod

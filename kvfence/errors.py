@@ -15,6 +15,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "kvfence.dev"
+# ErrorInfo reason of a node that is shutting down and refuses new work (a Reserve or Prefill):
+# UNAVAILABLE, and nothing was taken for the request, so the control plane tries another node.
+NODE_DRAINING = "NODE_DRAINING"
 
 
 class KvfenceError(Exception):

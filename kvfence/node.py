@@ -3,7 +3,8 @@ node token check on their RPCs.
 
 ``NodeRuntime`` loads the checkpoint (the embedded tiny model when the config names none), sizes the
 pool for the node's role and builds the engine. ``NodeAgent`` registers the node with the control
-plane and heartbeats; a refusal (fingerprint or layout mismatch) is fatal for the node.
+plane and heartbeats (with ``draining`` set once the node shuts down: ``kvfence.node_main``); a
+refusal (fingerprint or layout mismatch) is fatal for the node.
 ``NodeTokenCheck`` refuses every Prefill / Decode service call that does not carry the cluster node
 token (only the control plane holds it); gRPC health and reflection are other services and stay
 open.
@@ -183,19 +184,30 @@ class NodeAgent:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                resp = await self._stub.Heartbeat(
-                    self.load(), timeout=max(self.interval_s, 1.0), metadata=self._metadata()
-                )
-                if not resp.known:
-                    log.warning("control plane forgot this node; releasing and re-registering")
-                    if self.on_forgotten is not None:
-                        self.on_forgotten()
-                    await self.register()
-            except RegistrationRefused as err:
-                log.error("re-registration refused", reason=str(err))
-            except grpc.aio.AioRpcError as err:
-                log.warning("heartbeat failed", code=err.code().name)
+            await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        """One heartbeat with the node's load (``load()``), its draining flag included; failures
+        are logged. Called by the heartbeat loop, and at once when the node starts draining, so
+        the control plane stops routing to it without waiting for the next beat."""
+        req = self.load()
+        try:
+            resp = await self._stub.Heartbeat(
+                req, timeout=max(self.interval_s, 1.0), metadata=self._metadata()
+            )
+            if not resp.known:
+                if self.on_forgotten is not None:
+                    self.on_forgotten()
+                if req.draining:
+                    # Shutting down: it holds nothing now, and must not join again.
+                    log.warning("control plane forgot this draining node; released everything")
+                    return
+                log.warning("control plane forgot this node; releasing and re-registering")
+                await self.register()
+        except RegistrationRefused as err:
+            log.error("re-registration refused", reason=str(err))
+        except grpc.aio.AioRpcError as err:
+            log.warning("heartbeat failed", code=err.code().name, draining=req.draining)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -16,8 +16,17 @@ and publish the node's retained status (``kvfence/v1/<cluster>/nodes/<node_id>``
 addresses). A node that fails to start (its port taken, registration refused) never reaches the
 broker, so it cannot overwrite the status of a node that runs under the same id; events emitted
 before the bus connects wait in its buffer.
-Shutdown (SIGTERM/SIGINT or ``stop``): health NOT_SERVING, stop accepting, finish in-flight RPCs
-within the grace period, release every page, stop the engine thread, then publish the offline
+Shutdown (SIGTERM/SIGINT: ``serve_node``) drains first (``RunningNode.drain``): the node refuses
+new Reserve (decode) / Prefill (prefill) calls with UNAVAILABLE, reason ``NODE_DRAINING`` (it took
+nothing, so the control plane tries another node), heartbeats ``draining`` at once and on (the
+control plane routes no new request to it, and keeps it registered, its requests running), and
+goes on serving Decode, Release and the KV transfers of what it already holds, until it holds
+nothing (decode: no reservation, so no stream either; prefill: no call in flight and no source
+pages awaiting their transfer or Release) or ``node.drain_timeout_s`` passes. Then the plain stop
+(``RunningNode.stop``): heartbeats end (the control plane drops the node after
+``node_timeout_s``; with nothing left on it, nothing fails), health NOT_SERVING, stop accepting,
+give in-flight RPCs a short grace (``STOP_GRACE_S``: the drain already waited; what still runs
+fails, as without a drain), release every page, stop the engine thread, then publish the offline
 status (the broker publishes it too, as the connection's will, if the process dies).
 """
 
@@ -41,6 +50,11 @@ from kvfence.tls import internal_server_credentials, registry_channel_credential
 
 log = kvlog.get_logger("node")
 
+# What in-flight RPCs get once a stopping node's listener closes: short, since the drain before
+# it already waited for them (node.drain_timeout_s).
+STOP_GRACE_S = 1.0
+DRAIN_POLL_S = 0.05
+
 
 @dataclass
 class RunningNode:
@@ -59,7 +73,40 @@ class RunningNode:
     def address(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
-    async def stop(self, grace: float = 5.0) -> None:
+    @property
+    def draining(self) -> bool:
+        return bool(self.servicer.draining)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop taking new work and wait until the node holds none, ``timeout_s`` at most (module
+        docstring); True when it emptied. The node keeps serving what it holds meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self.servicer.draining = True  # new Reserve / Prefill calls are refused from now on
+        log.info("node draining", node_id=self.rt.node_id, timeout_s=timeout_s, **self._held())
+        if self.agent is not None:
+            await self.agent.heartbeat()  # draining=true reaches the control plane at once
+        while self.servicer.busy():
+            if loop.time() >= deadline:
+                log.warning(
+                    "drain timed out; stopping with work still held",
+                    node_id=self.rt.node_id,
+                    timeout_s=timeout_s,
+                    **self._held(),
+                )
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.info("node drained", node_id=self.rt.node_id)
+        return True
+
+    def _held(self) -> dict[str, int]:
+        return dict(self.servicer.held_counts())
+
+    async def stop(self, grace: float = STOP_GRACE_S, *, drain_timeout_s: float = 0.0) -> None:
+        """Shut down; with ``drain_timeout_s`` > 0, drain first (``drain``). ``grace`` is what
+        in-flight RPCs get once the listener stops accepting."""
+        if drain_timeout_s > 0:
+            await self.drain(drain_timeout_s)
         if self.agent is not None:
             await self.agent.stop()
         await self.server.stop(grace)
@@ -159,6 +206,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
                 free_pages=s.free,
                 quarantined_pages=s.quarantined,
                 queue_length=getattr(servicer, "queue_length", 0),
+                draining=servicer.draining,
             )
 
         token = node_token_path(cfg.control_plane.node_token_file, cfg.control_plane.state_dir)
@@ -196,12 +244,12 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
 
 
 async def serve_node(cfg: ClusterConfig, role: Role, stop: asyncio.Event) -> None:
-    """Run a node until ``stop`` is set."""
+    """Run a node until ``stop`` is set, then drain it (``node.drain_timeout_s``) and stop it."""
     node = await start_node(cfg, role)
     try:
         await stop.wait()
     finally:
         try:
-            await node.stop()
+            await node.stop(drain_timeout_s=cfg.node.drain_timeout_s)
         except Exception:  # the process exits anyway; an operator should see why it was unclean
             log.exception("node stop failed")

@@ -20,6 +20,11 @@ without touching the first one's pages. Bad input (a token outside the vocabular
 request without a seed) is INVALID_ARGUMENT, found before any page is taken. Every RPC needs the
 cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED and runs or
 releases nothing.
+
+Draining (the node shutting down, ``kvfence.node_main``): a new ``Prefill`` is refused UNAVAILABLE,
+reason ``NODE_DRAINING``, before any page is taken (the control plane tries another prefill node);
+the calls in flight finish, and ``Release`` goes on, so the node is drained once no call is in
+flight and no source pages are held.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from kvfence import logging as kvlog
 from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
+    NODE_DRAINING,
     Cancelled,
     DeadlineExceeded,
     IntegrityError,
@@ -101,6 +107,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.rpc_count = 0
         self.queue_length = 0
         self._reaper: asyncio.Task[None] | None = None
+        # Set once the node shuts down: new Prefill calls are refused (module docstring).
+        self.draining = False
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
@@ -114,6 +122,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         for request_id in list(self.held):
             self._release(request_id)
         self.batcher.close()
+
+    def busy(self) -> bool:
+        """Whether the node still holds work (a draining node waits for this to be False)."""
+        return self.queue_length > 0 or bool(self.held)
+
+    def held_counts(self) -> dict[str, int]:
+        return {"calls": self.queue_length, "held": len(self.held)}
 
     # ---- RPCs --------------------------------------------------------------------------------
     async def Prefill(
@@ -160,6 +175,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _prefill(
         self, req: prefill_pb2.PrefillRequest, call: object
     ) -> prefill_pb2.PrefillResponse:
+        if self.draining:
+            raise Unavailable(
+                f"prefill node {self.rt.node_id} is draining (shutting down): prefill elsewhere",
+                reason=NODE_DRAINING,
+            )
         res = req.reservation
         tokens = list(req.prompt_token_ids)
         page_size = self.pool.page_size

@@ -99,6 +99,12 @@ class Cluster:
         proc.kill()
         proc.wait()
 
+    def terminate(self, name: str) -> subprocess.Popen[bytes]:
+        """SIGTERM one service (what Kubernetes sends a pod it deletes); its process, to wait on."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        return proc
+
     def restart(self, name: str) -> None:
         if name in self.procs:
             self.kill(name)

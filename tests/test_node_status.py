@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import aiomqtt
@@ -132,8 +133,11 @@ async def test_a_node_stop_that_fails_is_logged(monkeypatch, fails: bool) -> Non
 
     from kvfence import node_main
 
+    drains: list[float] = []
+
     class Node:
-        async def stop(self) -> None:
+        async def stop(self, *, drain_timeout_s: float) -> None:
+            drains.append(drain_timeout_s)
             if fails:
                 raise RuntimeError("a receiver would not stop")
 
@@ -143,7 +147,9 @@ async def test_a_node_stop_that_fails_is_logged(monkeypatch, fails: bool) -> Non
     monkeypatch.setattr(node_main, "start_node", start)
     stop = asyncio.Event()
     stop.set()
+    cfg = SimpleNamespace(node=SimpleNamespace(drain_timeout_s=7.0))
     with structlog.testing.capture_logs() as logs:
-        await node_main.serve_node(None, Role.DECODE, stop)  # type: ignore[arg-type]
+        await node_main.serve_node(cfg, Role.DECODE, stop)  # type: ignore[arg-type]
     failed = [e for e in logs if e["event"] == "node stop failed"]
     assert len(failed) == (1 if fails else 0)
+    assert drains == [7.0]  # SIGTERM's stop drains first, for node.drain_timeout_s

@@ -252,7 +252,8 @@ def nodes(
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
 ) -> None:
-    """Registered nodes, their pools and heartbeats, and the enforced limit."""
+    """Registered nodes, their pools and heartbeats, whether each is draining (shutting down:
+    sent no new requests), and the enforced limit."""
     with _admin(target, admin_token, tls_ca) as admin:
         resp = admin.list_nodes()
     if as_json:
@@ -268,12 +269,23 @@ def nodes(
             n.quarantined_pages,
             "yes" if n.healthy else "NO",
             f"{n.last_heartbeat_age_s:.1f}s",
+            "yes" if n.draining else "no",
         ]
         for n in resp.nodes
     ]
     _table(
         f"nodes (context window {resp.context_window}, admissible limit {resp.admissible_limit})",
-        ["node", "role", "address", "pool tokens", "free/total", "quarantined", "healthy", "hb"],
+        [
+            "node",
+            "role",
+            "address",
+            "pool tokens",
+            "free/total",
+            "quarantined",
+            "healthy",
+            "hb",
+            "draining",
+        ],
         rows,
     )
 

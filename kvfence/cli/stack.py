@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 STOP_GRACE_S = 10.0
 LOCAL_SHUTDOWN_GRACE_S = 5.0  # the control plane's, under STOP_GRACE_S
+LOCAL_DRAIN_TIMEOUT_S = 5.0  # the nodes' node.drain_timeout_s, under STOP_GRACE_S too
 DEMO_TENANT = "demo"
 # Signals that stop `up` and, through it, every service it started (they run in their own
 # sessions, so a closed terminal's SIGHUP reaches only `up`).
@@ -177,7 +178,10 @@ def build_up_config(
     # `up` kills what is left: a stopping control plane fails them cleanly (SHUTTING_DOWN)
     # instead of being killed with them. A base config's own value is kept.
     cp.setdefault("shutdown_grace_s", LOCAL_SHUTDOWN_GRACE_S)
-    cfg.setdefault("node", {})["listen"] = "127.0.0.1:0"
+    node = cfg.setdefault("node", {})
+    node["listen"] = "127.0.0.1:0"
+    # The nodes drain (finish what they hold) for as long, so they too stop by themselves first.
+    node.setdefault("drain_timeout_s", LOCAL_DRAIN_TIMEOUT_S)
     return cfg
 
 

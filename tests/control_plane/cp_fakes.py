@@ -97,6 +97,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer, _NodeTokenFake):
         self.page_size = page_size
         self.calls: list[tuple[str, Any]] = []
         self.entered = asyncio.Event()  # a Decode or Reserve call arrived
+        self.refuse: KvfenceError | None = None  # this node's answer to Reserve (e.g. draining)
 
     def methods(self) -> list[str]:
         return [m for m, _ in self.calls]
@@ -105,6 +106,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer, _NodeTokenFake):
         await self.authenticate("Reserve", context)
         self.calls.append(("Reserve", request))
         self.entered.set()
+        if self.refuse is not None:
+            await abort(context, self.refuse)
         if self.script.reserve_error is not None:
             await abort(context, self.script.reserve_error)
         pages = math.ceil((request.prompt_tokens + request.max_new_tokens) / self.page_size)
@@ -145,6 +148,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer, _NodeTokenFake):
         self.script = script
         self.calls: list[tuple[str, Any]] = []
         self.entered = asyncio.Event()
+        self.refuse: KvfenceError | None = None  # this node's answer to Prefill (e.g. draining)
 
     def methods(self) -> list[str]:
         return [m for m, _ in self.calls]
@@ -153,6 +157,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer, _NodeTokenFake):
         await self.authenticate("Prefill", context)
         self.calls.append(("Prefill", request))
         self.entered.set()
+        if self.refuse is not None:
+            await abort(context, self.refuse)
         if self.script.prefill_hold is not None:
             await self.script.prefill_hold.wait()
         if self.script.prefill_error is not None:
@@ -209,6 +215,7 @@ class FakeNode:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.instance_id = "fake-process-1"  # a test sets another to play a restart in place
+        self.draining = False  # what its heartbeats say
         self._beats: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -254,7 +261,9 @@ class FakeNode:
     async def _heartbeat(self, stub: control_pb2_grpc.NodeRegistryStub) -> None:
         while True:
             await stub.Heartbeat(
-                control_pb2.HeartbeatRequest(node_id=self.node_id, free_pages=self.free_pages),
+                control_pb2.HeartbeatRequest(
+                    node_id=self.node_id, free_pages=self.free_pages, draining=self.draining
+                ),
                 metadata=self._metadata,
             )
             await asyncio.sleep(self.heartbeat_s)

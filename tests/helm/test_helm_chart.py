@@ -336,6 +336,13 @@ PATH_WITH_SHAPE = [
             ["prefill.pool.memoryBytes=1000000", "prefill.pool.numPages=null"],
             "/prefill/pool",
         ),
+        (["prefill.drainTimeoutS=-1"], ["prefill.drainTimeoutS=0"], "/prefill/drainTimeoutS"),
+        # A pod killed before its drain ends fails the requests the drain was waiting for.
+        (
+            ["decode.drainTimeoutS=60", "decode.terminationGracePeriodSeconds=60"],
+            ["decode.drainTimeoutS=60", "decode.terminationGracePeriodSeconds=61"],
+            "decode.terminationGracePeriodSeconds 60 must exceed decode.drainTimeoutS 60",
+        ),
     ],
 )
 def test_bad_values_are_rejected_and_the_fix_renders(
@@ -510,6 +517,37 @@ def test_ipv6_pod_advertises_a_bracketed_grpc_address(
     cfg = node_config(docs, role, dict(POD_ENV))
     assert cfg.node.advertise == f"10.1.2.3:{port}"
     assert cfg.node.ucx_host == "10.1.2.3"
+
+
+# --- draining on SIGTERM ------------------------------------------------------------------------
+
+
+def grace_and_drain(docs: list[dict], role: str) -> tuple[int, float]:
+    """A node pod's terminationGracePeriodSeconds and the drain timeout its kvfence config has."""
+    pod = find(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["template"]["spec"]
+    return pod["terminationGracePeriodSeconds"], node_config(
+        docs, role, POD_ENV
+    ).node.drain_timeout_s
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_pods_outlast_their_drain(helm_home: Path, tmp_path: Path, role: str) -> None:
+    """A node pod's grace period (after which Kubernetes kills it) exceeds the drain timeout
+    its kvfence config gets: by default 35 s against 25 s (kvfence's own default). A longer
+    drain moves the grace with it; an explicit grace is kept; the other role is untouched
+    (control)."""
+    other = "decode" if role == "prefill" else "prefill"
+    docs = render(helm_home)
+    assert grace_and_drain(docs, role) == (35, 25.0)
+    assert parse_config({}, environ={}).node.drain_timeout_s == 25.0
+    docs = render(helm_home, sets=[f"{role}.drainTimeoutS=120"])
+    assert grace_and_drain(docs, role) == (130, 120.0)
+    assert grace_and_drain(docs, other) == (35, 25.0)
+    sets = [f"{role}.drainTimeoutS=5", f"{role}.terminationGracePeriodSeconds=8"]
+    assert grace_and_drain(render(helm_home, sets=sets), role) == (8, 5.0)
+    fractional = tmp_path / "drain.yaml"
+    fractional.write_text(f"{role}: {{drainTimeoutS: 2.5}}\n")
+    assert grace_and_drain(render(helm_home, [fractional]), role) == (13, 2.5)
 
 
 # --- Secrets in the pods' checksum ----------------------------------------------------------------

@@ -105,7 +105,8 @@ def test_the_stack_stops_whole_when_up_or_a_service_is_killed(tmp_path, victim):
 def test_up_gives_the_control_plane_a_grace_under_its_own_kill_timeout(tmp_path):
     """`up` kills what is left STOP_GRACE_S after SIGTERM; the control plane's default grace
     (25 s, for a pod) would have it killed with requests running instead of failing them
-    cleanly. Control: a base config's own value is kept."""
+    cleanly, and the nodes' default drain the same. Control: a base config's own value is
+    kept."""
     from kvfence.cli.stack import STOP_GRACE_S, build_up_config
 
     opts = dict(
@@ -116,3 +117,7 @@ def test_up_gives_the_control_plane_a_grace_under_its_own_kill_timeout(tmp_path)
     assert cfg["control_plane"]["shutdown_grace_s"] < STOP_GRACE_S
     own = build_up_config({"control_plane": {"shutdown_grace_s": 1.5}}, **opts)
     assert own["control_plane"]["shutdown_grace_s"] == 1.5
+    # the nodes' drain on SIGTERM (25 s by default) too, plus the 1 s they give calls after it
+    assert cfg["node"]["drain_timeout_s"] + 1 < STOP_GRACE_S
+    own = build_up_config({"node": {"drain_timeout_s": 2}}, **opts)
+    assert own["node"]["drain_timeout_s"] == 2

@@ -19,6 +19,13 @@ file; the role, identity and addresses of each pod come from KVFENCE__NODE__* en
 {{- end }}
 {{- $_ := set $resources "limits" $limits }}
 {{- $_ := set $resources "requests" $requests }}
+{{- /* On SIGTERM a node drains for at most drainTimeoutS (node.drain_timeout_s), then stops: the
+       pod's grace period must outlast both, or Kubernetes kills it with its requests running. */}}
+{{- $drain := $v.drainTimeoutS }}
+{{- $grace := $v.terminationGracePeriodSeconds | default (add (int (ceil $drain)) 10) }}
+{{- if le (float64 $grace) (float64 $drain) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds %v must exceed %s.drainTimeoutS %v: the pod would be killed while it drains" $role $grace $role $drain) }}
+{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -51,6 +58,7 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      terminationGracePeriodSeconds: {{ int $grace }}
       containers:
         - name: {{ $role }}
           image: {{ include "kvfence.image" $root | quote }}
@@ -77,6 +85,8 @@ spec:
               value: {{ $v.ports.metrics | int | quote }}
             - name: KVFENCE__NODE__METRICS_HOST  # Prometheus scrapes the pod's address
               value: "0.0.0.0"
+            - name: KVFENCE__NODE__DRAIN_TIMEOUT_S
+              value: {{ $drain | toString | quote }}
             - name: UCX_TLS
               value: {{ $v.ucx.tls | quote }}
             {{- with $v.ucx.netDevices }}

@@ -40,16 +40,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "free_pages", "quarantined_pages", "queue_length")
+    __slots__ = ("node_id", "free_pages", "quarantined_pages", "queue_length", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     free_pages: int
     quarantined_pages: int
     queue_length: int
-    def __init__(self, node_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., queue_length: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., queue_length: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -150,7 +152,7 @@ class SetLimitsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., limits: _Optional[_Union[TenantLimits, _Mapping]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s", "layout")
+    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s", "layout", "draining")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +164,7 @@ class NodeInfo(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -173,7 +176,8 @@ class NodeInfo(_message.Message):
     healthy: bool
     last_heartbeat_age_s: float
     layout: _common_pb2.KvLayout
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
