@@ -182,7 +182,9 @@ def test_e2e_quick(tmp_path):
             assert_latency(lv[backend]["ttft"])
         cpu = lv["disaggregated"]["cpu_us_per_token"]
         assert set(cpu) == {"control-plane", "prefill", "decode", "load_generator"}
-        assert all(v > 0 for v in cpu.values())
+        # CPU time comes in clock ticks (10 ms): a quick level's few requests can leave one
+        # process at 0 ticks, and did, now and then (prefill at concurrency 1).
+        assert all(v >= 0 for v in cpu.values()) and sum(cpu.values()) > 0
         # the stack's own metrics: one request at a time decodes alone; four share steps
         rows = lv["disaggregated"]["decode_rows_per_step"]
         assert rows == 1.0 if lv["concurrency"] == 1 else 1.0 <= rows <= 4.0
