@@ -247,9 +247,26 @@ class ControlPlane:
         )
 
     def _count_nodes(self) -> None:
-        # The nodes gauge (an alert fires at zero of a role), set on every join and loss.
+        # The nodes gauge (an alert fires at zero of a role) and the admissible limit (a node
+        # with a smaller pool lowers it for every request: an alert fires when it drops), set on
+        # every join and loss.
         for role in ROLES:
             self.metrics.nodes.labels(role=role).set(len(self.registry.nodes(role)))
+        limit = self.registry.admissible_limit()
+        self.metrics.admissible_limit.labels(model=self.model.name).set(limit)
+        if limit < self.model.context_window:
+            # Expected with model.clamp_context; a surprise (and a drop for tenants) without it.
+            say = log.info if self.cfg.model.clamp_context else log.warning
+            say(
+                "admissible limit below the context window",
+                admissible_limit=limit,
+                context_window=self.model.context_window,
+                smallest_pools={
+                    n.node_id: n.pool_tokens
+                    for n in self.registry.nodes()
+                    if n.pool_tokens == limit
+                },
+            )
 
     def _node_joined(self, node: Node) -> None:
         self._count_nodes()

@@ -158,6 +158,14 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        self.admissible_limit = Gauge(
+            "admissible_limit",
+            "Tokens a request may take (prompt + max_new_tokens): the context window, or the "
+            "smallest KV pool of the registered nodes when that is smaller (control plane).",
+            ["model"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.model_online = Gauge(
             "model_online",
             "1 while the model serves, 0 while an operator has taken it offline (control plane).",

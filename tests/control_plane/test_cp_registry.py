@@ -164,3 +164,22 @@ async def test_the_model_online_gauge_follows_the_kill_switch(cluster: Cluster) 
     assert _gauge(cluster, "kvfence_model_online", model=name) == 0
     await admin.SetModelAccess(control_pb2.SetModelAccessRequest(online=True), metadata=auth)
     assert _gauge(cluster, "kvfence_model_online", model=name) == 1
+
+
+async def test_the_admissible_limit_gauge_drops_when_a_smaller_node_joins(tmp_path: Path) -> None:
+    """A node with a smaller pool lowers every request's limit (KvfenceAdmissibleLimitDropped
+    watches `kvfence_admissible_limit`); it used to show only in an info line. Control: the
+    gauge starts at the context window and comes back when that node leaves."""
+    c = await make_cluster(tmp_path)  # context window 256, pools 4096
+    try:
+        name = c.cp.model.name
+        assert _gauge(c, "kvfence_admissible_limit", model=name) == 256
+        small = FakeNode("decode", "decode-small", c.script, pool_tokens=128)
+        assert (await c.add_node(small)).accepted
+        assert _gauge(c, "kvfence_admissible_limit", model=name) == 128
+        await small.stop_heartbeats()
+        while c.cp.registry.get("decode-small") is not None:
+            await asyncio.sleep(0.05)
+        assert _gauge(c, "kvfence_admissible_limit", model=name) == 256
+    finally:
+        await c.close()
