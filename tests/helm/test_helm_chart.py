@@ -550,6 +550,25 @@ def test_node_pods_outlast_their_drain(helm_home: Path, tmp_path: Path, role: st
     assert grace_and_drain(render(helm_home, [fractional]), role) == (13, 2.5)
 
 
+def test_the_control_plane_pod_outlasts_its_shutdown_grace(helm_home: Path) -> None:
+    """The control plane lets running requests finish for shutdownGraceS on SIGTERM; its pod's
+    grace period must be longer, or Kubernetes kills it with them. Default 35 s against 25 s;
+    a longer grace moves the pod's with it; one not longer fails the render (control: an
+    explicit longer one is kept)."""
+
+    def grace_and_stop(docs: list[dict]) -> tuple[int, float]:
+        pod = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
+        cfg = node_config(docs, "control-plane", POD_ENV)
+        return pod["terminationGracePeriodSeconds"], cfg.control_plane.shutdown_grace_s
+
+    assert grace_and_stop(render(helm_home)) == (35, 25.0)
+    assert grace_and_stop(render(helm_home, sets=["controlPlane.shutdownGraceS=60"])) == (70, 60.0)
+    sets = ["controlPlane.shutdownGraceS=5", "controlPlane.terminationGracePeriodSeconds=8"]
+    assert grace_and_stop(render(helm_home, sets=sets)) == (8, 5.0)
+    rc, _, err = template(helm_home, sets=["controlPlane.terminationGracePeriodSeconds=20"])
+    assert rc != 0 and "must exceed controlPlane.shutdownGraceS 25" in err
+
+
 # --- Secrets in the pods' checksum ----------------------------------------------------------------
 
 TOKENS = ["adminToken.value=admin-a", "nodeToken.value=node-a"]
