@@ -312,11 +312,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 stall=fault.seconds if fault is not None and fault.kind == "delay" else 0,
             )
         except TransferError as err:
+            # The reason code alone ("TRANSFER_FAILED") left an operator nothing to go on; the
+            # message is the transfer's own (UCX's error, decode's refusal), never request data.
+            detail = str(err)[:300]
+            log.warning(
+                "transfer failed", reason=err.reason, detail=detail, decode_node=res.decode_node_id
+            )
             self.bus.emit(
                 "transfer_failed",
                 request_id=req.request_id,
                 tenant_id=req.tenant_id,
                 reason=err.reason,
+                detail=detail,
                 decode_node=res.decode_node_id,
             )
             raise transfer_status(err) from None

@@ -168,6 +168,15 @@ def test_fault_fails_only_the_faulty_request(cluster, reference, fault):
         )
     )
     assert failed is not None, f"no request_failed event for {fault}"
+    if fault in ("bad_auth", "delay"):  # prefill's send failed: its event says why, not only that
+        sent = cluster.events.wait_for(
+            lambda e: (
+                e.get("kind") == "transfer_failed"
+                and e.get("node_id", "").startswith("prefill")
+                and e.get("tenant_id") == "tenant-b"
+            )
+        )
+        assert sent is not None and sent.get("detail"), sent
     if FAULTS[fault] == DATA_LOSS:
         node_event = cluster.events.wait_for(
             lambda e: (
