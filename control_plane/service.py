@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -30,7 +29,7 @@ from control_plane.registry import ROLES, Node, NodeRegistryServicer, Registry
 from control_plane.routing import NodeClients
 from control_plane.tenants import TenantStore
 from kvfence import tls
-from kvfence.auth import NODE_TOKEN_FILE, load_or_create_token
+from kvfence.auth import load_node_token
 from kvfence.config import ClusterConfig
 from kvfence.errors import Unavailable
 from kvfence.events import EventBus
@@ -82,13 +81,14 @@ class ControlPlane:
         self.events: EventSink = events
         self.tenants = TenantStore(cp.state_dir / TENANTS_DB)
         self.admin_token = load_admin_token(cp)
-        self.node_token = load_or_create_token(
-            cp.node_token_file, Path(cp.state_dir), NODE_TOKEN_FILE, "kvfn_"
-        )
+        self.node_token = load_node_token(cp.node_token_file, cp.state_dir)
         self.table = RequestTable()
         self.queue = AdmissionQueue(cp.admission_queue, cp.admission_queue_per_tenant)
         self.access = ModelAccess()
-        self.metrics.model_online.labels(model=self.model.name).set(1)
+        # Read from the switch at each scrape: nothing to keep in step with it.
+        self.metrics.model_online.labels(model=self.model.name).set_function(
+            lambda: 1.0 if self.access.online else 0.0
+        )
         self.registry = Registry(
             self.model,
             cp.heartbeat_interval_s,
@@ -219,7 +219,6 @@ class ControlPlane:
         """The operator's switch; going offline fails queued requests at once."""
         self.access.online = online
         self.access.reason = "" if online else (reason or "taken offline by an operator")
-        self.metrics.model_online.labels(model=self.model.name).set(1 if online else 0)
         log.warning("model access changed", model=self.model.name, online=online, reason=reason)
         self.events.emit("model_access", model=self.model.name, online=online, reason=reason)
         if not online:

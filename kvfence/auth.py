@@ -71,6 +71,13 @@ def node_token_path(configured: Path | None, state_dir: Path) -> Path:
     return configured if configured is not None else Path(state_dir) / NODE_TOKEN_FILE
 
 
+def load_node_token(configured: Path | None, state_dir: Path) -> str:
+    """The cluster node token (``control_plane.node_token_file``, or the one generated under
+    ``state_dir`` by whichever process of the cluster starts first): the control plane sends it
+    to nodes, and nodes require it."""
+    return load_or_create_token(configured, Path(state_dir), NODE_TOKEN_FILE, "kvfn_")
+
+
 def token_matches(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvfence.auth import bearer_metadata
 from kvfence.errors import Cancelled, from_rpc_error
 from kvfence.proto.kvfence.v1 import (
     client_pb2,
@@ -158,10 +159,6 @@ def _sync_channel(target: str, tls_ca: Path | str | bytes | None) -> grpc.Channe
     return grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
 
 
-def _auth(token: str) -> list[tuple[str, str]]:
-    return [("authorization", f"Bearer {token}")]
-
-
 class Client:
     """Blocking client of the public API."""
 
@@ -175,7 +172,7 @@ class Client:
     ):
         self.target = target
         self.timeout = timeout
-        self._metadata = _auth(api_key)
+        self._metadata = bearer_metadata(api_key)
         self._channel = _sync_channel(target, tls_ca)
         self._stub = client_pb2_grpc.GenerationStub(self._channel)
 
@@ -269,7 +266,7 @@ class AsyncClient:
     ):
         self.target = target
         self.timeout = timeout
-        self._metadata = _auth(api_key)
+        self._metadata = bearer_metadata(api_key)
         creds = _credentials(tls_ca)
         if creds is None:
             self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -374,7 +371,7 @@ class AdminClient:
     ):
         self.target = target
         self.timeout = timeout
-        self._metadata = _auth(admin_token)
+        self._metadata = bearer_metadata(admin_token)
         self._channel = _sync_channel(target, tls_ca)
         self._stub = control_pb2_grpc.AdminStub(self._channel)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from kvfence import logging as kvlog
-from kvfence.auth import read_token, token_matches
+from kvfence.auth import bearer_metadata, read_token, token_matches
 from kvfence.config import ClusterConfig, ModelShape, Role
 from kvfence.errors import Unauthenticated
 from kvfence.kv.pool import PagePool
@@ -148,10 +148,10 @@ class NodeAgent:
         # that used the node, so whatever the node still holds for them must go.
         self.on_forgotten = on_forgotten
 
-    def _metadata(self) -> list[tuple[str, str]]:
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self.token_path is None or not self.token_path.exists():
-            return []
-        return [("authorization", f"Bearer {read_token(self.token_path)}")]
+            return ()
+        return bearer_metadata(read_token(self.token_path))
 
     async def register(self, timeout_s: float = 30.0) -> None:
         """Register, retrying while the control plane is not up yet; raise when refused."""

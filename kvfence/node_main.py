@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfence import logging as kvlog
-from kvfence.auth import NODE_TOKEN_FILE, load_or_create_token, node_token_path
+from kvfence.auth import load_node_token, node_token_path
 from kvfence.config import ClusterConfig, Role
 from kvfence.events import EventBus
 from kvfence.metrics import Metrics
@@ -83,7 +83,12 @@ class RunningNode:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         self.servicer.draining = True  # new Reserve / Prefill calls are refused from now on
-        log.info("node draining", node_id=self.rt.node_id, timeout_s=timeout_s, **self._held())
+        log.info(
+            "node draining",
+            node_id=self.rt.node_id,
+            timeout_s=timeout_s,
+            **self.servicer.held_counts(),
+        )
         if self.agent is not None:
             await self.agent.heartbeat()  # draining=true reaches the control plane at once
         while self.servicer.busy():
@@ -92,15 +97,12 @@ class RunningNode:
                     "drain timed out; stopping with work still held",
                     node_id=self.rt.node_id,
                     timeout_s=timeout_s,
-                    **self._held(),
+                    **self.servicer.held_counts(),
                 )
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
         log.info("node drained", node_id=self.rt.node_id)
         return True
-
-    def _held(self) -> dict[str, int]:
-        return dict(self.servicer.held_counts())
 
     async def stop(self, grace: float = STOP_GRACE_S, *, drain_timeout_s: float = 0.0) -> None:
         """Shut down; with ``drain_timeout_s`` > 0, drain first (``drain``). ``grace`` is what
@@ -127,7 +129,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
         raise ValueError(f"not a node role: {role}")
     loop = asyncio.get_running_loop()
     cp = cfg.control_plane
-    node_token = load_or_create_token(cp.node_token_file, cp.state_dir, NODE_TOKEN_FILE, "kvfn_")
+    node_token = load_node_token(cp.node_token_file, cp.state_dir)
     rt = await loop.run_in_executor(None, NodeRuntime.build, cfg, role)
     metrics = Metrics(role.value)
     bus = EventBus(
