@@ -50,15 +50,13 @@ from kvfence.proto.kvfence.v1 import (
     decode_pb2,
     prefill_pb2,
 )
+from kvfence.tokenizer import UNLOCKED_ENCODE_CHARS
 
 log = get_logger("pipeline")
 
 # Give up waiting for capacity this long before the deadline, so the client gets
 # RESOURCE_EXHAUSTED from us rather than DEADLINE_EXCEEDED from its own timer.
 QUEUE_MARGIN_S = 0.1
-# Texts at least this long are tokenized in a worker thread: a thread costs more than a short
-# text's tokenizing, and a long one's would hold the event loop.
-TOKENIZE_IN_THREAD_CHARS = 4096
 MODEL_OFFLINE = "MODEL_OFFLINE"
 NO_NODES = "NO_NODES"
 SHUTTING_DOWN = "SHUTTING_DOWN"
@@ -175,8 +173,9 @@ class Pipeline:
                     known[1],
                 )
             text_ids = None
-            if req.WhichOneof("prompt") == "text" and len(req.text) >= TOKENIZE_IN_THREAD_CHARS:
-                # A long text off the event loop (the tokenizer releases the GIL for it), so other
+            if req.WhichOneof("prompt") == "text" and len(req.text) >= UNLOCKED_ENCODE_CHARS:
+                # A long text off the event loop (the tokenizer releases the GIL for a text this
+                # long; a thread would cost a short one more than its tokenizing), so other
                 # tenants' streams and the nodes' heartbeats go on meanwhile.
                 text_ids = await asyncio.to_thread(self.d.model.tokenizer.encode, req.text)
             prompt = admission.validate(req, self.d.model, text_ids)

@@ -290,7 +290,7 @@ async def test_a_long_text_is_tokenized_off_the_event_loop(
 ) -> None:
     """A long prompt that fits is tokenized in a worker thread: the event loop keeps serving
     meanwhile. Control: a short one is tokenized in place (a thread would cost more)."""
-    from control_plane.pipeline import TOKENIZE_IN_THREAD_CHARS
+    from kvfence.tokenizer import UNLOCKED_ENCODE_CHARS
 
     c = await make_cluster(tmp_path, context_window=16384, decode_pool=16384, prefill_pool=16384)
     try:
@@ -306,11 +306,11 @@ async def test_a_long_text_is_tokenized_off_the_event_loop(
 
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0.05)
-        long_text = "y" * TOKENIZE_IN_THREAD_CHARS
+        long_text = "y" * UNLOCKED_ENCODE_CHARS
         result = await c.client().generate(long_text, max_new_tokens=2)
         tick.cancel()
-        assert result.usage.prompt_tokens == TOKENIZE_IN_THREAD_CHARS
-        assert calls == [(TOKENIZE_IN_THREAD_CHARS, False)]
+        assert result.usage.prompt_tokens == UNLOCKED_ENCODE_CHARS
+        assert calls == [(UNLOCKED_ENCODE_CHARS, False)]
         assert max(gaps) < 0.25, max(gaps)  # the 0.5 s of tokenizing held nothing
         await c.client().generate("y" * 100, max_new_tokens=2)
         assert calls[1] == (100, True)
