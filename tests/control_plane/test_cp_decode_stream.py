@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stop_reference import old_find_stop, old_stream_safe_len
 
 from control_plane.admission import Prompt
 from control_plane.detok import IncrementalDetokenizer
@@ -178,24 +179,6 @@ def test_a_finish_the_tokens_do_not_bear_out_is_data_loss(
         with pytest.raises(IntegrityError) as err:
             relay(stream, messages, reason)
         assert err.value.reason == "FINISH_REASON"
-
-
-def old_find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def old_stream_safe_len(text: str, stops: list[str]) -> int:
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, end), 0, -1):
-            if text[end - k : end] == s[:k]:
-                hold = max(hold, k)
-                break
-    return end - hold
 
 
 class WholeTextStream(DecodeStream):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from stop_reference import old_find_stop, old_stream_safe_len
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 
@@ -148,24 +149,6 @@ def test_the_stable_text_never_changes(tokenizers: dict, kind: str, data: st.Dat
         stable.append(detok.text()[: detok.stable_len])
     final = tok.decode(ids)
     assert all(final.startswith(s) for s in stable)
-
-
-def old_find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def old_stream_safe_len(text: str, stops: Sequence[str]) -> int:
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, end), 0, -1):
-            if text[end - k : end] == s[:k]:
-                hold = max(hold, k)
-                break
-    return end - hold
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -8,41 +8,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from stop_reference import CountingTokenizers, spy_tokenizer
 
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
 from kvfence.model.engine import Engine
 from kvfence.model.sampling import SamplingParams, find_stop
 from kvfence.model.scheduler import Scheduler, StepOutput
 from kvfence.model.scheduler import Sequence as SchedSequence
-from kvfence.model.tiny import ensure_tiny_model
-from kvfence.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from kvfence.tokenizer import Tokenizer, load_tokenizer
 
 PROMPT = [40, 41, 42, 43, 44]
 MAX_NEW = 60
-
-
-class CountingTokenizers:
-    """A ``tokenizers.Tokenizer`` that notes how many ids each decode call was given."""
-
-    def __init__(self, inner: Any):
-        self._inner = inner
-        self.decoded: list[int] = []
-
-    def decode(self, ids: Sequence[int], **kw: Any) -> str:
-        self.decoded.append(len(ids))
-        return str(self._inner.decode(ids, **kw))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def spy_tokenizer() -> tuple[HFTokenizer, CountingTokenizers]:
-    """The tiny model's tokenizer (byte-level BPE), its decode calls counted."""
-    tok = load_tokenizer(ensure_tiny_model())
-    assert isinstance(tok, HFTokenizer)
-    spy = CountingTokenizers(tok._tok)
-    tok._tok = spy
-    return tok, spy
 
 
 class FullDecode:

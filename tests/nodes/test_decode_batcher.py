@@ -4,10 +4,9 @@ reach the event loop together, in order, with the same tokens as the colocated e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
 
 import pytest
+from stop_reference import spy_tokenizer
 
 from control_plane.admission import Prompt
 from control_plane.detok import IncrementalDetokenizer
@@ -17,9 +16,7 @@ from decode_svc.batcher import ActiveSeq, DecodeBatcher
 from kvfence.config import pages_needed
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
 from kvfence.model.sampling import SamplingParams, sample_one
-from kvfence.model.tiny import ensure_tiny_model
 from kvfence.proto.kvfence.v1 import common_pb2, decode_pb2
-from kvfence.tokenizer import HFTokenizer, load_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42] * 7, [100 + i for i in range(18)]]
 
@@ -291,30 +288,6 @@ async def test_stop_strings_end_decode_and_the_relayed_text_where_the_colocated_
         assert relayed == want.text, stops
         reasons.add(want.finish_reason)
     assert reasons == ({"stop", "eos"} if eos else {"stop", "length"}), reasons
-
-
-class CountingTokenizers:
-    """A ``tokenizers.Tokenizer`` that notes how many ids each decode call was given."""
-
-    def __init__(self, inner: Any):
-        self._inner = inner
-        self.decoded: list[int] = []
-
-    def decode(self, ids: Sequence[int], **kw: Any) -> str:
-        self.decoded.append(len(ids))
-        return str(self._inner.decode(ids, **kw))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def spy_tokenizer() -> tuple[HFTokenizer, CountingTokenizers]:
-    """The tiny model's tokenizer (byte-level BPE), its decode calls counted."""
-    tok = load_tokenizer(ensure_tiny_model())
-    assert isinstance(tok, HFTokenizer)
-    spy = CountingTokenizers(tok._tok)
-    tok._tok = spy
-    return tok, spy
 
 
 def long_ids(n: int) -> list[int]:
