@@ -9,6 +9,11 @@ atomically: it exists, whole, exactly while the stack serves) and prints ``kvfen
 <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C, SIGTERM or SIGHUP (the
 terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period);
 so does any of them exiting, and ``up`` then exits 1.
+
+Each service logs to ``<state-dir>/logs/<service>.log``. A new ``up`` moves the logs it finds
+there to ``<service>.log.1`` (replacing the run before that) and starts afresh: the run that just
+stopped is kept for a look, and a state directory reused for weeks does not keep every run's
+lines. Within a run the files are not rotated.
 """
 
 from __future__ import annotations
@@ -202,6 +207,12 @@ def _stop_with_parent() -> None:
         raise typer.Exit(1)
 
 
+def rotate_logs(logs: Path) -> None:
+    """Keep the last run's logs as ``*.log.1``, one run deep (see the module docstring)."""
+    for log in logs.glob("*.log"):
+        os.replace(log, log.with_name(log.name + ".1"))
+
+
 def _spawn(
     role: str, cfg_path: Path, env: dict[str, str], log_path: Path
 ) -> subprocess.Popen[bytes]:
@@ -230,6 +241,7 @@ def run_stack(
 
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
+    rotate_logs(logs)
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self")}
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     # Every node process would otherwise start one torch thread per core, and on one machine

@@ -16,6 +16,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_up_serves_and_stops_cleanly(tmp_path):
+    logs = tmp_path / "s" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "cp.log").write_text("an earlier run's line\n")  # a state directory used before
     stack = Stack(tmp_path / "s").start()
     procs = [psutil.Process(stack.proc.pid), *stack.children]
     assert len(procs) == 4  # up, control plane, one prefill, one decode
@@ -31,6 +34,10 @@ def test_up_serves_and_stops_cleanly(tmp_path):
     stack.stop()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
     assert not up_json.exists()  # a stopped stack leaves no "serving here" behind
+    # this run logged afresh, and the run before it is kept one deep
+    assert "an earlier run's line" not in (logs / "cp.log").read_text()
+    assert "control plane stopped" in (logs / "cp.log").read_text()
+    assert (logs / "cp.log.1").read_text() == "an earlier run's line\n"
 
 
 def test_node_with_other_model_is_refused(tmp_path):
