@@ -6,6 +6,15 @@ client gone) cancels the RPC in flight; the ``finally`` of :meth:`Pipeline.execu
 the request on every node that may hold something for it, whatever happened before. Errors from
 nodes keep their status code and ErrorInfo reason: DATA_LOSS from decode reaches the client as
 DATA_LOSS.
+
+A request that finds no node of a role registered (not draining: gone) is not failed at once while
+that role's last node left less than ``no_node_wait_s`` ago (``Registry.vacant_for``): in a rolling
+update its replacement registers within seconds. It waits in the admission queue (a place like any
+waiting request's, so the queue's caps hold), at most until then and always within its deadline,
+then fails UNAVAILABLE (NO_NODES) as before; once the window has passed, new requests fail at once.
+A new request waits before it is ADMITTED and is checked against the admissible limit again once
+nodes are there (a joining node may have a smaller pool); a queued one waits where it was queued.
+Requests that were running on a node that is lost are not retried (NODE_LOST): its KV went with it.
 """
 
 from __future__ import annotations
@@ -84,6 +93,8 @@ class PipelineDeps:
     scrub_on_free: bool = False
     draining: bool = False
     poll_s: float = 1.0
+    # How long after a role's last node left requests wait for one (module docstring); 0 = not.
+    no_node_wait_s: float = 0.0
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
@@ -110,7 +121,7 @@ class Pipeline:
         )
         status = "OK"
         try:
-            prompt = await self._admit(run, req, tenant)
+            prompt = await self._admit(run, req, tenant, deadline)
             await self._serve(run, prompt, tenant, deadline, emit)
         except KvfenceError as err:
             status = err.code.name
@@ -158,7 +169,9 @@ class Pipeline:
 
     # -- admission (no node contact) ---------------------------------------------------------------
 
-    async def _admit(self, run: Run, req: client_pb2.GenerateRequest, tenant: Tenant) -> Prompt:
+    async def _admit(
+        self, run: Run, req: client_pb2.GenerateRequest, tenant: Tenant, deadline: float
+    ) -> Prompt:
         rec = run.record
         try:
             self._check_serving()
@@ -188,14 +201,56 @@ class Pipeline:
                 self.d.model.context_window,
             )
             admission.check_tenant(tenant, prompt, self.d.table.active_for_tenant(tenant.name) - 1)
-            for role in (DECODE, PREFILL):
-                if not self.d.registry.nodes(role):
-                    raise Unavailable(f"no {role} node is registered", reason=NO_NODES)
+            if await self._wait_for_nodes(run, deadline):
+                # The limit above counted only the nodes registered then.
+                admission.check_limit(
+                    len(prompt.token_ids),
+                    prompt.sampling.max_new_tokens,
+                    self.d.registry.admissible_limit(),
+                    self.d.model.context_window,
+                )
         except KvfenceError as err:
-            self._reject(run, err)
+            # Cancelled while waiting for a node (the client went, an operator aborted it) is
+            # CANCELLED, as anywhere; anything else refused before admission is REJECTED.
+            if not isinstance(err, Cancelled):
+                self._reject(run, err)
             raise
         self._transition(rec, RequestState.ADMITTED, prompt_tokens=rec.prompt_tokens)
         return prompt
+
+    async def _wait_for_nodes(self, run: Run, deadline: float) -> bool:
+        """Wait, holding a place in the admission queue, while a role has no node but lost its
+        last one recently (module docstring); NO_NODES when that wait is over or was not open.
+        True when the request waited."""
+        give_up = _give_up(deadline)
+        ticket = object()
+        with contextlib.ExitStack() as queued:
+            waited = False
+            while True:
+                left = self._node_wait_left((DECODE, PREFILL), give_up)
+                if left is None:
+                    return waited
+                if not waited:  # a place in the queue (or QUEUE_FULL) like any waiting request
+                    queued.enter_context(self.d.queue.slot(ticket, run.record.tenant_id))
+                    waited = True
+                await run.guard(self.d.queue.changed(min(left, self.d.poll_s)))
+                self._check_serving()
+
+    def _node_wait_left(self, roles: tuple[str, ...], give_up: float) -> float | None:
+        """None when every role has a registered node (draining or not); else the seconds the
+        request may still wait for one to register, or Unavailable (NO_NODES) when none."""
+        now = asyncio.get_running_loop().time()
+        left: float | None = None
+        for role in roles:
+            vacant = self.d.registry.vacant_for(role)
+            if vacant is None:
+                continue
+            wait = min(self.d.no_node_wait_s - vacant, give_up - now)
+            if wait <= 0:
+                gone = f" (none for {vacant:.1f} s)" if self.d.no_node_wait_s else ""
+                raise Unavailable(f"no {role} node is registered{gone}", reason=NO_NODES)
+            left = wait if left is None else min(left, wait)
+        return left
 
     def _check_serving(self) -> None:
         if self.d.draining:
@@ -242,7 +297,7 @@ class Pipeline:
         """Reserve decode pages, waiting in the admission queue while no node has room."""
         loop = asyncio.get_running_loop()
         pages = pages_needed(prompt.total_tokens, self.d.model.page_size)
-        give_up = deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
+        give_up = _give_up(deadline)
         started = loop.time()
         in_queue = False
         ticket = object()  # this request's place in the first-come-first-served queue
@@ -251,8 +306,8 @@ class Pipeline:
                 while True:
                     run.check()
                     self._check_serving()  # an operator's offline reaches queued requests here
-                    if not self.d.registry.nodes(DECODE):
-                        raise Unavailable("no decode node is registered", reason=NO_NODES)
+                    # No decode node at all: wait for one a while (module docstring), or fail.
+                    node_wait = self._node_wait_left((DECODE,), give_up)
                     if self.d.queue.may_try(ticket):
                         for node in decode_candidates(self.d.registry, pages, skip=set()):
                             res = await self._try_reserve(
@@ -271,7 +326,8 @@ class Pipeline:
                         queued.enter_context(self.d.queue.slot(ticket, run.record.tenant_id))
                         in_queue = True
                         continue  # heading an empty queue: try again at once
-                    await run.guard(self.d.queue.changed(min(give_up - now, self.d.poll_s)))
+                    wait = min(give_up - now, self.d.poll_s, node_wait or self.d.poll_s)
+                    await run.guard(self.d.queue.changed(wait))
             except ResourceExhausted as err:
                 if err.reason in (admission.NO_CAPACITY, admission.QUEUE_FULL):
                     self._count_rejection(run.record, err)
@@ -337,7 +393,7 @@ class Pipeline:
         rec = run.record
         self._transition(rec, RequestState.PREFILLING)
         loop = asyncio.get_running_loop()
-        give_up = deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
+        give_up = _give_up(deadline)
         req = prefill_pb2.PrefillRequest(
             request_id=rec.request_id,
             tenant_id=rec.tenant_id,
@@ -506,6 +562,13 @@ def unreachable(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
         err.details() or ""
     )
+
+
+def _give_up(deadline: float) -> float:
+    """When a request stops waiting (for capacity, or for a node): just before its deadline, so
+    the client gets our status rather than DEADLINE_EXCEEDED from its own timer."""
+    loop = asyncio.get_running_loop()
+    return deadline - min(QUEUE_MARGIN_S, (deadline - loop.time()) / 10)
 
 
 def _left(deadline: float) -> float:

@@ -9,6 +9,12 @@ A node that heartbeats ``draining`` is shutting down (``kvfence.node_main``): it
 and its requests run on, but routing sends it no new one (``control_plane.routing``). Draining is
 one way: a later heartbeat without the flag does not undo it (only a new registration, a new
 process, does). Once drained the node stops heartbeating and is dropped as lost, with nothing on it.
+
+The registry also remembers since when a role has had no node at all (``vacant_for``): in a rolling
+update the replacement of a role's last node usually registers seconds after the old one is
+dropped (and every node registers again within a heartbeat of a control plane's restart), so the
+pipeline lets a request wait that long for one (``control_plane.no_node_wait_s``) instead of
+failing it NO_NODES at once.
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.node_timeout_s = node_timeout_s
         self._nodes: dict[str, Node] = {}
+        # When each role last went without any node (monotonic); a new registry has none yet.
+        self._vacant_since: dict[str, float] = dict.fromkeys(ROLES, time.monotonic())
         self._on_joined = on_joined or (lambda n: None)
         self._on_lost = on_lost or (lambda n: None)
         self._on_refused = on_refused or (lambda r, why: None)
@@ -201,6 +209,8 @@ class Registry:
     def _lose(self, node: Node, why: str) -> None:
         if self._nodes.get(node.node_id) is node:
             del self._nodes[node.node_id]
+            if not self.nodes(node.role):
+                self._vacant_since[node.role] = time.monotonic()
         log.warning("node lost", node_id=node.node_id, role=node.role, why=why)
         self._on_lost(node)
 
@@ -218,6 +228,13 @@ class Registry:
 
     def nodes(self, role: str | None = None) -> list[Node]:
         return [n for n in self._nodes.values() if role is None or n.role == role]
+
+    def vacant_for(self, role: str) -> float | None:
+        """Seconds since the last node of ``role`` left (or since the registry started, if none
+        ever registered); None while one is registered, draining or not."""
+        if self.nodes(role):
+            return None
+        return time.monotonic() - self._vacant_since[role]
 
     def admissible_limit(self) -> int:
         """min(context window, pool tokens of every node that could serve the model)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,11 @@ class ControlPlane:
             on_refused=self._node_refused,
             on_capacity=self.queue.notify,
         )
-        self._count_nodes()
+        for role in ROLES:
+            self.metrics.nodes.labels(role=role).set_function(
+                functools.partial(self._nodes_taking_requests, role)
+            )
+        self._publish_limit()
         self.clients = NodeClients(
             self.node_token, tls.internal_channel_credentials(cfg.tls), self.metrics
         )
@@ -113,6 +118,7 @@ class ControlPlane:
             metrics=self.metrics,
             scrub_on_free=cfg.kv.scrub_on_free,
             poll_s=cp.heartbeat_interval_s,
+            no_node_wait_s=cp.no_node_wait_s,
         )
         self.generation = GenerationServicer(
             Pipeline(self.deps),
@@ -245,12 +251,15 @@ class ControlPlane:
             ]
         )
 
-    def _count_nodes(self) -> None:
-        # The nodes gauge (an alert fires at zero of a role) and the admissible limit (a node
-        # with a smaller pool lowers it for every request: an alert fires when it drops), set on
-        # every join and loss.
-        for role in ROLES:
-            self.metrics.nodes.labels(role=role).set(len(self.registry.nodes(role)))
+    def _nodes_taking_requests(self, role: str) -> float:
+        # kvfence_nodes{role}, read at each scrape: the nodes a new request can be sent to, from
+        # registration until draining or lost. KvfenceNoNodes fires at zero of a role; draining
+        # nodes used to count, and kept it quiet while every node of a role drained.
+        return float(sum(1 for n in self.registry.nodes(role) if not n.draining))
+
+    def _publish_limit(self) -> None:
+        # The admissible limit (a node with a smaller pool lowers it for every request: an alert
+        # fires when it drops), set on every join and loss.
         limit = self.registry.admissible_limit()
         self.metrics.admissible_limit.labels(model=self.model.name).set(limit)
         if limit < self.model.context_window:
@@ -268,7 +277,7 @@ class ControlPlane:
             )
 
     def _node_joined(self, node: Node) -> None:
-        self._count_nodes()
+        self._publish_limit()
         self.events.emit(
             "node_joined", node=node.node_id, role=node.role, pool_tokens=node.pool_tokens
         )
@@ -278,7 +287,7 @@ class ControlPlane:
         self.events.emit("node_refused", node=req.node_id, role=req.role, reason=reason)
 
     def _node_lost(self, node: Node) -> None:
-        self._count_nodes()
+        self._publish_limit()
         self.clients.drop(node.node_id)
         runs = self.table.using_node(node.node_id)
         for run in runs:

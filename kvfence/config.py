@@ -233,6 +233,13 @@ class ControlPlaneConfig(_Strict):
     # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
     # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).
     node_timeout_s: float = Field(default=5.0, gt=0)
+    # A request that finds no node of a role registered (its last one drained and was dropped, or
+    # crashed; or this control plane just started) waits in the admission queue, within its
+    # deadline, until this long after that role's last node left, for one to register (a rolling
+    # update's replacement, a restarted pod, nodes re-registering after a control plane restart);
+    # then it fails UNAVAILABLE (NO_NODES), and so does every new one until a node registers.
+    # 0 = fail at once.
+    no_node_wait_s: float = Field(default=10.0, ge=0)
     admin_token_file: Path | None = None
     # Shared by the control plane and every node (kvfence/auth.py): nodes present it to register,
     # and every call to a node must carry it. None = generated under state_dir (by the first

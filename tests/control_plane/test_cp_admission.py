@@ -11,8 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cp_harness import Cluster, make_cluster
+from cp_fakes import FakeNode
+from cp_harness import Cluster, eventually, make_cluster
 
+from control_plane.lifecycle import RequestState
 from control_plane.tenants import TenantLimits
 from kvfence.errors import InvalidArgument, KvfenceError, ResourceExhausted, Unavailable
 
@@ -128,12 +130,143 @@ async def test_tenant_concurrency_limit(tmp_path: Path) -> None:
         await c.close()
 
 
-async def test_no_nodes_is_unavailable(tmp_path: Path) -> None:
-    c = await make_cluster(tmp_path, decode_nodes=0)
+@pytest.mark.parametrize("wait", [0.0, 0.6])
+async def test_no_nodes_is_unavailable(tmp_path: Path, wait: float) -> None:
+    """No decode node: UNAVAILABLE (NO_NODES), no node contacted. With ``no_node_wait_s: 0`` at
+    once (as it always was); otherwise once that long has passed since the control plane started
+    with none (nodes register again within a heartbeat of its restart), well before the
+    request's deadline, not at it."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    c = await make_cluster(tmp_path, decode_nodes=0, no_node_wait_s=wait)
     try:
-        with pytest.raises(Unavailable, match="no decode node"):
-            await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        with pytest.raises(Unavailable, match="no decode node is registered") as err:
+            await c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        failed = loop.time() - started
+        assert err.value.reason == "NO_NODES"
         assert c.node_calls() == 0
+        if wait:
+            assert wait - 0.1 < failed < wait + 0.8, failed
+        else:
+            assert failed < 0.5, failed
+        # After the wait, a new request fails at once: the wait is for nodes that just left.
+        again = loop.time()
+        with pytest.raises(Unavailable, match="no decode node"):
+            await c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        assert loop.time() - again < 0.3
+        assert {e["reason"] for e in c.events.of("admission_rejected")} == {"NO_NODES"}
+    finally:
+        await c.close()
+
+
+async def test_a_control_plane_that_just_started_waits_for_its_nodes(tmp_path: Path) -> None:
+    """A request that reaches a control plane before its nodes have registered (it just started,
+    or restarted and they register again on their next heartbeat) waits for them, unadmitted,
+    holding a queue place, and is served once they are there. It used to fail NO_NODES at once."""
+    c = await make_cluster(tmp_path, decode_nodes=0, no_node_wait_s=5)
+    try:
+        call = asyncio.create_task(c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: c.cp.queue.waiting == 1)
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        [run] = list(c.cp.table)
+        assert run.record.state == RequestState.RECEIVED
+        node = FakeNode("decode", "decode-0", c.script)
+        assert (await c.add_node(node)).accepted
+        assert (await asyncio.wait_for(call, 5)).usage.completion_tokens == 2
+        assert node.methods() == ["Reserve", "Decode"]
+        assert c.events.of("admission_rejected") == []
+    finally:
+        await c.close()
+
+
+async def test_requests_waiting_for_a_node_keep_the_queue_caps(tmp_path: Path) -> None:
+    """Waiting for a node is waiting in the admission queue: a tenant over its share is refused
+    QUEUE_FULL at once, another tenant still gets a place up to the queue's capacity, and then
+    anyone is refused; every waiter is served once a node registers."""
+    c = await make_cluster(
+        tmp_path, decode_nodes=0, no_node_wait_s=5, admission_queue=3, admission_queue_per_tenant=2
+    )
+    try:
+        _, other_key, _ = c.cp.tenants.create_tenant("other", TenantLimits())
+        waiting = [
+            asyncio.create_task(c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2))
+            for _ in range(2)
+        ]
+        await eventually(lambda: c.cp.queue.waiting == 2)
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        assert err.value.reason == "QUEUE_FULL" and "tenant acme" in err.value.message
+        waiting.append(
+            asyncio.create_task(
+                c.client(other_key, timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+            )
+        )
+        await eventually(lambda: c.cp.queue.waiting == 3)
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client(other_key, timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        assert err.value.reason == "QUEUE_FULL" and "queue is full" in err.value.message
+        assert (await c.add_node(FakeNode("decode", "decode-0", c.script))).accepted
+        for done in await asyncio.wait_for(asyncio.gather(*waiting), 5):
+            assert done.usage.completion_tokens == 2
+        assert c.cp.queue.waiting == 0
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("max_new", [29, 28])
+async def test_a_request_that_waited_for_nodes_meets_the_limit_of_those_that_came(
+    tmp_path: Path, max_new: int
+) -> None:
+    """With no decode node the limit counts only the window and prefill's pool (256): a request
+    of 100 + 29 tokens waits, and when a decode node with a 128-token pool registers it is
+    refused OVER_ADMISSIBLE_LIMIT, before any node is contacted, rather than waiting for pages
+    it can never have until its deadline. Control: 100 + 28 fits that node and is served."""
+    c = await make_cluster(tmp_path, decode_nodes=0, no_node_wait_s=5)
+    try:
+        call = asyncio.create_task(
+            c.client(timeout=3).generate(prompt_ids=PROMPT, max_new_tokens=max_new)
+        )
+        await eventually(lambda: c.cp.queue.waiting == 1)
+        node = FakeNode("decode", "decode-0", c.script, pool_tokens=128)
+        assert (await c.add_node(node)).accepted
+        if max_new == 28:
+            assert (await asyncio.wait_for(call, 5)).usage.completion_tokens == 28
+            assert node.methods() == ["Reserve", "Decode"]
+            return
+        with pytest.raises(InvalidArgument) as err:
+            await asyncio.wait_for(call, 5)
+        assert err.value.reason == "OVER_ADMISSIBLE_LIMIT"
+        assert "admissible limit of 128" in err.value.message
+        assert c.node_calls() == 0
+    finally:
+        await c.close()
+
+
+async def test_offline_or_a_cancel_ends_a_request_waiting_for_a_node_at_once(
+    tmp_path: Path,
+) -> None:
+    """A request waiting for a node is as queued as one waiting for pages: the kill switch
+    refuses it at once (UNAVAILABLE, MODEL_OFFLINE), and a client that gives up leaves nothing
+    behind (CANCELLED, its queue place freed)."""
+    c = await make_cluster(tmp_path, decode_nodes=0, no_node_wait_s=5)
+    try:
+        call = asyncio.create_task(c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: c.cp.queue.waiting == 1)
+        call.cancel()
+        await eventually(lambda: not c.cp.table and c.cp.queue.waiting == 0)
+        assert c.events.of("admission_rejected") == []  # cancelled, not refused
+        call = asyncio.create_task(c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: c.cp.queue.waiting == 1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        c.cp.set_access(False, "incident 9")
+        with pytest.raises(Unavailable) as err:
+            await asyncio.wait_for(call, 5)
+        assert err.value.reason == "MODEL_OFFLINE" and loop.time() - started < 0.5
+        assert not c.cp.table and c.cp.queue.waiting == 0
+        [refused] = c.events.of("admission_rejected")  # never admitted: REJECTED
+        assert refused["reason"] == "MODEL_OFFLINE"
     finally:
         await c.close()
 

@@ -195,3 +195,95 @@ async def test_draining_is_one_way_until_the_node_registers_again(cluster: Clust
     node.instance_id = "fake-process-2"
     assert (await node.register(cluster.ports.public, cluster.cp.node_token)).accepted
     assert not registry.get("decode-0").draining
+
+
+# -- a role's only node replaced (a rolling update) --------------------------------------------
+
+NO_NODE_WAIT_S = 2.0  # control_plane.no_node_wait_s in the rolling-update tests
+REPLACED_AFTER_S = 1.0  # the replacement registers this long after the old node was dropped
+
+
+@pytest.mark.parametrize("case", ["replaced", "not replaced", "wait 0"])
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_later(
+    tmp_path: Path, role: str, case: str
+) -> None:
+    """A rolling update of a role's only node: it drains, stops, is dropped, and its replacement
+    registers a second later. Request A arrives while it drains, B after it was dropped. Both
+    used to fail UNAVAILABLE (NO_NODES) the moment it was dropped (A: at once if it was waiting
+    for decode pages; B: at once), with the replacement a second away. Now both wait for it
+    (``no_node_wait_s``) and finish OK there, the old node sent nothing.
+
+    Controls: with no replacement B (and A, waiting for decode) fail NO_NODES once the wait is
+    over, neither at once nor at their deadline; A holding its decode reservation while it waits
+    for a prefill node waits until its deadline, as it always did. With ``no_node_wait_s: 0``
+    the old behaviour: NO_NODES at once."""
+    wait = 0.0 if case == "wait 0" else NO_NODE_WAIT_S
+    c = await make_cluster(tmp_path, no_node_wait_s=wait)
+    loop = asyncio.get_running_loop()
+    try:
+        old = (c.decode if role == "decode" else c.prefill)[0]
+        old.draining = True
+        old.servicer.refuse = draining_error(role)
+        await eventually(lambda: c.cp.registry.get(old.node_id).draining)
+        a = asyncio.create_task(c.client(timeout=4).generate(prompt_ids=[10, 11], max_new_tokens=3))
+        a_waits = RequestState.ADMITTED if role == "decode" else RequestState.PREFILLING
+        await eventually(lambda: [r.record.state for r in c.cp.table] == [a_waits])
+        a_started = loop.time()
+
+        await old.stop_heartbeats()  # drained: the process exits
+        await eventually(lambda: c.cp.registry.get(old.node_id) is None, timeout=3)
+        dropped = loop.time()
+        b = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[10, 11], max_new_tokens=3))
+
+        if case == "wait 0":
+            with pytest.raises(Unavailable) as err:
+                await asyncio.wait_for(b, 2)
+            assert err.value.reason == "NO_NODES" and loop.time() - dropped < 0.5
+            if role == "decode":
+                with pytest.raises(Unavailable) as err:
+                    await asyncio.wait_for(a, 1)
+                assert err.value.reason == "NO_NODES"
+            else:
+                assert not a.done()  # holds a decode reservation; waits for prefill as before
+                a.cancel()
+            return
+
+        await asyncio.sleep(REPLACED_AFTER_S)
+        assert not a.done() and not b.done()  # waiting, not failed
+        states = sorted(r.record.state for r in c.cp.table)
+        assert states == sorted([a_waits, RequestState.RECEIVED])
+        # B holds an admission queue place while it waits (and so does A, waiting for pages).
+        assert c.cp.queue.waiting == (2 if role == "decode" else 1)
+
+        if case == "replaced":
+            new = FakeNode(role, f"{role}-new", c.script)
+            assert (await c.add_node(new)).accepted
+            for call in (a, b):
+                result = await asyncio.wait_for(call, 5)
+                assert result.finish_reason == "length" and len(result.token_ids) == 3
+            assert old.methods() == []
+            assert new.methods().count("Reserve" if role == "decode" else "Prefill") == 2
+            assert c.events.of("request_failed") == c.events.of("admission_rejected") == []
+            return
+
+        with pytest.raises(Unavailable) as err:
+            await asyncio.wait_for(b, 5)
+        b_failed = loop.time() - dropped
+        assert err.value.reason == "NO_NODES", err.value
+        assert f"no {role} node is registered" in err.value.message
+        assert NO_NODE_WAIT_S - 0.3 < b_failed < NO_NODE_WAIT_S + 1.0, b_failed
+        if role == "decode":
+            with pytest.raises(Unavailable) as err:
+                await asyncio.wait_for(a, 1)
+            assert err.value.reason == "NO_NODES"
+            assert loop.time() - dropped < NO_NODE_WAIT_S + 1.0
+        else:  # A waits for a prefill node until its own deadline (4 s), as it always did
+            assert not a.done()
+            with pytest.raises(Unavailable) as err:
+                await asyncio.wait_for(a, 5)
+            assert err.value.reason == "NO_NODES"
+            assert 3.3 < loop.time() - a_started < 4.5
+        assert not c.cp.table and c.cp.queue.waiting == 0
+    finally:
+        await c.close()

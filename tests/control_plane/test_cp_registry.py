@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cp_fakes import FINGERPRINT, FakeNode, Script, make_layout
-from cp_harness import Cluster, make_cluster
+from cp_harness import Cluster, eventually, make_cluster
 
 from kvfence.errors import Unavailable
 from kvfence.proto.kvfence.v1 import control_pb2, control_pb2_grpc
@@ -181,5 +181,62 @@ async def test_the_admissible_limit_gauge_drops_when_a_smaller_node_joins(tmp_pa
         while c.cp.registry.get("decode-small") is not None:
             await asyncio.sleep(0.05)
         assert _gauge(c, "kvfence_admissible_limit", model=name) == 256
+    finally:
+        await c.close()
+
+
+async def test_the_nodes_gauge_leaves_out_draining_nodes(tmp_path: Path) -> None:
+    """`kvfence_nodes{role}` counts the nodes a new request can go to. A draining node takes no
+    new request, yet it used to count: with every decode node draining the gauge said 2 and
+    KvfenceNoNodes (`== 0`) stayed quiet while every new request waited or failed. Control: 2
+    before the drain, the other role untouched, and a replacement counts at once."""
+    c = await make_cluster(tmp_path, decode_nodes=2)
+    try:
+        assert _gauge(c, "kvfence_nodes", role="decode") == 2
+        c.decode[0].draining = True
+        await eventually(lambda: c.cp.registry.get("decode-0").draining)
+        assert _gauge(c, "kvfence_nodes", role="decode") == 1
+        c.decode[1].draining = True
+        await eventually(lambda: c.cp.registry.get("decode-1").draining)
+        assert len(c.cp.registry.nodes("decode")) == 2  # still registered, finishing their work
+        assert _gauge(c, "kvfence_nodes", role="decode") == 0
+        assert _gauge(c, "kvfence_nodes", role="prefill") == 1
+        assert (await c.add_node(FakeNode("decode", "decode-new", c.script))).accepted
+        assert _gauge(c, "kvfence_nodes", role="decode") == 1
+    finally:
+        await c.close()
+
+
+async def test_vacant_for_counts_from_when_a_roles_last_node_left(cluster: Cluster) -> None:
+    """``Registry.vacant_for(role)`` (how long requests may still wait for a node) is None while
+    a node of the role is registered, draining or not, and counts from the moment the last one
+    left, not from an earlier loss of another; a registration ends it."""
+    registry = cluster.cp.registry
+    assert registry.vacant_for("decode") is None and registry.vacant_for("prefill") is None
+    other = FakeNode("decode", "decode-1", cluster.script)
+    assert (await cluster.add_node(other)).accepted
+    registry.mark_draining(registry.get("decode-1"))
+    registry.lose(registry.get("decode-0"), "test")
+    assert registry.vacant_for("decode") is None  # decode-1 is left, draining
+    await asyncio.sleep(0.3)
+    await other.stop_heartbeats()
+    registry.lose(registry.get("decode-1"), "test")
+    vacant = registry.vacant_for("decode")
+    assert vacant is not None and 0 <= vacant < 0.2
+    await asyncio.sleep(0.2)
+    assert registry.vacant_for("decode") >= 0.2
+    assert registry.vacant_for("prefill") is None  # control: the other role
+    assert (await cluster.add_node(FakeNode("decode", "decode-2", cluster.script))).accepted
+    assert registry.vacant_for("decode") is None
+
+
+async def test_a_new_control_plane_counts_its_roles_vacant_from_its_start(tmp_path: Path) -> None:
+    """Nodes register again within a heartbeat of a control plane's restart: until one of a role
+    has, that role is vacant since the control plane started."""
+    c = await make_cluster(tmp_path, decode_nodes=0)
+    try:
+        vacant = c.cp.registry.vacant_for("decode")
+        assert vacant is not None and 0 <= vacant < 2
+        assert c.cp.registry.vacant_for("prefill") is None
     finally:
         await c.close()
