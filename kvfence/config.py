@@ -174,6 +174,13 @@ class TransferConfig(_Strict):
     # An idle pooled endpoint is closed after this long unused. Decode waits this long plus
     # batch_timeout_s for the next hello on an endpoint, so prefill always closes first.
     endpoint_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # Decode serves at most this many UCX connections at once whose first hello is not verified
+    # yet (waiting for it, up to batch_timeout_s, or lingering after refusing it); a connection
+    # beyond it is closed at once, unserved (kvfence/transfer.py, KvReceiver). A legit one is
+    # unverified for about one round trip, and a prefill's pooled endpoints not at all once
+    # verified, so size it well above the new connections all prefill nodes open to one decode
+    # node at once.
+    max_unverified_connections: int = Field(default=256, ge=1, le=65536)
 
 
 class PrefillConfig(_Strict):

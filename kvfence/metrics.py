@@ -93,6 +93,16 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        # Decode only (labelled, so the other services, which never set it, expose no sample).
+        self.transfer_connections_rejected_total = Counter(
+            "transfer_connections_rejected_total",
+            "UCX connections to decode's KV transfer listener closed at once, unserved, by "
+            "reason (unverified_limit: transfer.max_unverified_connections connections were "
+            "already waiting for their hello to be verified).",
+            ["reason"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.pages = Gauge(
             "pages",
             "KV pages by state (free, held, quarantined).",

@@ -147,8 +147,9 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
     if role == Role.DECODE:
         from decode_svc.service import DecodeServicer
         from kvfence.tokenizer import load_tokenizer
-        from kvfence.transfer import KvReceiver
+        from kvfence.transfer import KvReceiver, bind_host_of
 
+        rejected = metrics.transfer_connections_rejected_total
         receiver = KvReceiver(
             rt.pool,
             host=cfg.node.ucx_host,
@@ -156,6 +157,10 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             max_batch_bytes=cfg.transfer.max_batch_bytes,
             batch_timeout_s=cfg.transfer.batch_timeout_s,
             report=lambda kind, payload: servicer.report_transfer(kind, payload),
+            # the interface the gRPC server binds (ucxx cannot bind to it: it warns at start)
+            bind_host=bind_host_of(cfg.node.listen),
+            max_unverified=cfg.transfer.max_unverified_connections,
+            on_reject=lambda reason: rejected.labels(reason=reason).inc(),
         )
         servicer: Any = DecodeServicer(
             cfg, rt, bus, metrics, receiver, load_tokenizer(model_dir(cfg)), node_token

@@ -71,6 +71,31 @@ manifest's coverage and checksum checks catch. Every posted receive is counted a
 operation on its page in the pool; the first error aborts the endpoint, which cancels all posted
 receives, and only when they have settled are the operations ended (a released page stays
 QUARANTINED until then).
+
+Exposure of decode's listener. Whoever reaches the UCX port can connect and say a hello; a wrong
+one is refused (an integrity violation), but until it is verified a connection costs decode a
+task, an endpoint and its buffers. So a connection waits for its first hello at most
+``batch_timeout_s`` (then BAD_HELLO), lingers after refusing it at most that long again, and
+decode serves at most ``max_unverified`` (``transfer.max_unverified_connections``) connections
+at once whose first hello is not verified yet: one beyond it is aborted at once, before anything
+is read from it, counted per reason (``KvReceiver.rejected``, and the decode node's
+``kvfence_transfer_connections_rejected_total{reason="unverified_limit"}``) and logged at
+warning at most once per ``REJECT_LOG_INTERVAL_S`` (the line says how many were closed since the
+last one). A connection whose hello was verified no longer counts (nor the later transfers on
+it), so prefill's pooled endpoints keep working through a flood; a prefill that opens a new
+connection meanwhile has its transfer fail at once (the endpoint is closed under its hello), not
+hang. Before decode sees a connection at all, ucxx exchanges its own peer information on it
+(a send and a receive, up to ``create_listener``'s ``connect_timeout``, 5 s, each), and nothing
+here bounds how many connections are at that stage.
+
+The listener listens on every interface, whatever address the node binds its gRPC server to:
+ucxx's ``create_listener`` (0.52, installed here) takes a port only, and binds the wildcard
+address (``Listener.ip`` reads 0.0.0.0; ``UCX_NET_DEVICES`` does not change it, it only limits
+UCX's own transport sockets). libucxx's C++ ``ListenerBuilder::host`` can bind one address, but
+the Python binding does not call it. :class:`KvReceiver` is told the address the node binds
+(``bind_host``, from ``node.listen``; empty for 0.0.0.0 / ::) and says at start, at warning,
+when its listener ended up wider than that, so that the port is closed off by other means (a
+firewall rule, a Kubernetes NetworkPolicy).
 """
 
 from __future__ import annotations
@@ -117,6 +142,11 @@ log = kvlog.get_logger("transfer")
 
 # How many released reservation ids decode remembers (KvReceiver._released): about 100 bytes each.
 RELEASED_REMEMBERED = 8192
+
+# Decode logs connections it closed unserved (KvReceiver._reject) at most once per this many
+# seconds: a flood must not become a flood of log lines.
+REJECT_LOG_INTERVAL_S = 10.0
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 # Reasons that mean the bytes or the protocol were wrong (not merely slow or lost): DATA_LOSS.
 INTEGRITY_REASONS = frozenset(
@@ -366,6 +396,15 @@ class InboundTransfer:
 Reporter = Callable[[str, dict[str, Any]], None]
 
 
+def bind_host_of(listen: str) -> str:
+    """The address a ``host:port`` listen address binds (IPv6 unbracketed), or "" where it binds
+    every interface (0.0.0.0, ::, or no host)."""
+    host = listen.rpartition(":")[0] if ":" in listen else listen
+    if host in WILDCARD_HOSTS:
+        return ""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 class KvReceiver:
     """Decode's UCX listener: receives pages straight into reserved page buffers."""
 
@@ -379,10 +418,19 @@ class KvReceiver:
         batch_timeout_s: float,
         report: Reporter,
         idle_timeout_s: float = 60.0,
+        bind_host: str = "",
+        max_unverified: int = 256,
+        on_reject: Callable[[str], None] | None = None,
     ):
+        if max_unverified < 1:
+            raise ValueError("max_unverified must be >= 1")
         self.pool = pool
         self.host = host
         self.port = port
+        # The address the node binds (its gRPC listen address); "" = every interface. ucxx
+        # cannot bind its listener to it (module docstring): start() says so when it matters.
+        self.bind_host = bind_host
+        self.listen_ip = ""  # the address the listener is bound to, as UCX says (after start)
         self.max_batch_bytes = max_batch_bytes
         self.batch_timeout_s = batch_timeout_s
         # How long an endpoint that completed a transfer waits for the next hello before decode
@@ -399,6 +447,15 @@ class KvReceiver:
         self._stopped = False  # stop() began: a connection that reaches us now is not served
         self._handlers: set[asyncio.Task[None]] = set()
         self._endpoints: set[Any] = set()  # connected endpoints being served
+        # Of those, the ones whose first hello is not verified yet (at most max_unverified).
+        self._unverified: set[Any] = set()
+        self.max_unverified = max_unverified
+        self._on_reject = on_reject
+        # Connections closed unserved, per reason (tests, metrics); the ones not logged yet, and
+        # when the next log line may be written (``_reject``).
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self._rejects_unlogged = 0
+        self._reject_log_after = 0.0
         self.connections = 0  # endpoints accepted since start (tests, metrics)
         self.transfers_served = 0  # hellos accepted, over all endpoints
         self.warm_hellos = 0  # of those, hellos that carried their first batch (v4)
@@ -412,14 +469,35 @@ class KvReceiver:
         return len(self._endpoints)
 
     @property
+    def unverified(self) -> int:
+        """Connections served now whose first hello is not verified yet."""
+        return len(self._unverified)
+
+    @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def listens_wider_than_bound(self) -> bool:
+        """The listener takes connections on every interface though the node binds one."""
+        return bool(self.bind_host) and self.listen_ip in WILDCARD_HOSTS
 
     async def start(self) -> None:
         import ucxx
 
+        # ucxx (0.52) takes no address here: the listener binds every interface.
         self._listener = ucxx.create_listener(self._on_connect, port=self.port)
         self.port = self._listener.port
+        self.listen_ip = str(self._listener.ip)
+        if self.listens_wider_than_bound:
+            log.warning(
+                "UCX transfer listener listens on every interface, not only the node's bind "
+                "address: ucxx cannot bind it to one; close the port off by other means "
+                "(firewall, NetworkPolicy)",
+                bind_host=self.bind_host,
+                listen_ip=self.listen_ip,
+                port=self.port,
+            )
 
     async def stop(self) -> None:
         self._stopped = True
@@ -472,18 +550,46 @@ class KvReceiver:
             # a hello and reporting to a stopped event bus. Close it at once instead.
             _abort(ep)
             return
+        if len(self._unverified) >= self.max_unverified:
+            # Nothing is read from it: it costs no more than ucxx's handshake already did.
+            self._reject(ep, "unverified_limit")
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._endpoints.add(ep)
+        self._unverified.add(ep)  # until _serve_one verifies its first hello
         self.connections += 1
         try:
             await self._serve(ep)
         finally:
+            self._unverified.discard(ep)
             self._endpoints.discard(ep)
             self._handlers.discard(task)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ep.close(), 2)
+
+    def _reject(self, ep: Any, reason: str) -> None:
+        """Close a connection at once, unserved; count it, and log at most once per
+        ``REJECT_LOG_INTERVAL_S`` how many were closed since the last line."""
+        _abort(ep)
+        self.rejected[reason] += 1
+        if self._on_reject is not None:
+            with contextlib.suppress(Exception):  # a failing metric must not fail the handler
+                self._on_reject(reason)
+        self._rejects_unlogged += 1
+        now = time.monotonic()
+        if now >= self._reject_log_after:
+            log.warning(
+                "UCX connections closed unserved",
+                reason=reason,
+                closed=self._rejects_unlogged,
+                unverified=len(self._unverified),
+                max_unverified=self.max_unverified,
+                next_line_after_s=REJECT_LOG_INTERVAL_S,
+            )
+            self._rejects_unlogged = 0
+            self._reject_log_after = now + REJECT_LOG_INTERVAL_S
 
     async def _serve(self, ep: Any) -> None:
         """Serve successive transfers on one endpoint, one at a time, each with its own hello.
@@ -541,6 +647,7 @@ class KvReceiver:
                 await self._answer(ep, {"ok": False, "error": problem}, frame)
             return False
         assert t is not None
+        self._unverified.discard(ep)  # it said a verified hello: no longer under the cap
         # Only now, with the hello verified, may anything be received into the reserved pages:
         # the pages of a warm hello's batch have been waiting in UCX, unmatched, until here.
         first = hello.get("batch") if PROTOCOL_VERSION >= WARM_VERSION else None

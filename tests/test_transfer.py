@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import structlog
 import torch
 from asyncwait import eventually
 
@@ -23,6 +25,7 @@ from kvfence.transfer import (
     KvReceiver,
     OutboundPage,
     TransferError,
+    bind_host_of,
     page_buffer,
     page_tag,
     send_pages,
@@ -37,6 +40,9 @@ def make_source(pool: PagePool, n: int, fill: float = 1.0) -> list[torch.Tensor]
     return [torch.full(pool.kv.shape[1:], fill + i) for i in range(n)]
 
 
+RECEIVER_ONLY = ("bind_host", "max_unverified", "on_reject")  # KvReceiver options ``send`` ignores
+
+
 async def make_receiver(pool: PagePool, **kw) -> tuple[KvReceiver, list]:
     events: list = []
     rx = KvReceiver(
@@ -45,6 +51,7 @@ async def make_receiver(pool: PagePool, **kw) -> tuple[KvReceiver, list]:
         max_batch_bytes=kw.get("max_batch_bytes", 2 * pool.page_bytes),
         batch_timeout_s=kw.get("batch_timeout_s", 5.0),
         report=lambda kind, payload: events.append((kind, payload)),
+        **{k: kw[k] for k in RECEIVER_ONLY if k in kw},
     )
     await rx.start()
     return rx, events
@@ -722,3 +729,195 @@ def test_a_restarted_receiver_takes_its_fixed_port_at_once(reuse):
     assert run("serve") == ["listening", "True"]
     want = ["listening", "True"] if reuse is None else ["refused", "UCXXBusyError"]
     assert run("listen") == want
+
+
+# ---- exposure of decode's listener: unverified connections are capped ---------------------------
+
+
+async def raw_endpoints(port: int, n: int, host: str = "127.0.0.1") -> list:
+    """``n`` UCX connections to a receiver that say nothing (ucxx's own handshake only)."""
+    import ucxx
+
+    return [await ucxx.create_endpoint(host, port) for _ in range(n)]
+
+
+async def say(ep, hello: dict) -> None:
+    """Send a hello on a flood endpoint; decode may have closed it already (then it fails)."""
+    from kvfence.transfer import _send_json
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(_send_json(ep, hello), 2)
+
+
+FORGED = {"reservation_id": "res-forged", "request_id": "x", "auth": "0" * 64, "v": 4}
+
+
+async def test_a_flood_of_unverified_connections_is_capped_and_legit_transfers_go_on():
+    """Connections that never say a verified hello (silent ones, and ones whose forged hello was
+    refused and that stay open) are served at most ``max_unverified`` at once: the rest are
+    closed at once, unserved, counted per reason and logged once, not once each. Meanwhile a
+    prefill's pooled endpoint (verified before) transfers as usual, and a new connection's
+    transfer fails at once (it does not hang). When the flood's connections time out, a new
+    connection transfers again (the positive control)."""
+    rejected: list[str] = []
+    with structlog.testing.capture_logs() as logs:
+        pool, rx, events, eps = await warm_setup(
+            batch_timeout_s=3.0, max_unverified=3, on_reject=rejected.append
+        )
+        flood: list = []
+        try:
+            flood = await raw_endpoints(rx.port, 8)
+            for ep in flood[::2]:
+                await say(ep, FORGED)
+            assert await eventually(lambda: rx.rejected["unverified_limit"] == 5)
+            assert rx.unverified == 3 and rx.connections == 1 + 3  # the warm one, 3 of the flood
+            assert rejected == ["unverified_limit"] * 5
+
+            # the pooled endpoint's hello was verified long ago: it transfers as usual
+            refs = pool.allocate(2, "res-warm")
+            t = rx.expect("res-warm", "req-warm", b"k" * 32, refs)
+            sources = make_source(pool, 2, fill=3.0)
+            await send(rx, t, sources, endpoints=eps, batch_timeout_s=3.0)
+            assert t.state == InboundState.COMPLETE and holds(pool, refs, sources)
+            assert eps.reused == 1 and rx.unverified == 3
+
+            # a new connection meanwhile is closed under its hello: its transfer fails at once
+            cold_refs = pool.allocate(2, "res-cold")
+            cold = rx.expect("res-cold", "req-cold", b"k" * 32, cold_refs)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(TransferError):
+                await send(rx, cold, sources, batch_timeout_s=3.0)
+            assert loop.time() - began < 2.0  # not the hello's timeout (3 s)
+            assert rx.rejected["unverified_limit"] == 6 and cold.state == InboundState.EXPECTING
+
+            # the flood's connections time out (silent) or linger out (refused): slots free again
+            assert await eventually(lambda: rx.unverified == 0, timeout=10)
+            kinds = sorted(kind for kind, _ in events)
+            # one report per flood connection served, none for one closed unserved
+            assert len(kinds) == 3 and set(kinds) <= {"transfer_failed", "integrity_violation"}
+            await send(rx, cold, sources, batch_timeout_s=3.0)  # positive control
+            assert cold.state == InboundState.COMPLETE and holds(pool, cold_refs, sources)
+            pool.check_integrity()
+        finally:
+            for ep in flood:
+                ep.abort()
+            await eps.close()
+            await rx.stop()
+    closed = [e for e in logs if e["event"] == "UCX connections closed unserved"]
+    assert len(closed) == 1 and closed[0]["log_level"] == "warning"
+    assert closed[0]["reason"] == "unverified_limit" and closed[0]["max_unverified"] == 3
+
+
+async def test_a_verified_connection_leaves_the_unverified_count():
+    """The cap counts only connections whose hello is not verified yet: a receiver that takes one
+    such connection serves any number of transfers one after another, each on a new connection
+    (each verified in turn), and the one on a pooled endpoint."""
+    pool = make_pool()
+    rx, events = await make_receiver(pool, max_unverified=1)
+    eps = EndpointPool()
+    try:
+        for n in range(3):
+            rid = f"res-{n}"
+            t = rx.expect(rid, rid, b"k" * 32, pool.allocate(1, rid))
+            await send(rx, t, make_source(pool, 1), endpoints=eps if n < 2 else None)
+            assert t.state == InboundState.COMPLETE
+        assert rx.unverified == 0 and not rx.rejected and events == []
+        assert rx.connections == 2  # the pooled one served twice
+    finally:
+        await eps.close()
+        await rx.stop()
+
+
+def other_local_address() -> str | None:
+    """An IPv4 address of this machine that is not on loopback, if it has one."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+@pytest.mark.parametrize(
+    ("listen", "bind_host"),
+    [("127.0.0.1:0", "127.0.0.1"), ("[fd00::2]:50071", "fd00::2"), ("10.1.2.3", "10.1.2.3"),
+     ("0.0.0.0:50071", ""), ("[::]:50071", ""), (":50071", "")],
+)  # fmt: skip
+def test_the_bind_host_is_the_listen_address_host_or_none_for_every_interface(listen, bind_host):
+    assert bind_host_of(listen) == bind_host
+
+
+async def test_a_receiver_says_when_it_listens_wider_than_the_node_binds():
+    """ucxx (0.52) cannot bind the listener to one address (``create_listener`` takes a port only):
+    it listens on every interface. A receiver told that the node binds 127.0.0.1 says so, at
+    warning, at start; and that is no false alarm: where this machine has another address, a
+    connection through it is served. Control: a node that binds every interface hears nothing."""
+    import ucxx
+
+    pool = make_pool()
+    with structlog.testing.capture_logs() as logs:
+        rx, _ = await make_receiver(pool, bind_host="127.0.0.1")
+        try:
+            assert rx.listen_ip == "0.0.0.0" and rx.listens_wider_than_bound
+            other = other_local_address()
+            if other is not None:
+                ep = await asyncio.wait_for(ucxx.create_endpoint(other, rx.port), 5)
+                assert await eventually(lambda: rx.connections == 1)
+                ep.abort()
+            t = rx.expect("res-1", "req-1", b"k" * 32, pool.allocate(1, "res-1"))
+            await send(rx, t, make_source(pool, 1))  # through 127.0.0.1, as advertised
+            assert t.state == InboundState.COMPLETE
+        finally:
+            await rx.stop()
+        wide = [e for e in logs if e["event"].startswith("UCX transfer listener listens on every")]
+        assert len(wide) == 1 and wide[0]["log_level"] == "warning"
+        assert wide[0]["bind_host"] == "127.0.0.1" and wide[0]["listen_ip"] == "0.0.0.0"
+        logs.clear()
+        rx, _ = await make_receiver(pool)  # control: bind_host "" (0.0.0.0 / ::)
+        await rx.stop()
+        assert not rx.listens_wider_than_bound
+        assert not [e for e in logs if e["event"].startswith("UCX transfer listener")]
+
+
+async def test_a_decode_node_caps_unverified_connections_from_its_config(tmp_path):
+    """node_main wires it: transfer.max_unverified_connections is the receiver's cap, a connection
+    beyond it counts in kvfence_transfer_connections_rejected_total, and the receiver knows the
+    address node.listen binds (control: the same count is 0 before the flood)."""
+    from kvfence.config import Role, parse_config
+    from kvfence.model.tiny import ensure_tiny_model
+    from kvfence.node_main import start_node
+
+    tiny = ensure_tiny_model(tmp_path / "tiny")
+    cfg = parse_config(
+        {
+            "model": {"path": str(tiny)},
+            "kv": {"page_size": 16, "decode_pool": {"num_pages": 8}},
+            "control_plane": {"state_dir": str(tmp_path / "state")},
+            "transfer": {"batch_timeout_s": 30, "max_unverified_connections": 2},
+        },
+        environ={},
+    )
+    dec = await start_node(cfg, Role.DECODE, register=False)
+    flood: list = []
+
+    def rejected() -> str:
+        line = 'kvfence_transfer_connections_rejected_total{reason="unverified_limit"'
+        text = dec.metrics.render().decode()
+        return next((x.split()[-1] for x in text.splitlines() if x.startswith(line)), "none")
+
+    try:
+        rx = dec.receiver
+        assert (rx.max_unverified, rx.bind_host) == (2, "127.0.0.1")
+        assert rejected() == "none"
+        flood = await raw_endpoints(rx.port, 5)
+        assert await eventually(lambda: rejected() == "3.0")
+        assert rx.unverified == 2
+    finally:
+        for ep in flood:
+            ep.abort()
+        await dec.stop(grace=0)
