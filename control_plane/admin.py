@@ -171,6 +171,7 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
             last_heartbeat_age_s=node.heartbeat_age_s,
             layout=node.layout,
             draining=node.draining,
+            kvfence_version=node.kvfence_version,
         )
 
     def model_status(self) -> control_pb2.ModelStatus:

@@ -1,8 +1,10 @@
 """The node registry: which prefill and decode nodes serve the model, their pools and liveness.
 
-A node registers once (role, addresses, fingerprint, layout, pool) and then heartbeats. A node
-whose fingerprint or layout differs from the model's is refused: its KV pages would not mean the
-same thing on the other side of a transfer. A node silent for ``node_timeout_s`` is lost; the
+A node registers once (role, addresses, fingerprint, layout, pool, protocol version) and then
+heartbeats. A node whose fingerprint or layout differs from the model's is refused: its KV pages
+would not mean the same thing on the other side of a transfer. So is one that speaks another
+control-plane/node protocol (``kvfence.PROTOCOL_VERSION``: a control plane and nodes of releases
+that would misread each other, e.g. halfway through an upgrade), with both releases in the reason. A node silent for ``node_timeout_s`` is lost; the
 registry drops it and tells the control plane, which fails every request that used it.
 
 A node that heartbeats ``draining`` is shutting down (``kvfence.node_main``): it stays registered,
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from control_plane.model_info import ModelInfo, layout_text
+from kvfence import PROTOCOL_VERSION, __version__
 from kvfence.auth import token_matches
 from kvfence.errors import Unauthenticated
 from kvfence.logging import get_logger
@@ -62,6 +65,7 @@ class Node:
     # Prefill calls this control plane has in flight on the node (added to its queue length).
     in_flight: int = 0
     instance_id: str = ""  # the registering process's (RegisterRequest.instance_id)
+    kvfence_version: str = ""  # the node's release, as registered
     # Shutting down: finishing what it holds, sent no new Reserve / Prefill (module docstring).
     draining: bool = False
 
@@ -123,6 +127,7 @@ class Registry:
             free_pages=req.total_pages,
             last_heartbeat=time.monotonic(),
             instance_id=req.instance_id,
+            kvfence_version=req.kvfence_version,
         )
         previous = self._nodes.get(req.node_id)
         # Same id, new process (a new address, or a restart in place: a container restarted in
@@ -156,6 +161,17 @@ class Registry:
             return f"role {req.role!r} is not one of {', '.join(ROLES)}"
         if not req.node_id or not req.grpc_address:
             return "node_id and grpc_address are required"
+        if req.protocol_version != PROTOCOL_VERSION:
+            theirs = (
+                f"protocol {req.protocol_version} (kvfence {req.kvfence_version or 'unknown'})"
+                if req.protocol_version
+                else "no protocol version (a kvfence release older than the check)"
+            )
+            return (
+                f"the node speaks {theirs}, this control plane protocol {PROTOCOL_VERSION} "
+                f"(kvfence {__version__}): run the same kvfence release on the control plane "
+                "and the nodes"
+            )
         if req.model_fingerprint != model.fingerprint:
             return (
                 f"model fingerprint {req.model_fingerprint or '<empty>'} differs from the model's "

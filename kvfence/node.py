@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from kvfence import PROTOCOL_VERSION, __version__
 from kvfence import logging as kvlog
 from kvfence.auth import bearer_metadata, read_token, token_matches
 from kvfence.config import ClusterConfig, ModelShape, Role
@@ -133,7 +134,12 @@ class NodeAgent:
         on_forgotten: Callable[[], None] | None = None,
     ):
         self.control_plane = control_plane
-        self.register_request = register
+        # Every registration says which control-plane/node contract and release this node runs
+        # (a control plane refuses another protocol: kvfence.PROTOCOL_VERSION).
+        self.register_request = control_pb2.RegisterRequest()
+        self.register_request.CopyFrom(register)
+        self.register_request.protocol_version = PROTOCOL_VERSION
+        self.register_request.kvfence_version = __version__
         self.load = load
         self.interval_s = interval_s
         self._channel = (

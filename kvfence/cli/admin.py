@@ -253,7 +253,7 @@ def nodes(
     tls_ca: str | None = TLS_CA,
 ) -> None:
     """Registered nodes, their pools and heartbeats, whether each is draining (shutting down:
-    sent no new requests), and the enforced limit."""
+    sent no new requests), the kvfence release each runs, and the enforced limit."""
     with _admin(target, admin_token, tls_ca) as admin:
         resp = admin.list_nodes()
     if as_json:
@@ -270,6 +270,7 @@ def nodes(
             "yes" if n.healthy else "NO",
             f"{n.last_heartbeat_age_s:.1f}s",
             "yes" if n.draining else "no",
+            n.kvfence_version or "?",
         ]
         for n in resp.nodes
     ]
@@ -285,6 +286,7 @@ def nodes(
             "healthy",
             "hb",
             "draining",
+            "version",
         ],
         rows,
     )

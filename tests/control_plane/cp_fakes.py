@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from control_plane.model_info import ByteTokenizer, ModelInfo
+from kvfence import PROTOCOL_VERSION, __version__
 from kvfence.errors import KvfenceError, Unauthenticated
 from kvfence.proto.kvfence.v1 import (
     common_pb2,
@@ -215,6 +216,10 @@ class FakeNode:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.instance_id = "fake-process-1"  # a test sets another to play a restart in place
+        # What its registration says it speaks (kvfence.PROTOCOL_VERSION; 0: a release that says
+        # nothing); a test sets another to play a node of another release.
+        self.protocol_version = PROTOCOL_VERSION
+        self.kvfence_version = __version__
         self.draining = False  # what its heartbeats say
         self._beats: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -251,6 +256,8 @@ class FakeNode:
                 pool_tokens=self.pool_tokens,
                 total_pages=self.total_pages,
                 instance_id=self.instance_id,
+                protocol_version=self.protocol_version,
+                kvfence_version=self.kvfence_version,
             ),
             metadata=self._metadata,
         )

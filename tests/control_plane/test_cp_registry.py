@@ -10,6 +10,7 @@ import pytest
 from cp_fakes import FINGERPRINT, FakeNode, Script, make_layout
 from cp_harness import Cluster, eventually, make_cluster
 
+from kvfence import PROTOCOL_VERSION, __version__
 from kvfence.errors import Unavailable
 from kvfence.proto.kvfence.v1 import control_pb2, control_pb2_grpc
 
@@ -34,6 +35,35 @@ async def test_node_with_other_layout_is_refused(cluster: Cluster) -> None:
     assert not resp.accepted
     assert "head_dim=64" in resp.reason and "head_dim=32" in resp.reason
     assert (await cluster.add_node(FakeNode("prefill", "even", Script()))).accepted
+
+
+@pytest.mark.parametrize(
+    ("protocol", "release", "said"),
+    [(PROTOCOL_VERSION + 1, "9.9.9", "protocol 2 (kvfence 9.9.9)"), (0, "", "no protocol version")],
+)
+async def test_a_node_of_another_protocol_is_refused_naming_both_releases(
+    cluster: Cluster, protocol: int, release: str, said: str
+) -> None:
+    """Halfway through an upgrade a node of another release would misread the control plane's
+    calls: it is refused at registration, and the reason says what to do."""
+    node = FakeNode("decode", "other-release", Script())
+    node.protocol_version, node.kvfence_version = protocol, release
+    resp = await cluster.add_node(node)
+    assert not resp.accepted
+    assert said in resp.reason and f"protocol {PROTOCOL_VERSION} (kvfence {__version__})" in (
+        resp.reason
+    )
+    assert "same kvfence release" in resp.reason
+    assert "other-release" not in {n.node_id for n in cluster.cp.registry.nodes()}
+    [refused] = cluster.events.of("node_refused")
+    assert refused["node"] == "other-release"
+    # Control: the same node speaking this protocol joins, and `kvfence nodes` shows its release.
+    same = FakeNode("decode", "same-release", Script())
+    assert (await cluster.add_node(same)).accepted
+    admin, auth = cluster.admin()
+    listed = await admin.ListNodes(control_pb2.ListNodesRequest(), metadata=auth)
+    versions = {n.node_id: n.kvfence_version for n in listed.nodes}
+    assert versions["same-release"] == __version__ and "other-release" not in versions
 
 
 async def test_heartbeat_from_unknown_node_asks_it_to_register(cluster: Cluster) -> None:

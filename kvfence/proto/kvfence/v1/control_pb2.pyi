@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "model_fingerprint", "layout", "pool_tokens", "total_pages", "instance_id")
+    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "model_fingerprint", "layout", "pool_tokens", "total_pages", "instance_id", "protocol_version", "kvfence_version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class RegisterRequest(_message.Message):
     POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KVFENCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -27,7 +29,9 @@ class RegisterRequest(_message.Message):
     pool_tokens: int
     total_pages: int
     instance_id: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    kvfence_version: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., instance_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kvfence_version: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("accepted", "reason", "heartbeat_interval_ms")
@@ -152,7 +156,7 @@ class SetLimitsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., limits: _Optional[_Union[TenantLimits, _Mapping]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s", "layout", "draining")
+    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s", "layout", "draining", "kvfence_version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +169,7 @@ class NodeInfo(_message.Message):
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KVFENCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -177,7 +182,8 @@ class NodeInfo(_message.Message):
     last_heartbeat_age_s: float
     layout: _common_pb2.KvLayout
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    kvfence_version: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., draining: _Optional[bool] = ..., kvfence_version: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
