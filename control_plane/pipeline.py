@@ -410,16 +410,17 @@ class Pipeline:
             self._check_serving()
             candidates = prefill_candidates(self.d.registry, skip=full)
             if not candidates:
-                # Wait (within the deadline) for room, or for a node that refused connections
-                # to register again after a restart.
+                # Wait (within the deadline) for room, or, with no prefill node registered, for
+                # one to register (a node that refused connections, restarted) as long as the
+                # no-node window allows: then NO_NODES, and the decode pages held go back.
+                node_wait = self._node_wait_left((PREFILL,), give_up)
                 if loop.time() >= give_up:
-                    if not self.d.registry.nodes(PREFILL):
-                        raise Unavailable("no prefill node is registered", reason=NO_NODES)
                     raise ResourceExhausted(
                         "no prefill node had room within the deadline", reason=admission.NO_CAPACITY
                     )
                 full.clear()
-                await run.guard(self.d.queue.changed(min(give_up - loop.time(), self.d.poll_s)))
+                wait = min(give_up - loop.time(), self.d.poll_s, node_wait or self.d.poll_s)
+                await run.guard(self.d.queue.changed(wait))
                 continue
             node = candidates[0]
             resp = await self._try_prefill(run, node, req, deadline)

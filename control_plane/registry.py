@@ -4,8 +4,9 @@ A node registers once (role, addresses, fingerprint, layout, pool, protocol vers
 heartbeats. A node whose fingerprint or layout differs from the model's is refused: its KV pages
 would not mean the same thing on the other side of a transfer. So is one that speaks another
 control-plane/node protocol (``kvfence.PROTOCOL_VERSION``: a control plane and nodes of releases
-that would misread each other, e.g. halfway through an upgrade), with both releases in the reason. A node silent for ``node_timeout_s`` is lost; the
-registry drops it and tells the control plane, which fails every request that used it.
+that would misread each other, e.g. halfway through an upgrade), with both releases in the reason.
+A node silent for ``node_timeout_s`` is lost; the registry drops it and tells the control plane,
+which fails every request that used it.
 
 A node that heartbeats ``draining`` is shutting down (``kvfence.node_main``): it stays registered,
 and its requests run on, but routing sends it no new one (``control_plane.routing``). Draining is

@@ -214,10 +214,9 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
     for decode pages; B: at once), with the replacement a second away. Now both wait for it
     (``no_node_wait_s``) and finish OK there, the old node sent nothing.
 
-    Controls: with no replacement B (and A, waiting for decode) fail NO_NODES once the wait is
-    over, neither at once nor at their deadline; A holding its decode reservation while it waits
-    for a prefill node waits until its deadline, as it always did. With ``no_node_wait_s: 0``
-    the old behaviour: NO_NODES at once."""
+    Controls: with no replacement A and B fail NO_NODES once the wait is over, neither at once
+    nor at their deadline (A waiting for a prefill node used to hold its decode reservation until
+    its deadline). With ``no_node_wait_s: 0``: NO_NODES at once."""
     wait = 0.0 if case == "wait 0" else NO_NODE_WAIT_S
     c = await make_cluster(tmp_path, no_node_wait_s=wait)
     loop = asyncio.get_running_loop()
@@ -240,13 +239,9 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
             with pytest.raises(Unavailable) as err:
                 await asyncio.wait_for(b, 2)
             assert err.value.reason == "NO_NODES" and loop.time() - dropped < 0.5
-            if role == "decode":
-                with pytest.raises(Unavailable) as err:
-                    await asyncio.wait_for(a, 1)
-                assert err.value.reason == "NO_NODES"
-            else:
-                assert not a.done()  # holds a decode reservation; waits for prefill as before
-                a.cancel()
+            with pytest.raises(Unavailable) as err:
+                await asyncio.wait_for(a, 1)
+            assert err.value.reason == "NO_NODES"
             return
 
         await asyncio.sleep(REPLACED_AFTER_S)
@@ -273,17 +268,14 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
         assert err.value.reason == "NO_NODES", err.value
         assert f"no {role} node is registered" in err.value.message
         assert NO_NODE_WAIT_S - 0.3 < b_failed < NO_NODE_WAIT_S + 1.0, b_failed
-        if role == "decode":
-            with pytest.raises(Unavailable) as err:
-                await asyncio.wait_for(a, 1)
-            assert err.value.reason == "NO_NODES"
-            assert loop.time() - dropped < NO_NODE_WAIT_S + 1.0
-        else:  # A waits for a prefill node until its own deadline (4 s), as it always did
-            assert not a.done()
-            with pytest.raises(Unavailable) as err:
-                await asyncio.wait_for(a, 5)
-            assert err.value.reason == "NO_NODES"
-            assert 3.3 < loop.time() - a_started < 4.5
+        # A too, though its own deadline (4 s from its start) is further off
+        with pytest.raises(Unavailable) as err:
+            await asyncio.wait_for(a, 1)
+        assert err.value.reason == "NO_NODES"
+        assert loop.time() - dropped < NO_NODE_WAIT_S + 1.0
+        assert loop.time() - a_started < 3.5  # its deadline would have ended it at 3.9 s
         assert not c.cp.table and c.cp.queue.waiting == 0
+        if role == "prefill":  # the decode pages A held are given back
+            assert [m for m in c.decode[0].methods() if m != "Reserve"] == ["Release"]
     finally:
         await c.close()
