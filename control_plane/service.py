@@ -70,13 +70,8 @@ class ControlPlane:
         self.metrics = metrics or Metrics("control-plane")
         self.bus: EventBus | None = None
         if events is None:
-            self.bus = EventBus(
-                cfg.cluster,
-                cfg.node.node_id or "control-plane",
-                cfg.events.mqtt_host,
-                cfg.events.mqtt_port,
-                cfg.events.buffer_size,
-                metrics=self.metrics,
+            self.bus = EventBus.from_config(
+                cfg, cfg.node.node_id or "control-plane", metrics=self.metrics
             )
             events = self.bus
         self.events: EventSink = events

@@ -277,6 +277,11 @@ class EventsConfig(_Strict):
     mqtt_host: str | None = None
     mqtt_port: int = Field(default=1883, ge=1, le=65535)
     buffer_size: int = Field(default=10_000, ge=1)
+    # The broker account (both or neither; neither = connect anonymously). The password is read
+    # from a file (e.g. a mounted Kubernetes Secret), never written in the config: the file's
+    # content without its trailing newlines (kvfence/events.py, load_mqtt_credentials).
+    mqtt_username: str | None = None
+    mqtt_password_file: Path | None = None
 
     @field_validator("mqtt_host")
     @classmethod
@@ -284,6 +289,27 @@ class EventsConfig(_Strict):
         if value is not None and not value.strip():
             raise ValueError("empty broker host: give a host, or null for no broker (log only)")
         return value
+
+    @field_validator("mqtt_username")
+    @classmethod
+    def _username_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("empty MQTT username: give one, or null to connect anonymously")
+        return value
+
+    @model_validator(mode="after")
+    def _username_and_password_together(self) -> EventsConfig:
+        if self.mqtt_username is not None and self.mqtt_password_file is None:
+            raise ValueError(
+                "mqtt_username is set but mqtt_password_file is not: give both (a broker "
+                "account), or neither (anonymous)"
+            )
+        if self.mqtt_password_file is not None and self.mqtt_username is None:
+            raise ValueError(
+                "mqtt_password_file is set but mqtt_username is not: give both (a broker "
+                "account), or neither (anonymous)"
+            )
+        return self
 
 
 class TlsConfig(_Strict):

@@ -11,6 +11,12 @@ buffer only after the broker acknowledged it (PUBACK), so a broker restart loses
 still buffered: the whole buffer is re-sent after reconnecting. Consumers therefore see each event
 at least once and dedupe by ``(node_id, seq, ts)`` (``follow`` does this).
 
+A broker that requires an account gets ``MqttCredentials`` (``events.mqtt_username`` and the
+password read from ``events.mqtt_password_file``: ``load_mqtt_credentials``). A broker that refuses
+the connection (no, or wrong, credentials) is treated like an unreachable one: the events stay
+buffered (bounded) and the publisher retries, and it logs the refusal as an error naming the
+account, never the password. Nothing on the request path waits for the broker either way.
+
 When the buffer is full the oldest non-security event goes first; security events (see
 ``SECURITY_KINDS``) are dropped only when the buffer holds nothing else. Every drop is counted.
 """
@@ -20,19 +26,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiomqtt
+from aiomqtt.exceptions import MqttConnectError  # not re-exported by aiomqtt
 
+from kvfence.config import ConfigError
 from kvfence.logging import get_logger
 
 if TYPE_CHECKING:
+    from kvfence.config import ClusterConfig, EventsConfig
     from kvfence.metrics import Metrics
 
 TOPIC_ROOT = "kvfence/v1"
@@ -55,8 +66,70 @@ PUBLISH_TIMEOUT_S = 5.0
 MAX_IN_FLIGHT = 64
 # Characters a topic level (cluster, node id) must not contain: the separator, the wildcards, NUL.
 TOPIC_RESERVED = "/+#\x00"
+# CONNACK codes of a broker that refused the account: MQTT 3.1.1 "bad username or password" (4)
+# and "not authorized" (5), and their MQTT 5 reason codes (134, 135).
+AUTH_REFUSED_CODES = frozenset({4, 5, 134, 135})
+# A broker that keeps refusing the account is logged as an error at most this often (and at
+# once whenever the reason changes); the retries in between log at debug level.
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 log = get_logger("events")
+
+
+@dataclasses.dataclass(frozen=True)
+class MqttCredentials:
+    """A broker account. The password is left out of ``repr`` (and so of any log line)."""
+
+    username: str
+    password: str = dataclasses.field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.username:
+            raise ValueError("MQTT username is empty")
+        if not self.password:
+            raise ValueError(f"MQTT password of {self.username!r} is empty")
+
+
+def read_mqtt_password(path: Path, what: str = "events.mqtt_password_file") -> str:
+    """The password in ``path``: its content without trailing newlines (as a shell's ``$(cat
+    path)`` reads it, which is how the Helm chart hashes it for Mosquitto). Raises ConfigError
+    naming ``what`` (where the path came from), whose message never holds the file's content."""
+    try:
+        password = Path(path).read_text().rstrip("\n")
+    except OSError as err:
+        raise ConfigError(f"{what} {path}: cannot read it: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path}: not UTF-8 text") from None
+    if not password:
+        raise ConfigError(f"{what} {path} is empty")
+    return password
+
+
+def load_mqtt_credentials(events: EventsConfig) -> MqttCredentials | None:
+    """The broker account of ``events`` (the config validated that username and password file
+    come together); None without one, or without a broker (then nothing is read)."""
+    if events.mqtt_host is None or events.mqtt_username is None:
+        return None
+    assert events.mqtt_password_file is not None
+    return MqttCredentials(events.mqtt_username, read_mqtt_password(events.mqtt_password_file))
+
+
+def is_auth_refusal(err: BaseException) -> bool:
+    """True when ``err`` is a broker refusing the connection for its credentials."""
+    # The CONNACK's code only: other MqttCodeErrors carry paho's own error numbers, where 4 and 5
+    # mean "no connection" and "connection refused" (at the TCP level).
+    if not isinstance(err, MqttConnectError):
+        return False
+    code = getattr(err.rc, "value", err.rc)
+    return code in AUTH_REFUSED_CODES
+
+
+def _username(credentials: MqttCredentials | None) -> str | None:
+    return None if credentials is None else credentials.username
+
+
+def _password(credentials: MqttCredentials | None) -> str | None:
+    return None if credentials is None else credentials.password
 
 
 def event_topic(cluster: str, kind: str) -> str:
@@ -144,6 +217,7 @@ class EventBus:
         buffer_size: int = 10_000,
         *,
         metrics: Metrics | None = None,
+        credentials: MqttCredentials | None = None,
     ):
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
@@ -158,10 +232,14 @@ class EventBus:
         self.node_id = node_id
         self.mqtt_host = mqtt_host
         self.mqtt_port = mqtt_port
+        self.credentials = credentials
         self.metrics = metrics
         # The last RECENT_SIZE events emitted, for in-process checks ("was an event emitted?").
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_SIZE)
         self.connected = False
+        # Why the last connection attempt failed or the connection ended; None while connected.
+        self.last_error: str | None = None
+        self._refusal_logged: tuple[str, float] | None = None  # (reason, monotonic time)
         self._buffer = _Buffer(buffer_size)
         self._lock = threading.Lock()
         self._seq = 0
@@ -173,6 +251,23 @@ class EventBus:
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: ClusterConfig, node_id: str, *, metrics: Metrics | None = None
+    ) -> EventBus:
+        """The bus ``cfg.events`` describes, with its broker account (ConfigError when the
+        password file cannot be read: a deployment mistake, reported at start)."""
+        events = cfg.events
+        return cls(
+            cfg.cluster,
+            node_id,
+            events.mqtt_host,
+            events.mqtt_port,
+            events.buffer_size,
+            metrics=metrics,
+            credentials=load_mqtt_credentials(events),
+        )
 
     # -- caller side -------------------------------------------------------------------------------
 
@@ -333,23 +428,37 @@ class EventBus:
                     retain=True,
                 ),
                 max_inflight_messages=MAX_IN_FLIGHT,
+                username=_username(self.credentials),
+                password=_password(self.credentials),
             )
             try:
                 async with client:
                     self.connected = True
+                    self.last_error = None
+                    self._refusal_logged = None
                     backoff = BACKOFF_MIN_S
-                    log.info("event bus connected", host=self.mqtt_host, port=self.mqtt_port)
+                    log.info(
+                        "event bus connected",
+                        host=self.mqtt_host,
+                        port=self.mqtt_port,
+                        username=_username(self.credentials),
+                    )
                     await self._serve_connection(client)
             except aiomqtt.MqttError as err:
-                log.warning(
-                    "event bus disconnected",
-                    host=self.mqtt_host,
-                    port=self.mqtt_port,
-                    error=str(err),
-                    retry_in_s=backoff,
-                    pending=self.pending,
-                )
-            except Exception:  # a bug must not silence the bus for good: log it and reconnect
+                self.last_error = str(err)
+                if is_auth_refusal(err):
+                    self._log_refusal(err, backoff)
+                else:
+                    log.warning(
+                        "event bus disconnected",
+                        host=self.mqtt_host,
+                        port=self.mqtt_port,
+                        error=str(err),
+                        retry_in_s=backoff,
+                        pending=self.pending,
+                    )
+            except Exception as err:  # a bug must not silence the bus for good: log, reconnect
+                self.last_error = repr(err)
                 log.exception("event bus publisher failed", retry_in_s=backoff)
             finally:
                 self.connected = False
@@ -466,6 +575,31 @@ class EventBus:
         if self._is_drained():
             self._idle.set()
 
+    def _log_refusal(self, err: aiomqtt.MqttError, backoff: float) -> None:
+        """The broker refused our credentials (or their absence): an error, once per reason and
+        then at most every REFUSAL_LOG_INTERVAL_S; the events stay buffered meanwhile."""
+        reason, now = str(err), time.monotonic()
+        last = self._refusal_logged
+        fields = {
+            "host": self.mqtt_host,
+            "port": self.mqtt_port,
+            "username": _username(self.credentials),
+            "error": reason,
+            "retry_in_s": backoff,
+            "pending": self.pending,
+        }
+        if last is None or last[0] != reason or now - last[1] >= REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged = (reason, now)
+            hint = (
+                "the broker requires an account: set events.mqtt_username and "
+                "events.mqtt_password_file"
+                if self.credentials is None
+                else "check events.mqtt_username and the password in events.mqtt_password_file"
+            )
+            log.error("event bus refused by the broker", hint=hint, **fields)
+        else:
+            log.debug("event bus refused by the broker", **fields)
+
     def _offline_payload(self) -> bytes:
         return _encode({"cluster": self.cluster, "node_id": self.node_id, "online": False})
 
@@ -511,15 +645,24 @@ async def follow(
     kinds: Iterable[str] | None = None,
     *,
     dedupe: bool = True,
+    credentials: MqttCredentials | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield events of ``cluster`` (only ``kinds`` when given) as they arrive.
 
-    Raises ``aiomqtt.MqttError`` when the broker cannot be reached or the connection drops.
+    Raises ``aiomqtt.MqttError`` when the broker cannot be reached, refuses the connection
+    (``is_auth_refusal`` tells a refused account) or the connection drops.
     Re-sent duplicates (same node, seq and ts) are skipped unless ``dedupe`` is False.
     """
     wanted = sorted(set(kinds)) if kinds else ["+"]
     seen: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
-    async with aiomqtt.Client(host, port, identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}") as c:
+    client = aiomqtt.Client(
+        host,
+        port,
+        identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",
+        username=_username(credentials),
+        password=_password(credentials),
+    )
+    async with client as c:
         for kind in wanted:
             await c.subscribe(event_topic(cluster, kind), qos=1)
         async for message in c.messages:

@@ -132,14 +132,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
     node_token = load_node_token(cp.node_token_file, cp.state_dir)
     rt = await loop.run_in_executor(None, NodeRuntime.build, cfg, role)
     metrics = Metrics(role.value)
-    bus = EventBus(
-        cfg.cluster,
-        rt.node_id,
-        cfg.events.mqtt_host,
-        cfg.events.mqtt_port,
-        cfg.events.buffer_size,
-        metrics=metrics,
-    )
+    bus = EventBus.from_config(cfg, rt.node_id, metrics=metrics)
     if cfg.node.metrics_port is not None:
         # the port actually bound, which is how port 0 (any free port) can be found
         log.info("metrics served", port=metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host))

@@ -92,6 +92,14 @@ def test_missing_file_is_a_clear_error(tmp_path):
         # "" is not "no broker" (that is null): the publisher would retry it forever
         ({"events": {"mqtt_host": ""}}, "events.mqtt_host", "empty broker host"),
         ({"events": {"mqtt_host": "  "}}, "events.mqtt_host", "empty broker host"),
+        # a broker account is a username and a password file, both or neither
+        ({"events": {"mqtt_username": "kvfence"}}, "events", "mqtt_password_file is not"),
+        ({"events": {"mqtt_password_file": "/run/pw"}}, "events", "mqtt_username is not"),
+        (
+            {"events": {"mqtt_username": " ", "mqtt_password_file": "/run/pw"}},
+            "events.mqtt_username",
+            "empty MQTT username",
+        ),
     ],
 )
 def test_values_that_break_the_service_later_are_refused(data, field, rule):
@@ -117,6 +125,27 @@ def test_nearest_good_values_are_accepted():
     plain = parse_config({"events": {"mqtt_host": None}}, environ={})
     assert plain.node.node_id == "" and plain.events.mqtt_host is None
     assert plain.control_plane.node_timeout_s == 5 * plain.control_plane.heartbeat_interval_s
+
+
+def test_mqtt_account_is_a_username_and_a_password_file():
+    # control for the refusals above: both, from the file or from the environment; the password
+    # itself is never a config field (it would sit in the file in clear)
+    cfg = parse_config(
+        {"events": {"mqtt_username": "kvfence", "mqtt_password_file": "/run/mqtt/password"}},
+        environ={},
+    )
+    assert cfg.events.mqtt_username == "kvfence"
+    assert str(cfg.events.mqtt_password_file) == "/run/mqtt/password"
+    env = {
+        "KVFENCE__EVENTS__MQTT_USERNAME": "0123",  # kept as written, like every string field
+        "KVFENCE__EVENTS__MQTT_PASSWORD_FILE": "/etc/kvfence/mqtt/password",
+    }
+    cfg = parse_config({}, environ=env)
+    assert cfg.events.mqtt_username == "0123"
+    assert str(cfg.events.mqtt_password_file) == "/etc/kvfence/mqtt/password"
+    assert parse_config({}, environ={}).events.mqtt_username is None  # default: anonymous
+    with pytest.raises(ConfigError, match="mqtt_password"):
+        parse_config({"events": {"mqtt_password": "in-clear"}}, environ={})
 
 
 def test_env_overrides_keep_strings_as_written():

@@ -1,4 +1,5 @@
-"""EventBus against a real Mosquitto: ordering, broker restarts, buffer bounds, retained status."""
+"""EventBus against a real Mosquitto: ordering, broker restarts, buffer bounds, retained status,
+and brokers that require an account."""
 
 from __future__ import annotations
 
@@ -8,15 +9,28 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiomqtt
+import pytest
+import structlog
 import typer
 from fixtures_mqtt import Mosquitto, free_port, start_mosquitto
 from typer.testing import CliRunner
 
 from kvfence.cli.events import register
-from kvfence.events import EVENT_KINDS, SECURITY_KINDS, EventBus, follow, node_topic
+from kvfence.config import ConfigError, parse_config
+from kvfence.events import (
+    EVENT_KINDS,
+    SECURITY_KINDS,
+    EventBus,
+    MqttCredentials,
+    follow,
+    is_auth_refusal,
+    load_mqtt_credentials,
+    node_topic,
+)
 from kvfence.metrics import Metrics
 
 CLUSTER = "t1"
@@ -28,8 +42,15 @@ def make_bus(broker: Mosquitto | None = None, port: int | None = None, **kw: Any
 
 
 @asynccontextmanager
-async def subscriber(broker: Mosquitto, topic: str) -> AsyncIterator[aiomqtt.Client]:
-    async with aiomqtt.Client(broker.host, broker.port) as client:
+async def subscriber(
+    broker: Mosquitto, topic: str, account: MqttCredentials | None = None
+) -> AsyncIterator[aiomqtt.Client]:
+    async with aiomqtt.Client(
+        broker.host,
+        broker.port,
+        username=None if account is None else account.username,
+        password=None if account is None else account.password,
+    ) as client:
         await client.subscribe(topic, qos=1)
         yield client
 
@@ -400,3 +421,253 @@ async def test_stop_returns_when_the_broker_hangs() -> None:
                 if frozen:
                     os.kill(broker.proc.pid, signal.SIGCONT)
             assert elapsed < (7.5 if frozen else 1.5), (frozen, elapsed)
+
+
+# --- a broker that requires an account ------------------------------------------------------------
+
+PUBLISHER = MqttCredentials("kvfence", "pub-Secret-7f3a")
+WATCHER = MqttCredentials("watcher", "watch-Secret-91c2")
+ACCOUNTS = {PUBLISHER.username: PUBLISHER.password, WATCHER.username: WATCHER.password}
+SECRETS = (PUBLISHER.password, WATCHER.password, "wrong-Secret-0000")
+
+
+def assert_no_password(text: str) -> None:
+    for secret in SECRETS:
+        assert secret not in text
+
+
+async def test_publisher_with_the_broker_account_delivers() -> None:
+    """Positive control for the refusals below: the same broker (anonymous clients refused),
+    with the right account, gets every event, and so does an authenticated subscriber."""
+    with start_mosquitto(users=ACCOUNTS) as broker:
+        topic = f"kvfence/v1/{CLUSTER}/events/#"
+        async with subscriber(broker, topic, WATCHER) as sub:
+            bus = make_bus(broker, credentials=PUBLISHER)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    seqs = emit_all_kinds(bus)
+                    got = await receive(sub, len(EVENT_KINDS))
+                    assert await bus.wait_drained(5)
+                finally:
+                    await bus.stop()
+    assert [e["seq"] for e in got] == seqs
+    assert bus.last_error is None and bus.pending == 0
+    connected = [e for e in logs if e["event"] == "event bus connected"]
+    assert connected and connected[0]["username"] == "kvfence"
+    assert_no_password(repr(logs) + repr(bus.credentials))
+
+
+@pytest.mark.parametrize(
+    "account",
+    [None, MqttCredentials("kvfence", "wrong-Secret-0000"), MqttCredentials("nobody", "x")],
+    ids=["anonymous", "wrong-password", "unknown-user"],
+)
+async def test_broker_refuses_the_publisher_without_the_right_account(
+    account: MqttCredentials | None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The broker refuses the connection; the publisher says so as an error naming the account
+    (never a password) and keeps the events buffered; emit neither blocks nor raises, and no
+    event reaches the broker's subscribers."""
+    with start_mosquitto(users=ACCOUNTS) as broker:
+        async with subscriber(broker, f"kvfence/v1/{CLUSTER}/#", WATCHER) as sub:
+            bus = make_bus(broker, credentials=account)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    t0 = time.perf_counter()
+                    seqs = [bus.emit("integrity_violation", check="mac") for _ in range(200)]
+                    assert time.perf_counter() - t0 < 1.0
+                    await wait_until(lambda: bus.last_error is not None)
+                    await asyncio.sleep(0.3)  # a few refused reconnects
+                    with pytest.raises(TimeoutError):
+                        await receive(sub, 1, timeout=0.5)
+                    assert not bus.connected and bus.pending == len(seqs)
+                    assert not await bus.wait_drained(0.1)
+                finally:
+                    await bus.stop(flush_timeout=0.1)
+    assert seqs == list(range(1, 201))
+    assert "not authori" in (bus.last_error or "").lower()
+    refused = [e for e in logs if e["event"] == "event bus refused by the broker"]
+    assert refused and refused[0]["log_level"] == "error"
+    assert refused[0]["username"] == (None if account is None else account.username)
+    hint = refused[0]["hint"]
+    assert "events.mqtt_username" in hint and "events.mqtt_password_file" in hint
+    # Retried every backoff step but said once as an error (same reason, within the interval).
+    assert [e["log_level"] for e in refused].count("error") == 1
+    assert not [e for e in logs if e["event"] == "event bus connected"]
+    out, err = capfd.readouterr()
+    assert_no_password(repr(logs) + out + err + repr(bus.credentials))
+
+
+def test_auth_refusal_is_told_from_other_mqtt_errors() -> None:
+    from aiomqtt.exceptions import MqttConnectError
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    assert is_auth_refusal(MqttConnectError(ReasonCode(PacketTypes.CONNACK, "Not authorized")))
+    assert is_auth_refusal(MqttConnectError(4)) and is_auth_refusal(MqttConnectError(5))
+    # paho's own error numbers 4 and 5 ("no connection", TCP "connection refused") are not it
+    assert not is_auth_refusal(aiomqtt.MqttCodeError(4)) and not is_auth_refusal(
+        aiomqtt.MqttCodeError(5)
+    )
+    assert not is_auth_refusal(MqttConnectError(3))  # server unavailable
+    assert not is_auth_refusal(aiomqtt.MqttError("[Errno 111] Connection refused"))
+
+
+def test_credentials_never_show_their_password() -> None:
+    assert "pub-Secret" not in repr(PUBLISHER) and "kvfence" in repr(PUBLISHER)
+    with pytest.raises(ValueError, match="empty"):
+        MqttCredentials("kvfence", "")
+    with pytest.raises(ValueError, match="empty"):
+        MqttCredentials("", "x")
+
+
+def events_config(tmp_path: Path, password: str | None, **events: Any) -> Any:
+    pw_file = tmp_path / "mqtt-password"
+    if password is not None:
+        pw_file.write_text(password)
+    data = {"mqtt_host": "127.0.0.1", "mqtt_username": "kvfence", "mqtt_password_file": pw_file}
+    return parse_config({"cluster": CLUSTER, "events": {**data, **events}}, environ={})
+
+
+def test_credentials_come_from_the_password_file(tmp_path: Path) -> None:
+    # a Secret written with `echo` ends with a newline: not part of the password
+    cfg = events_config(tmp_path, PUBLISHER.password + "\n")
+    assert load_mqtt_credentials(cfg.events) == PUBLISHER
+    bus = EventBus.from_config(cfg, "node-a")
+    assert bus.credentials == PUBLISHER and bus.mqtt_host == "127.0.0.1"
+    assert (bus.cluster, bus.node_id) == (CLUSTER, "node-a")
+    # no broker: nothing to authenticate to, the file is not read (it need not exist)
+    no_broker = events_config(tmp_path / "nowhere", None, mqtt_host=None)
+    assert load_mqtt_credentials(no_broker.events) is None
+    assert EventBus.from_config(no_broker, "node-a").credentials is None
+    # no account: anonymous
+    plain = parse_config({"events": {"mqtt_host": "127.0.0.1"}}, environ={})
+    assert load_mqtt_credentials(plain.events) is None
+
+
+@pytest.mark.parametrize(
+    ("password", "message"),
+    [(None, "cannot read it"), ("", "is empty"), ("\n\n", "is empty")],
+    ids=["missing", "empty", "only-newlines"],
+)
+def test_an_unusable_password_file_is_a_clear_config_error(
+    tmp_path: Path, password: str | None, message: str
+) -> None:
+    cfg = events_config(tmp_path, password)
+    with pytest.raises(ConfigError) as err:
+        EventBus.from_config(cfg, "node-a")
+    assert "events.mqtt_password_file" in str(err.value) and message in str(err.value)
+    assert str(tmp_path / "mqtt-password") in str(err.value)
+
+
+async def follow_one(broker: Mosquitto, account: MqttCredentials | None) -> dict[str, Any]:
+    async def first() -> dict[str, Any]:
+        async for event in follow(CLUSTER, broker.host, broker.port, credentials=account):
+            return event
+        raise AssertionError("follow ended")
+
+    task = asyncio.create_task(first())
+    bus = make_bus(broker, credentials=PUBLISHER)
+    await bus.start()
+    try:
+        while not task.done():  # follow subscribes at its own pace
+            bus.emit("node_lost", node="n2")
+            await asyncio.sleep(0.05)
+        return await task
+    finally:
+        await bus.stop()
+
+
+async def test_follow_with_and_without_the_account() -> None:
+    with start_mosquitto(users=ACCOUNTS) as broker:
+        event = await asyncio.wait_for(follow_one(broker, WATCHER), 10)  # positive control
+        assert event["kind"] == "node_lost" and event["node_id"] == "node-a"
+        for account in (None, MqttCredentials("watcher", "wrong-Secret-0000")):
+            with pytest.raises(aiomqtt.MqttError) as err:
+                await asyncio.wait_for(follow_one(broker, account), 10)
+            assert is_auth_refusal(err.value), err.value
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(make_cli(), args, env=env)
+
+
+async def test_cli_events_follow_with_an_account(tmp_path: Path) -> None:
+    """Positive control for the refusal below: the account from the flags, from the env, or
+    from the config file's events section."""
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(WATCHER.password + "\n")
+    config = tmp_path / "config.yaml"
+    with start_mosquitto(users=ACCOUNTS) as broker:
+        config.write_text(
+            f"cluster: {CLUSTER}\nevents:\n  mqtt_host: 127.0.0.1\n  mqtt_port: {broker.port}\n"
+            f"  mqtt_username: watcher\n  mqtt_password_file: {pw_file}\n"
+        )
+        base = ["events", "-f", "--json", "--limit", "1"]
+        target = ["--mqtt-port", str(broker.port), "--cluster", CLUSTER]
+        ways: list[tuple[list[str], dict[str, str] | None]] = [
+            ([*target, "--mqtt-username", "watcher", "--mqtt-password-file", str(pw_file)], None),
+            (
+                target,
+                {"KVFENCE_MQTT_USERNAME": "watcher", "KVFENCE_MQTT_PASSWORD": "watch-Secret-91c2"},
+            ),
+            (["--config", str(config)], None),
+        ]
+        bus = make_bus(broker, credentials=PUBLISHER)
+        await bus.start()
+        try:
+            for extra, env in ways:
+                cli = asyncio.create_task(asyncio.to_thread(run_cli, [*base, *extra], env))
+                while not cli.done():
+                    bus.emit("node_joined")
+                    await asyncio.sleep(0.05)
+                result = await cli
+                assert result.exit_code == 0, result.output
+                (line,) = [ln for ln in result.output.splitlines() if ln.startswith("{")]
+                assert json.loads(line)["kind"] == "node_joined"
+                assert_no_password(result.output)
+        finally:
+            await bus.stop()
+
+
+def test_cli_events_refused_account_exits_1_and_says_so(tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("wrong-Secret-0000")
+    with start_mosquitto(users=ACCOUNTS) as broker:
+        target = ["events", "-f", "--mqtt-port", str(broker.port)]
+        anonymous = run_cli(target)
+        bad = run_cli([*target, "--mqtt-username", "watcher", "--mqtt-password-file", str(wrong)])
+    assert anonymous.exit_code == 1 and bad.exit_code == 1
+    assert f"127.0.0.1:{broker.port} refused a connection without an account" in anonymous.output
+    assert "--mqtt-username" in anonymous.output
+    assert f"127.0.0.1:{broker.port} refused the account 'watcher'" in bad.output
+    assert "Not authorized" in bad.output
+    assert_no_password(anonymous.output + bad.output)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--mqtt-username", "watcher"], None, "--mqtt-username without a password"),
+        (["--mqtt-password-file", "PW"], None, "a password without --mqtt-username"),
+        ([], {"KVFENCE_MQTT_PASSWORD": "x"}, "a password without --mqtt-username"),
+        (["--mqtt-username", " ", "--mqtt-password-file", "PW"], None, "is empty"),
+        (
+            ["--mqtt-username", "watcher", "--mqtt-password-file", "PW"],
+            {"KVFENCE_MQTT_PASSWORD": "x"},
+            "give the password once",
+        ),
+        (["--mqtt-username", "watcher", "--mqtt-password-file", "NOPE"], None, "cannot read"),
+    ],
+)
+def test_cli_events_account_usage_errors_exit_2(
+    tmp_path: Path, args: list[str], env: dict[str, str] | None, message: str
+) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("x")
+    args = [str(pw) if a == "PW" else str(tmp_path / "nope") if a == "NOPE" else a for a in args]
+    result = run_cli(["events", "-f", "--mqtt-port", str(free_port()), *args], env)
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -39,9 +39,12 @@ def make_cfg(tiny_dir, tmp_path, node_id: str, port: int, **over: Any):
     return parse_config(data, environ={})
 
 
-async def retained(port: int, node_id: str, timeout: float = 5.0) -> dict[str, Any] | None:
-    """The retained status of ``node_id`` as a new subscriber sees it (None: nothing retained)."""
-    async with aiomqtt.Client("127.0.0.1", port) as client:
+async def retained(
+    port: int, node_id: str, timeout: float = 5.0, **account: str
+) -> dict[str, Any] | None:
+    """The retained status of ``node_id`` as a new subscriber sees it (None: nothing retained);
+    ``account``: username= and password= for a broker that wants them."""
+    async with aiomqtt.Client("127.0.0.1", port, **account) as client:
         await client.subscribe(node_topic(CLUSTER, node_id), qos=1)
 
         async def first() -> dict[str, Any]:
@@ -86,6 +89,42 @@ async def test_node_publishes_retained_online_status_and_offline_at_stop(tiny_di
     assert online["model_fingerprint"] == node.rt.fingerprint
     assert online["total_pages"] == 8 and online["instance_id"]
     assert offline["node_id"] == "decode-s1" and offline["online"] is False
+
+
+@pytest.mark.parametrize("password", ["node-secret", "wrong", None])
+async def test_a_node_publishes_with_its_broker_account(tiny_dir, tmp_path, password) -> None:
+    """A broker that refuses anonymous clients (the chart's default): a node configured with its
+    account publishes its status; with a wrong password, or none, it is refused, says so, and
+    publishes nothing (and still starts: events never stop a service)."""
+    reader = {"username": "reader", "password": "reader-secret"}
+    users = {"kvfence": "node-secret", "reader": "reader-secret"}
+    with start_mosquitto(users=users) as broker:
+        events: dict[str, Any] = {}
+        if password is not None:
+            (tmp_path / "mqtt-password").write_text(password + "\n")
+            events = {
+                "mqtt_username": "kvfence",
+                "mqtt_password_file": str(tmp_path / "mqtt-password"),
+            }
+        cfg = make_cfg(tiny_dir, tmp_path, "decode-acct", broker.port, events=events)
+        node = await start_node(cfg, Role.DECODE, register=False)
+        try:
+            if password == "node-secret":
+                for _ in range(50):
+                    status = await retained(broker.port, "decode-acct", timeout=0.5, **reader)
+                    if status is not None:
+                        break
+                assert status is not None and status["online"] is True
+                assert node.bus.last_error is None
+            else:
+                for _ in range(50):
+                    if node.bus.last_error is not None:
+                        break
+                    await asyncio.sleep(0.1)
+                assert "not authorized" in (node.bus.last_error or "").lower()
+                assert await retained(broker.port, "decode-acct", timeout=0.5, **reader) is None
+        finally:
+            await node.stop(grace=0)
 
 
 async def test_node_event_bus_uses_buffer_size_and_counts_drops(tiny_dir, tmp_path):

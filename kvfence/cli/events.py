@@ -1,8 +1,12 @@
 """``kvfence events --follow``: a live view of the cluster's event stream (MQTT).
 
 Broker and cluster come from the flags, else from ``--config``, else 127.0.0.1:1883 / "local".
-Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached or the
-connection dropped, 2 bad usage.
+A broker that requires an account: ``--mqtt-username`` (env KVFENCE_MQTT_USERNAME) with the
+password in ``--mqtt-password-file`` (env KVFENCE_MQTT_PASSWORD_FILE) or in the env variable
+KVFENCE_MQTT_PASSWORD (never a flag: it would show in the shell history and the process list);
+else ``events.mqtt_username`` / ``events.mqtt_password_file`` of ``--config``.
+Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached, refused
+the account or the connection dropped, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,9 +24,17 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvfence.config import ConfigError, load_config
-from kvfence.events import EVENT_KINDS, SECURITY_KINDS, follow
+from kvfence.events import (
+    EVENT_KINDS,
+    SECURITY_KINDS,
+    MqttCredentials,
+    follow,
+    is_auth_refusal,
+    read_mqtt_password,
+)
 
 EXIT_OK, EXIT_BROKER, EXIT_USAGE = 0, 1, 2
+PASSWORD_ENV = "KVFENCE_MQTT_PASSWORD"
 _HEADER_FIELDS = ("seq", "ts", "kind", "cluster", "node_id")
 
 
@@ -33,6 +46,15 @@ def events(
     follow_: bool = typer.Option(False, "--follow", "-f", help="Stream events as they arrive."),
     mqtt_host: str | None = typer.Option(None, "--mqtt-host", help="Broker host."),
     mqtt_port: int | None = typer.Option(None, "--mqtt-port", help="Broker port."),
+    mqtt_username: str | None = typer.Option(
+        None, "--mqtt-username", envvar="KVFENCE_MQTT_USERNAME", help="Broker account."
+    ),
+    mqtt_password_file: Path | None = typer.Option(
+        None,
+        "--mqtt-password-file",
+        envvar="KVFENCE_MQTT_PASSWORD_FILE",
+        help=f"File holding the account's password (or set {PASSWORD_ENV}).",
+    ),
     cluster: str | None = typer.Option(None, "--cluster", help="Cluster name."),
     kind: list[str] | None = typer.Option(
         None, "--kind", "-k", help=f"Only this kind (repeatable): {', '.join(EVENT_KINDS)}."
@@ -50,28 +72,78 @@ def events(
             f"events: unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(EVENT_KINDS)}",
             EXIT_USAGE,
         )
-    host, port, name = _target(config, mqtt_host, mqtt_port, cluster)
+    host, port, name, credentials = _target(
+        config, mqtt_host, mqtt_port, cluster, mqtt_username, mqtt_password_file
+    )
     console = Console(highlight=False, soft_wrap=True)
     try:
-        asyncio.run(_stream(name, host, port, kind or None, as_json, limit, console))
+        asyncio.run(_stream(name, host, port, kind or None, as_json, limit, console, credentials))
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_OK) from None
     except aiomqtt.MqttError as err:
+        if is_auth_refusal(err):
+            account = (
+                f"the account {credentials.username!r}"
+                if credentials is not None
+                else "a connection without an account (give --mqtt-username and a password)"
+            )
+            _exit(f"events: MQTT broker {host}:{port} refused {account}: {err}", EXIT_BROKER)
         _exit(f"events: MQTT broker {host}:{port} unreachable or lost: {err}", EXIT_BROKER)
 
 
 def _target(
-    config: Path | None, host: str | None, port: int | None, cluster: str | None
-) -> tuple[str, int, str]:
+    config: Path | None,
+    host: str | None,
+    port: int | None,
+    cluster: str | None,
+    username: str | None,
+    password_file: Path | None,
+) -> tuple[str, int, str, MqttCredentials | None]:
     try:
         cfg = load_config(config) if config is not None else None
     except ConfigError as err:
         _exit(f"events: {err}", EXIT_USAGE)
+    password_env = os.environ.get(PASSWORD_ENV) or None
+    what = "--mqtt-password-file"
     if cfg is not None:
         host = host or cfg.events.mqtt_host
         port = port or cfg.events.mqtt_port
         cluster = cluster or cfg.cluster
-    return host or "127.0.0.1", port or 1883, cluster or "local"
+        if username is None and password_file is None and password_env is None:
+            username, password_file = cfg.events.mqtt_username, cfg.events.mqtt_password_file
+            what = "events.mqtt_password_file"
+    return (
+        host or "127.0.0.1",
+        port or 1883,
+        cluster or "local",
+        _credentials(username, password_file, password_env, what),
+    )
+
+
+def _credentials(
+    username: str | None, password_file: Path | None, password_env: str | None, what: str
+) -> MqttCredentials | None:
+    if password_file is not None and password_env is not None:
+        _exit(f"events: give the password once: --mqtt-password-file or {PASSWORD_ENV}", EXIT_USAGE)
+    has_password = password_file is not None or password_env is not None
+    if username is None and not has_password:
+        return None
+    if username is not None and not username.strip():
+        _exit("events: --mqtt-username is empty", EXIT_USAGE)
+    if username is None:
+        _exit("events: a password without --mqtt-username: give both, or neither", EXIT_USAGE)
+    if not has_password:
+        _exit(
+            f"events: --mqtt-username without a password: give --mqtt-password-file or set "
+            f"{PASSWORD_ENV}",
+            EXIT_USAGE,
+        )
+    try:
+        password = read_mqtt_password(password_file, what) if password_file else password_env
+    except ConfigError as err:
+        _exit(f"events: {err}", EXIT_USAGE)
+    assert password is not None
+    return MqttCredentials(username, password)
 
 
 async def _stream(
@@ -82,9 +154,10 @@ async def _stream(
     as_json: bool,
     limit: int | None,
     console: Console,
+    credentials: MqttCredentials | None = None,
 ) -> None:
     seen = 0
-    async for event in follow(cluster, host, port, kinds):
+    async for event in follow(cluster, host, port, kinds, credentials=credentials):
         if as_json:
             typer.echo(json.dumps(event, default=str))
         else:

@@ -179,6 +179,66 @@ async def test_the_control_plane_publishes_its_retained_status(tmp_path: Path) -
         assert offline["node_id"] == "control-plane"
 
 
+@pytest.mark.parametrize("password", ["cp-secret", None])
+async def test_the_control_plane_publishes_with_its_broker_account(
+    tmp_path: Path, password: str | None
+) -> None:
+    """A broker that refuses anonymous clients (the chart's default): with its account in the
+    config the control plane's events reach a subscriber; without it they are refused, and the
+    bus says so (generation never waits on events)."""
+    import json
+
+    import aiomqtt
+    from fixtures_mqtt import start_mosquitto
+
+    from control_plane.service import ControlPlane
+    from kvfence.config import parse_config
+    from kvfence.events import node_topic
+
+    reader = {"username": "reader", "password": "reader-secret"}
+    with start_mosquitto(
+        users={"kvfence": "cp-secret", **{reader["username"]: "reader-secret"}}
+    ) as broker:
+        base = make_cfg(tmp_path / "cp").model_dump()
+        base["cluster"] = "cp-account"
+        base["events"] = {"mqtt_host": "127.0.0.1", "mqtt_port": broker.port}
+        if password is not None:
+            (tmp_path / "mqtt-password").write_text(password)
+            base["events"] |= {
+                "mqtt_username": "kvfence",
+                "mqtt_password_file": str(tmp_path / "mqtt-password"),
+            }
+        cp = ControlPlane(parse_config(base, environ={}), model_info=make_model_info())
+        await cp.start()
+        try:
+
+            async def status() -> dict | None:
+                async with aiomqtt.Client("127.0.0.1", broker.port, **reader) as client:
+                    await client.subscribe(node_topic("cp-account", "control-plane"), qos=1)
+                    try:
+                        async with asyncio.timeout(0.5):
+                            async for message in client.messages:
+                                return dict(json.loads(bytes(message.payload)))
+                    except TimeoutError:
+                        return None
+                return None
+
+            assert cp.bus is not None
+            if password is not None:
+                got = None
+                for _ in range(20):
+                    if (got := await status()) is not None:
+                        break
+                assert got is not None and got["online"] is True
+                assert cp.bus.last_error is None
+            else:
+                await eventually(lambda: cp.bus is not None and cp.bus.last_error is not None)
+                assert "not authorized" in (cp.bus.last_error or "").lower()
+                assert await status() is None
+        finally:
+            await cp.stop(grace=0)
+
+
 async def test_one_info_line_per_request_and_its_states_at_debug(cluster: Cluster) -> None:
     """A request's state changes are debug lines and its end one info line carrying what an
     operator needs (a busy control plane logged six info lines per request). Control: the

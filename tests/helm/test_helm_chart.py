@@ -5,20 +5,28 @@ helm comes from ``.tools/bin/helm`` (``make helm`` installs it); a missing binar
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
+import aiomqtt
 import kubernetes_validate
 import pytest
 import yaml
+from fixtures_mqtt import MOSQUITTO, free_port, hand_to_broker, wait_for_port
 
 from kvfence.config import Role, parse_config
+from kvfence.events import EventBus, MqttCredentials, is_auth_refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 HELM = ROOT / ".tools" / "bin" / "helm"
@@ -337,6 +345,19 @@ PATH_WITH_SHAPE = [
             "/prefill/pool",
         ),
         (["prefill.drainTimeoutS=-1"], ["prefill.drainTimeoutS=0"], "/prefill/drainTimeoutS"),
+        # A Mosquitto account name goes into the password file (name:hash) and the ACL.
+        (["mqtt.auth.username=a:b"], ["mqtt.auth.username=a-b"], "/mqtt/auth/username"),
+        (["mqtt.auth.username=a b"], ["mqtt.auth.username=ab"], "/mqtt/auth/username"),
+        (
+            ["mqtt.auth.readerUsername=kvfence"],
+            ["mqtt.auth.readerUsername="],
+            "needs a name of its own",
+        ),
+        (
+            ["mqtt.auth.readerPasswordKey=password"],
+            ["mqtt.auth.readerPasswordKey=pw2"],
+            "need keys of their own",
+        ),
         # A pod killed before its drain ends fails the requests the drain was waiting for.
         (
             ["decode.drainTimeoutS=60", "decode.terminationGracePeriodSeconds=60"],
@@ -430,9 +451,11 @@ def test_tls_needs_material_and_switches_probes_to_tcp(helm_home: Path) -> None:
 
 def test_existing_admin_token_secret_is_used(helm_home: Path) -> None:
     docs = render(helm_home, sets=["adminToken.existingSecret=ops-admin", "adminToken.key=tok"])
-    # only the node token's Secret is rendered; the admin token comes from the existing one
+    # only the node token's (and the MQTT passwords') Secret is rendered; the admin token comes
+    # from the existing one
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [
-        f"{FULLNAME}-node-token"
+        f"{FULLNAME}-node-token",
+        f"{FULLNAME}-mqtt",
     ]
     spec = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
     secret = next(v["secret"] for v in spec["volumes"] if v["name"] == "admin-token")
@@ -482,6 +505,300 @@ def test_every_pod_can_reach_its_model(helm_home: Path, values: tuple[Path, ...]
             assert not mounts[-1].get("readOnly", False), f"{role}: {where} is read-only"
         volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
         assert {m["name"] for m in mounts} <= volumes
+
+
+# --- MQTT broker accounts -------------------------------------------------------------------------
+
+MQTT_PASSWORD_FILE = "/etc/kvfence/mqtt/password"
+
+
+def mosquitto_data(docs: list[dict]) -> dict[str, str]:
+    return find(docs, "ConfigMap", f"{FULLNAME}-mosquitto")["data"]
+
+
+def conf_lines(docs: list[dict]) -> list[str]:
+    lines = mosquitto_data(docs)["mosquitto.conf"].splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+def mounted_file(deployment: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the Secret item a pod's container sees at ``path``."""
+    pod = deployment["spec"]["template"]["spec"]
+    (mount,) = [
+        m
+        for m in container(deployment)["volumeMounts"]
+        if Path(path).parent == Path(m["mountPath"])
+    ]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    (item,) = [i for i in volume["secret"]["items"] if i["path"] == Path(path).name]
+    return volume["secret"]["secretName"], item["key"]
+
+
+def test_bundled_broker_requires_an_account_by_default(helm_home: Path) -> None:
+    """The bundled Mosquitto refused no one (allow_anonymous true): anyone who could reach it
+    read every tenant's events and could publish forged ones. By default it now refuses anonymous
+    clients, knows the accounts from a Secret, and every kvfence service (all publish events)
+    loads the kvfence account: its username and a password file that is the Secret's key."""
+    docs = render(helm_home)
+    lines = conf_lines(docs)
+    assert "allow_anonymous false" in lines and "allow_anonymous true" not in lines
+    assert "password_file /mosquitto/auth/passwd" in lines
+    assert "acl_file /mosquitto/auth/acl" in lines
+    acl = mosquitto_data(docs)["acl"].split()
+    grants = ["topic", "readwrite", "kvfence/v1/kvfence/#"]
+    assert acl == ["user", "kvfence", *grants, "user", "kvfence-reader", "topic", "read", grants[2]]
+    secret = find(docs, "Secret", f"{FULLNAME}-mqtt")
+    assert set(secret["data"]) == {"password", "reader-password"}
+    assert all(len(base64.b64decode(v)) == 48 for v in secret["data"].values())  # generated
+    # The broker's password file is made at pod start by its own image's mosquitto_passwd.
+    broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
+    (init,) = broker["spec"]["template"]["spec"]["initContainers"]
+    assert init["image"] == container(broker)["image"]
+    assert "mosquitto_passwd -c -b" in init["command"][-1]
+    assert {"name": "MQTT_USERNAME", "value": "kvfence"} in init["env"]
+    for role in Role:
+        cfg = node_config(docs, role, POD_ENV)
+        assert cfg.events.mqtt_username == "kvfence"
+        assert str(cfg.events.mqtt_password_file) == MQTT_PASSWORD_FILE
+        deployment = find(docs, "Deployment", f"{FULLNAME}-{role}")
+        assert mounted_file(deployment, MQTT_PASSWORD_FILE) == (f"{FULLNAME}-mqtt", "password")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_anonymous_broker_only_when_asked_for(helm_home: Path) -> None:
+    """mqtt.auth.enabled=false is the explicit (unsafe) opt-out: the old anonymous broker, no
+    password Secret, and kvfence connects without an account."""
+    docs = render(helm_home, sets=["mqtt.auth.enabled=false"])
+    lines = conf_lines(docs)
+    assert "allow_anonymous true" in lines and "allow_anonymous false" not in lines
+    assert not [ln for ln in lines if ln.startswith(("password_file", "acl_file"))]
+    assert "acl" not in mosquitto_data(docs)
+    assert f"{FULLNAME}-mqtt" not in [d["metadata"]["name"] for d in docs]
+    broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")["spec"]["template"]["spec"]
+    assert "initContainers" not in broker
+    for role in Role:
+        cfg = node_config(docs, role, POD_ENV)
+        assert cfg.events.mqtt_host is not None and cfg.events.mqtt_username is None
+        volumes = find(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["template"]["spec"]
+        assert "mqtt-password" not in [v["name"] for v in volumes["volumes"]]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+EXTERNAL = ["mqtt.enabled=false", "mqtt.externalUrl=mqtt://broker.example:1883"]
+
+
+def test_external_broker_takes_an_existing_secret(helm_home: Path) -> None:
+    # An external broker's password cannot be generated: without one the render says what to do.
+    rc, _, err = template(helm_home, sets=EXTERNAL)
+    assert rc != 0 and "mqtt.auth.existingSecret" in err and "mqtt.auth.enabled=false" in err
+    sets = [*EXTERNAL, "mqtt.auth.existingSecret=ops-mqtt", "mqtt.auth.username=svc-kvfence"]
+    docs = render(helm_home, sets=sets)
+    assert not [d for d in docs if d["kind"] == "Secret" and "mqtt" in d["metadata"]["name"]]
+    assert not [d for d in docs if d["metadata"]["name"].endswith("mosquitto")]
+    for role in Role:
+        cfg = node_config(docs, role, POD_ENV)
+        assert (cfg.events.mqtt_host, cfg.events.mqtt_username) == ("broker.example", "svc-kvfence")
+        deployment = find(docs, "Deployment", f"{FULLNAME}-{role}")
+        assert mounted_file(deployment, str(cfg.events.mqtt_password_file)) == (
+            "ops-mqtt",
+            "password",
+        )
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    # or the password as a value: the chart renders a Secret with it (no reader account: that one
+    # is the bundled broker's)
+    docs = render(helm_home, sets=[*EXTERNAL, "mqtt.auth.password=ext-pw"])
+    data = find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]
+    assert data == {"password": base64.b64encode(b"ext-pw").decode()}
+    # control: an external broker that takes anonymous clients, said so explicitly
+    docs = render(helm_home, sets=[*EXTERNAL, "mqtt.auth.enabled=false"])
+    assert node_config(docs, "decode", POD_ENV).events.mqtt_username is None
+
+
+@contextmanager
+def chart_broker(docs: list[dict]) -> Iterator[int]:
+    """Run the bundled broker as the chart deploys it: the pod's volumes laid out in a temporary
+    folder (ConfigMap files, Secret items, emptyDir), the init container's script run with its
+    env, then Mosquitto with the rendered config, on a free local port. Yields the port."""
+    deployment = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
+    pod = deployment["spec"]["template"]["spec"]
+    data = mosquitto_data(docs)
+    secrets = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
+    with tempfile.TemporaryDirectory(prefix="kvfence-chart-mqtt-") as tmp:
+        root = Path(tmp)
+        root.chmod(0o755)  # mosquitto, started as root, drops to its own user
+        for volume in pod["volumes"]:
+            where = root / volume["name"]
+            where.mkdir()
+            if "configMap" in volume:
+                for key, text in data.items():
+                    (where / key).write_text(text)
+            elif "secret" in volume:
+                for item in volume["secret"]["items"]:
+                    value = secrets[volume["secret"]["secretName"]][item["key"]]
+                    (where / item["path"]).write_bytes(base64.b64decode(value))
+        mounts = [*container(deployment)["volumeMounts"]]
+        for init in pod.get("initContainers", []):
+            mounts += init["volumeMounts"]
+
+        def local(text: str) -> str:
+            for m in sorted(mounts, key=lambda m: -len(m["mountPath"])):
+                text = text.replace(m["mountPath"], str(root / m["name"]))
+            return text
+
+        for init in pod.get("initContainers", []):
+            env = {**os.environ, **{e["name"]: e["value"] for e in init.get("env", [])}}
+            cmd = [local(part) for part in init["command"]]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stderr
+        for made in (root / "auth").glob("*") if (root / "auth").exists() else ():
+            hand_to_broker(made)
+        port = free_port()
+        args = container(deployment)["command"]
+        assert args[:2] == ["mosquitto", "-c"]
+        conf = Path(local(args[2]))
+        conf.write_text(
+            local(conf.read_text()).replace(
+                f"listener {pod['containers'][0]['ports'][0]['containerPort']}",
+                f"listener {port} 127.0.0.1",
+            )
+        )
+        broker = subprocess.Popen(
+            [MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_for_port("127.0.0.1", port)
+            yield port
+        finally:
+            broker.kill()
+            broker.wait(timeout=5)
+
+
+def chart_account(docs: list[dict], key: str) -> MqttCredentials:
+    a = yaml.safe_load(find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"])
+    users = {"password": a["events"]["mqtt_username"], "reader-password": "kvfence-reader"}
+    value = find(docs, "Secret", f"{FULLNAME}-mqtt")["data"][key]
+    return MqttCredentials(users[key], base64.b64decode(value).decode())
+
+
+async def receive_events(client: aiomqtt.Client, timeout: float) -> list[dict]:
+    got: list[dict] = []
+
+    async def collect() -> None:
+        async for message in client.messages:
+            assert isinstance(message.payload, bytes)
+            got.append(json.loads(message.payload))
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(collect(), timeout)
+    return got
+
+
+def connect(port: int, account: MqttCredentials | None) -> aiomqtt.Client:
+    return aiomqtt.Client(
+        "127.0.0.1",
+        port,
+        username=None if account is None else account.username,
+        password=None if account is None else account.password,
+    )
+
+
+async def test_the_charts_broker_takes_the_charts_accounts_only(
+    helm_home: Path, tmp_path: Path
+) -> None:
+    """End to end with the real Mosquitto: the chart's password file (hashed by the init
+    container's script from the rendered Secret) and ACL. kvfence, configured as the chart
+    configures it, delivers its events; the reader account receives them (positive control); an
+    anonymous client, a wrong password and kvfence without its account are refused; the reader
+    cannot publish a forged event."""
+    docs = render(helm_home)
+    publisher, reader = chart_account(docs, "password"), chart_account(docs, "reader-password")
+    with chart_broker(docs) as port:
+        # kvfence's own config, as a control plane pod loads it, pointed at this broker
+        (tmp_path / "password").write_bytes(
+            base64.b64decode(find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]["password"])
+        )
+        text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+        cfg = parse_config(
+            yaml.safe_load(text),
+            environ={
+                "KVFENCE__EVENTS__MQTT_HOST": "127.0.0.1",
+                "KVFENCE__EVENTS__MQTT_PORT": str(port),
+                "KVFENCE__EVENTS__MQTT_PASSWORD_FILE": str(tmp_path / "password"),
+            },
+        )
+        bus = EventBus.from_config(cfg, "control-plane-0")
+        assert bus.credentials == publisher
+        topic = f"kvfence/v1/{cfg.cluster}/events/#"
+        async with connect(port, reader) as sub:
+            await sub.subscribe(topic, qos=1)
+            await bus.start()
+            try:
+                seqs = [bus.emit("integrity_violation", check="mac") for _ in range(3)]
+                assert await bus.wait_drained(5), bus.last_error
+                got = await receive_events(sub, 1.0)
+                assert [e["seq"] for e in got] == seqs
+                # the reader may not publish: a forged event never reaches a subscriber
+                forged = {"seq": 99, "kind": "integrity_violation", "node_id": "control-plane-0"}
+                async with connect(port, reader) as forger:
+                    await forger.publish(
+                        topic[:-1] + "integrity_violation", json.dumps(forged), qos=1
+                    )
+                assert await receive_events(sub, 0.5) == []
+            finally:
+                await bus.stop()
+        for account in (None, MqttCredentials(publisher.username, "not-" + publisher.password)):
+            with pytest.raises(aiomqtt.MqttError) as err:
+                async with connect(port, account):
+                    pass
+            assert is_auth_refusal(err.value), err.value
+        anonymous = EventBus(cfg.cluster, "control-plane-1", "127.0.0.1", port)
+        await anonymous.start()
+        try:
+            anonymous.emit("node_joined")
+            for _ in range(200):
+                if anonymous.last_error is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert "not authori" in (anonymous.last_error or "").lower()
+            assert anonymous.pending == 1
+        finally:
+            await anonymous.stop(flush_timeout=0.1)
+
+
+async def test_bundled_broker_without_a_reader_account(helm_home: Path) -> None:
+    """readerUsername "" leaves the kvfence account alone in the Secret, the ACL and the password
+    file, and the broker still starts and takes it."""
+    docs = render(helm_home, sets=["mqtt.auth.readerUsername="])
+    assert set(find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]) == {"password"}
+    acl = mosquitto_data(docs)["acl"].split()
+    assert acl == ["user", "kvfence", "topic", "readwrite", "kvfence/v1/kvfence/#"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    publisher = chart_account(docs, "password")
+    with chart_broker(docs) as port:
+        async with connect(port, publisher) as client:
+            await client.subscribe("kvfence/v1/kvfence/events/#", qos=1)
+            await client.publish("kvfence/v1/kvfence/events/node_lost", b"{}", qos=1)
+            assert await receive_events(client, 1.0) == [{}]
+        with pytest.raises(aiomqtt.MqttError) as err:
+            async with connect(port, MqttCredentials("kvfence-reader", "x")):
+                pass
+        assert is_auth_refusal(err.value)
+
+
+async def test_the_charts_anonymous_broker_takes_anyone(helm_home: Path) -> None:
+    """Control for the refusals above: with the opt-out the same broker set-up lets an anonymous
+    client publish and subscribe (what mqtt.auth.enabled=false warns about)."""
+    docs = render(helm_home, sets=["mqtt.auth.enabled=false"])
+    with chart_broker(docs) as port:
+        async with connect(port, None) as sub:
+            await sub.subscribe("kvfence/v1/kvfence/events/#", qos=1)
+            async with connect(port, None) as anyone:
+                await anyone.publish("kvfence/v1/kvfence/events/node_lost", b"{}", qos=1)
+            assert await receive_events(sub, 1.0) == [{}]
 
 
 # --- IPv6 pods ------------------------------------------------------------------------------------
@@ -571,7 +888,14 @@ def test_the_control_plane_pod_outlasts_its_shutdown_grace(helm_home: Path) -> N
 
 # --- Secrets in the pods' checksum ----------------------------------------------------------------
 
-TOKENS = ["adminToken.value=admin-a", "nodeToken.value=node-a"]
+# Every Secret the chart renders by default, with given values: a generated one is drawn anew at
+# each `helm template` (no cluster to look up), and would change the checksums on every render.
+TOKENS = [
+    "adminToken.value=admin-a",
+    "nodeToken.value=node-a",
+    "mqtt.auth.password=mqtt-a",
+    "mqtt.auth.readerPassword=reader-a",
+]
 TLS = [
     "tls.enabled=true",
     "tls.publicCert=PUBCERT",
@@ -592,12 +916,14 @@ def pod_annotations(docs: list[dict]) -> dict[str, dict[str, str]]:
     }
 
 
-def restarted(before: list[str], after: list[str], home: Path) -> set[str]:
+def restarted(
+    before: list[str], after: list[str], home: Path, deployments: Sequence[str] = ROLES
+) -> set[str]:
     """The Deployments whose pod template changes between two `helm upgrade`s: Kubernetes rolls
     exactly those (a Secret itself changes in place)."""
-    a = {r: find(render(home, sets=before), "Deployment", f"{FULLNAME}-{r}") for r in ROLES}
-    b = {r: find(render(home, sets=after), "Deployment", f"{FULLNAME}-{r}") for r in ROLES}
-    return {r for r in ROLES if a[r]["spec"]["template"] != b[r]["spec"]["template"]}
+    a = {r: find(render(home, sets=before), "Deployment", f"{FULLNAME}-{r}") for r in deployments}
+    b = {r: find(render(home, sets=after), "Deployment", f"{FULLNAME}-{r}") for r in deployments}
+    return {r for r in deployments if a[r]["spec"]["template"] != b[r]["spec"]["template"]}
 
 
 @pytest.mark.parametrize(
@@ -607,6 +933,10 @@ def restarted(before: list[str], after: list[str], home: Path) -> set[str]:
         ("nodeToken.value=node-b", {"control-plane", "prefill", "decode"}),
         ("tls.internalKey=INTKEY-2", {"control-plane", "prefill", "decode"}),
         ("tls.publicCert=PUBCERT-2", {"control-plane", "prefill", "decode"}),
+        # every kvfence service publishes events with the kvfence account; the bundled broker
+        # hashes it (and the reader's, which only it knows) at start
+        ("mqtt.auth.password=mqtt-b", {"control-plane", "prefill", "decode", "mosquitto"}),
+        ("mqtt.auth.readerPassword=reader-b", {"mosquitto"}),
     ],
 )
 def test_rotating_a_secret_restarts_the_pods_that_read_it(
@@ -616,10 +946,11 @@ def test_rotating_a_secret_restarts_the_pods_that_read_it(
     rotated Secret must change the pod template of every Deployment that mounts it, or its pods
     keep the old value."""
     base = [*TOKENS, *TLS]
-    assert restarted(base, [*base, change], helm_home) == consumers
+    every = (*ROLES, "mosquitto")
+    assert restarted(base, [*base, change], helm_home, every) == consumers
     # control: the same values again (a second render: renders are cached by their arguments)
     # restart nothing
-    assert restarted(base, base[::-1], helm_home) == set()
+    assert restarted(base, base[::-1], helm_home, every) == set()
 
 
 def test_unrelated_change_restarts_no_pod_for_secrets(helm_home: Path) -> None:
@@ -630,10 +961,17 @@ def test_unrelated_change_restarts_no_pod_for_secrets(helm_home: Path) -> None:
     assert restarted(TOKENS, [*TOKENS, "kv.scrubOnFree=true"], helm_home) == set(ROLES)
 
 
-def _secrets_checksum(secrets: dict[str, dict], names: list[str]) -> str:
-    # What the chart hashes: {secret name: its data} of the Secrets a pod mounts, as Go's
-    # json.Marshal writes it (keys sorted, no spaces).
-    used = {n: secrets[n]["data"] for n in names if n in secrets}
+def _secrets_checksum(
+    secrets: dict[str, dict], names: list[str], keys: dict[str, list[str]] | None = None
+) -> str:
+    # What the chart hashes: {secret name: its data} of the Secrets a pod mounts (only the `keys`
+    # it mounts of some), as Go's json.Marshal writes it (keys sorted, no spaces).
+    keys = keys or {}
+    used = {
+        n: {k: v for k, v in secrets[n]["data"].items() if n not in keys or k in keys[n]}
+        for n in names
+        if n in secrets
+    }
     text = json.dumps(used, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -647,11 +985,19 @@ def test_secrets_checksum_is_the_rendered_secrets(helm_home: Path, sets: list[st
     admin, node, tls = (f"{FULLNAME}-{s}" for s in ("admin-token", "node-token", "tls"))
     assert (tls in secrets) == bool(sets)
     pods = pod_annotations(docs)
+    mqtt = f"{FULLNAME}-mqtt"
+    assert set(secrets[mqtt]["data"]) == {"password", "reader-password"}
+    # kvfence's pods mount the kvfence account's password only
+    publisher = {mqtt: ["password"]}
     assert pods["control-plane"]["checksum/secrets"] == _secrets_checksum(
-        secrets, [admin, node, tls]
+        secrets, [admin, node, tls, mqtt], publisher
     )
     for role in ("prefill", "decode"):
-        assert pods[role]["checksum/secrets"] == _secrets_checksum(secrets, [node, tls])
+        assert pods[role]["checksum/secrets"] == _secrets_checksum(
+            secrets, [node, tls, mqtt], publisher
+        )
+    broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")["spec"]["template"]["metadata"]
+    assert broker["annotations"]["checksum/secrets"] == _secrets_checksum(secrets, [mqtt])
 
 
 def test_user_provided_secrets_get_no_checksum(helm_home: Path) -> None:
@@ -659,14 +1005,17 @@ def test_user_provided_secrets_get_no_checksum(helm_home: Path) -> None:
     says to restart the pods after rotating one); the chart's own Secrets still count."""
     docs = render(helm_home, sets=["adminToken.existingSecret=ops-admin", "nodeToken.value=n"])
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    node = f"{FULLNAME}-node-token"
+    node, mqtt = f"{FULLNAME}-node-token", f"{FULLNAME}-mqtt"
     for role, pod in pod_annotations(docs).items():
-        assert pod["checksum/secrets"] == _secrets_checksum(secrets, [node]), role
+        assert pod["checksum/secrets"] == _secrets_checksum(
+            secrets, [node, mqtt], {mqtt: ["password"]}
+        ), role
     everything_external = [
         "adminToken.existingSecret=ops-admin",
         "nodeToken.existingSecret=ops-node",
         "tls.enabled=true",
         "tls.existingSecret=ops-tls",
+        "mqtt.auth.existingSecret=ops-mqtt",
     ]
     docs = render(helm_home, sets=everything_external)
     assert not [d for d in docs if d["kind"] == "Secret"]

@@ -73,6 +73,55 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-tls" (include "kvfence.fullname" .)) .Values.tls.existingSecret }}
 {{- end }}
 
+{{/* "true" when kvfence connects to its broker (bundled or external) with an account. */}}
+{{- define "kvfence.mqttAuth" -}}
+{{- if and .Values.mqtt.auth.enabled (or .Values.mqtt.enabled .Values.mqtt.externalUrl) }}true{{ end }}
+{{- end }}
+
+{{/* The bundled broker's read-only account, or "" when there is none. */}}
+{{- define "kvfence.mqttReader" -}}
+{{- if and .Values.mqtt.enabled (include "kvfence.mqttAuth" .) }}{{ .Values.mqtt.auth.readerUsername }}{{ end }}
+{{- end }}
+
+{{- define "kvfence.mqttSecretName" -}}
+{{- default (printf "%s-mqtt" (include "kvfence.fullname" .)) .Values.mqtt.auth.existingSecret }}
+{{- end }}
+
+{{/* Values of mqtt.auth that no schema rule can refuse (they compare two values). */}}
+{{- define "kvfence.checkMqttAuth" -}}
+{{- $a := .Values.mqtt.auth }}
+{{- if include "kvfence.mqttAuth" . }}
+{{- if and (not .Values.mqtt.enabled) (not $a.existingSecret) (not $a.password) }}
+{{- fail "mqtt.externalUrl with mqtt.auth.enabled: give the broker's password for mqtt.auth.username in mqtt.auth.existingSecret (or mqtt.auth.password), or set mqtt.auth.enabled=false for a broker that takes anonymous clients (unsafe: see values.yaml)" }}
+{{- end }}
+{{- if include "kvfence.mqttReader" . }}
+{{- if eq $a.readerUsername $a.username }}
+{{- fail (printf "mqtt.auth.readerUsername %q is mqtt.auth.username: the read-only account needs a name of its own (or \"\" for none)" $a.readerUsername) }}
+{{- end }}
+{{- if eq $a.readerPasswordKey $a.passwordKey }}
+{{- fail (printf "mqtt.auth.readerPasswordKey %q is mqtt.auth.passwordKey: the two passwords need keys of their own" $a.passwordKey) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The kvfence account's password, for kvfence pods (events.mqtt_password_file). */}}
+{{- define "kvfence.mqttPasswordVolume" -}}
+- name: mqtt-password
+  secret:
+    secretName: {{ include "kvfence.mqttSecretName" . }}
+    defaultMode: 0400
+    items:
+      - key: {{ .Values.mqtt.auth.passwordKey }}
+        path: password
+{{- end }}
+
+{{- define "kvfence.mqttPasswordMount" -}}
+- name: mqtt-password
+  mountPath: /etc/kvfence/mqtt
+  readOnly: true
+{{- end }}
+
 {{/* MQTT host and port: the bundled broker, the external URL, or none. */}}
 {{- define "kvfence.mqttHostPort" -}}
 {{- if .Values.mqtt.enabled }}
@@ -129,6 +178,7 @@ the pre-install hook checks those with the same code kvfence runs (`kvfence chec
 {{/* The kvfence config file (kvfence/config.py); per-pod fields (node.*) come from env. */}}
 {{- define "kvfence.config" -}}
 {{- include "kvfence.checkPools" . }}
+{{- include "kvfence.checkMqttAuth" . }}
 {{- $m := .Values.model -}}
 {{- $cp := .Values.controlPlane -}}
 cluster: {{ .Values.clusterName | quote }}
@@ -186,6 +236,10 @@ events:
   mqtt_host: null
   {{- end }}
   buffer_size: {{ int64 .Values.mqtt.bufferSize }}
+  {{- if include "kvfence.mqttAuth" . }}
+  mqtt_username: {{ .Values.mqtt.auth.username | quote }}
+  mqtt_password_file: /etc/kvfence/mqtt/password
+  {{- end }}
 {{- if .Values.tls.enabled }}
 tls:
   public_cert: /etc/kvfence/tls/public.crt

@@ -43,8 +43,8 @@ spec:
         {{- include "kvfence.componentSelector" $sel | nindent 8 }}
       annotations:
         checksum/config: {{ include "kvfence.config" $root | sha256sum }}
-        {{- /* it reads the node token and the TLS files once, at start */}}
-        {{- with include "kvfence.secretsChecksum" (dict "root" $root "uses" (list "node" "tls")) }}
+        {{- /* it reads the node token, the TLS files and the MQTT password once, at start */}}
+        {{- with include "kvfence.secretsChecksum" (dict "root" $root "uses" (list "node" "tls" "mqttPublisher")) }}
         checksum/secrets: {{ . }}
         {{- end }}
         {{- with $v.podAnnotations }}
@@ -127,6 +127,9 @@ spec:
           volumeMounts:
             {{- include "kvfence.commonMounts" $root | nindent 12 }}
             {{- include "kvfence.nodeTokenMount" $root | nindent 12 }}
+            {{- if include "kvfence.mqttAuth" $root }}
+            {{- include "kvfence.mqttPasswordMount" $root | nindent 12 }}
+            {{- end }}
             - name: shm
               mountPath: /dev/shm
             {{- /* control_plane.state_dir: where a node writes the embedded model when no
@@ -141,6 +144,9 @@ spec:
       volumes:
         {{- include "kvfence.commonVolumes" $root | nindent 8 }}
         {{- include "kvfence.nodeTokenVolume" $root | nindent 8 }}
+        {{- if include "kvfence.mqttAuth" $root }}
+        {{- include "kvfence.mqttPasswordVolume" $root | nindent 8 }}
+        {{- end }}
         - name: shm
           emptyDir:
             medium: Memory

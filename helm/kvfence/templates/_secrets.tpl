@@ -1,6 +1,8 @@
 {{/*
-The Secrets this chart renders, as JSON: {"admin"|"node"|"tls": {"name": N, "data": {key: base64}}}.
-An entry is absent where the Secret is the user's (existingSecret) or not needed (TLS off).
+The Secrets this chart renders, as JSON: {"admin"|"node"|"tls"|"mqtt": {"name": N, "data": {key:
+base64}}} ("mqttPublisher": the kvfence account's key of "mqtt" alone, which is all that kvfence's
+pods mount). An entry is absent where the Secret is the user's (existingSecret) or not needed (TLS
+off; MQTT without a broker or with mqtt.auth.enabled false).
 
 secrets.yaml renders these, and every Deployment that mounts one hashes its data into the pod
 template (checksum/secrets): the control plane reads both tokens, and every service its TLS files,
@@ -32,6 +34,21 @@ generated token is a randAlphaNum draw, and the Secret and the checksums must se
 {{- $data := dict "public.crt" ($t.publicCert | b64enc) "public.key" ($t.publicKey | b64enc) "ca.crt" ($t.internalCa | b64enc) "internal.crt" ($t.internalCert | b64enc) "internal.key" ($t.internalKey | b64enc) }}
 {{- $_ := set $out "tls" (dict "name" (include "kvfence.tlsSecretName" .) "data" $data) }}
 {{- end }}
+{{- if and (include "kvfence.mqttAuth" .) (not .Values.mqtt.auth.existingSecret) }}
+{{- /* Kept across upgrades too: the broker and kvfence's pods must keep agreeing. */}}
+{{- $a := .Values.mqtt.auth }}
+{{- $name := include "kvfence.mqttSecretName" . }}
+{{- $password := include "kvfence.token" (dict "root" . "name" $name "key" $a.passwordKey "value" $a.password) }}
+{{- $data := dict $a.passwordKey ($password | b64enc) }}
+{{- if include "kvfence.mqttReader" . }}
+{{- $reader := include "kvfence.token" (dict "root" . "name" $name "key" $a.readerPasswordKey "value" $a.readerPassword) }}
+{{- $_ := set $data $a.readerPasswordKey ($reader | b64enc) }}
+{{- end }}
+{{- $_ := set $out "mqtt" (dict "name" $name "data" $data) }}
+{{- /* Not a Secret of its own: the part of the one above that kvfence's pods mount, for their
+       checksum (a new reader password restarts the broker only). */}}
+{{- $_ := set $out "mqttPublisher" (dict "name" $name "data" (pick $data $a.passwordKey)) }}
+{{- end }}
 {{- $_ := set .Values "__kvfenceRenderedSecrets" $out }}
 {{- end }}
 {{- index .Values "__kvfenceRenderedSecrets" | toJson }}
@@ -53,7 +70,7 @@ kept across upgrades), else a new random one. Call with (dict "root" $ "name" N 
 {{- end }}
 
 {{/*
-checksum/secrets of a pod that mounts the Secrets `uses` (a list of "admin", "node", "tls"): the
+checksum/secrets of a pod that mounts the Secrets `uses` (a list of the keys above): the
 sha256 of {name: data} of those the chart renders, as JSON. Empty when it renders none of them: a
 user-provided Secret (existingSecret) is not in the chart, so no checksum can follow it.
 Call with (dict "root" $ "uses" (list "node" "tls")).
