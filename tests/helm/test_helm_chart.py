@@ -278,6 +278,26 @@ def test_batching_values_reach_the_config(helm_home: Path) -> None:
     assert batching(sets) == (128, 4, 512)
 
 
+def test_queue_node_wait_and_transfer_cap_values_reach_the_config(helm_home: Path) -> None:
+    def knobs(sets: list[str]) -> tuple[int, float, int]:
+        text = find(render(helm_home, sets=sets), "ConfigMap", f"{FULLNAME}-config")
+        cfg = parse_config(yaml.safe_load(text["data"]["config.yaml"]), environ={})
+        cp = cfg.control_plane
+        return (
+            cp.admission_queue_per_tenant,
+            cp.no_node_wait_s,
+            cfg.transfer.max_unverified_connections,
+        )
+
+    assert knobs([]) == (64, 10.0, 256)  # control: the defaults, as kvfence's own
+    sets = [
+        "controlPlane.admissionQueuePerTenant=8",
+        "controlPlane.noNodeWaitS=0",
+        "transfer.maxUnverifiedConnections=32",
+    ]
+    assert knobs(sets) == (8, 0.0, 32)
+
+
 def test_hook_configmap_is_created_before_the_hook_job(helm_home: Path) -> None:
     docs = render(helm_home)
     cm = find(docs, "ConfigMap", f"{FULLNAME}-config-check")["metadata"]["annotations"]

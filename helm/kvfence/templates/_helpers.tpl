@@ -212,6 +212,7 @@ transfer:
   reservation_timeout_s: {{ .Values.transfer.reservationTimeoutS }}
   endpoint_pool_max_idle: {{ int .Values.transfer.endpointPoolMaxIdle }}
   endpoint_idle_timeout_s: {{ .Values.transfer.endpointIdleTimeoutS }}
+  max_unverified_connections: {{ int64 .Values.transfer.maxUnverifiedConnections }}
 prefill:
   max_batch_tokens: {{ int .Values.prefill.maxBatchTokens }}
 decode:
@@ -223,6 +224,8 @@ control_plane:
   address: {{ printf "%s:%d" (include "kvfence.controlPlaneHost" .) (int $cp.ports.grpc) | quote }}
   state_dir: /var/lib/kvfence
   admission_queue: {{ int64 $cp.admissionQueue }}
+  admission_queue_per_tenant: {{ int64 $cp.admissionQueuePerTenant }}
+  no_node_wait_s: {{ $cp.noNodeWaitS }}
   default_deadline_s: {{ $cp.defaultDeadlineS }}
   heartbeat_interval_s: {{ $cp.heartbeatIntervalS }}
   node_timeout_s: {{ $cp.nodeTimeoutS }}
