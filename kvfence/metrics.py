@@ -163,7 +163,8 @@ class Metrics:
         # Control plane only (labelled, so the nodes, which never set them, expose no sample).
         self.nodes = Gauge(
             "nodes",
-            "Nodes registered and heartbeating, by role (control plane).",
+            "Nodes that take new requests (registered, heartbeating, not draining), by role "
+            "(control plane).",
             ["role"],
             namespace=NAMESPACE,
             registry=r,
