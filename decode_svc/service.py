@@ -20,6 +20,12 @@ Draining (the node shutting down, ``kvfence.node_main``): a new ``Reserve`` is r
 reason ``NODE_DRAINING``, taking nothing (the control plane tries another node); the transfers,
 ``Decode`` streams and ``Release`` calls of the reservations already made go on, and the node is
 drained once it holds no reservation.
+
+Events about UCX hellos (``stage: ucx_hello``: a connection that said no hello, or a wrong one)
+are what whoever reaches the UCX port can cause at will, so they are bounded: at most
+``HELLO_EVENTS_BURST`` per ``HELLO_EVENTS_INTERVAL_S`` of each kind and check; once such a window
+has closed, one more event of that kind says how many were held back (``suppressed``, with
+``window_s``). ``kvfence_integrity_failures_total`` counts every one.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from kvfence.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvfence.events import EventBus
+from kvfence.events import EventBus, EventLimiter
 from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
 from kvfence.node import NodeRuntime, NodeTokenCheck, sampling_from_proto
@@ -62,6 +68,9 @@ from prefill_svc.service import node_stats
 from .batcher import ActiveSeq, DecodeBatcher
 
 log = kvlog.get_logger("decode")
+
+HELLO_EVENTS_BURST = 10
+HELLO_EVENTS_INTERVAL_S = 10.0
 
 
 def drain_tokens(
@@ -146,6 +155,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.rpc_count = 0
         self.batcher: DecodeBatcher | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._hello_events = EventLimiter(HELLO_EVENTS_BURST, HELLO_EVENTS_INTERVAL_S)
         # Set once the node shuts down: new reservations are refused (module docstring).
         self.draining = False
 
@@ -169,6 +179,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        self.flush_hello_events(force=True)
         for rid in list(self.reservations):
             self._release(rid, "shutdown")
         if self.batcher is not None:
@@ -421,7 +432,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """KvReceiver's reporter: bad hellos and failed transfers become events and metrics."""
         if kind == "integrity_violation":
             self.metrics.integrity_failures_total.labels(check=payload.get("check", "")).inc()
+        if payload.get("stage") == "ucx_hello":  # anyone can cause these: bounded (docstring)
+            what = payload.get("check", payload.get("reason", ""))
+            if not self._hello_events.allow((kind, what)):
+                return
         self.bus.emit(kind, **payload)
+
+    def flush_hello_events(self, force: bool = False) -> None:
+        """One event per kind and check whose window closed with events held back, saying how
+        many (all open windows with ``force``: at shutdown)."""
+        for key, held in self._hello_events.flush(force):
+            kind, what = str(key[0]), str(key[1])  # type: ignore[index]
+            field = "check" if kind == "integrity_violation" else "reason"
+            self.bus.emit(
+                kind,
+                **{field: what},
+                stage="ucx_hello",
+                suppressed=held,
+                window_s=HELLO_EVENTS_INTERVAL_S,
+            )
 
     # ---- release -----------------------------------------------------------------------------
     def release_all(self) -> None:
@@ -455,6 +484,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         timeout = self.cfg.transfer.reservation_timeout_s
         while True:
             await asyncio.sleep(min(timeout / 4, 1.0))
+            self.flush_hello_events()
             now = time.monotonic()
             for rid, res in list(self.reservations.items()):
                 if res.state != ResState.RESERVED:

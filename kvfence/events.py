@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +138,58 @@ def event_topic(cluster: str, kind: str) -> str:
 
 def node_topic(cluster: str, node_id: str) -> str:
     return f"{TOPIC_ROOT}/{cluster}/nodes/{node_id}"
+
+
+class EventLimiter:
+    """At most ``burst`` events per ``interval_s`` for each key; the rest are counted, not sent.
+
+    For events that whoever reaches a port can cause at will (decode's UCX hellos: a forged hello
+    is an integrity violation): without a bound, a flood of them is a flood of log lines and MQTT
+    messages, and fills the event buffer, which evicts other events to keep the security ones. A
+    key's window opens with its first event; ``flush`` returns, once a window has closed, how many
+    of that key's events it held back, which the caller reports as one summary event (``Metrics``
+    still count every one).
+    """
+
+    def __init__(
+        self, burst: int, interval_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if burst < 1 or interval_s <= 0:
+            raise ValueError("burst must be >= 1 and interval_s > 0")
+        self.burst = burst
+        self.interval_s = interval_s
+        self._clock = clock
+        # key -> [window start, events let through in it, events held back in it]
+        self._windows: dict[Hashable, list[float]] = {}
+        # held-back counts of windows that closed before flush() took them
+        self._pending: list[tuple[Hashable, int]] = []
+
+    def allow(self, key: Hashable) -> bool:
+        """Whether this event of ``key`` may be sent (else it is counted as held back)."""
+        now = self._clock()
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.interval_s:
+            if window is not None and window[2]:
+                self._pending.append((key, int(window[2])))
+            self._windows[key] = [now, 1, 0]
+            return True
+        if window[1] < self.burst:
+            window[1] += 1
+            return True
+        window[2] += 1
+        return False
+
+    def flush(self, force: bool = False) -> list[tuple[Hashable, int]]:
+        """(key, held back) for every window that has closed (all of them with ``force``) and
+        held some back; those windows are forgotten."""
+        now = self._clock()
+        out, self._pending = self._pending, []
+        for key, window in list(self._windows.items()):
+            if force or now - window[0] >= self.interval_s:
+                if window[2]:
+                    out.append((key, int(window[2])))
+                del self._windows[key]
+        return out
 
 
 class _Buffer:

@@ -608,7 +608,8 @@ class KvReceiver:
                 # After a completed transfer, the sender closing its idle endpoint is normal.
                 if served == 0 or isinstance(err, TransferError | ValueError):
                     self.report(
-                        "transfer_failed", {"reason": "BAD_HELLO", "error": type(err).__name__}
+                        "transfer_failed",
+                        {"reason": "BAD_HELLO", "error": type(err).__name__, "stage": "ucx_hello"},
                     )
                 return
             strays: list[int] = []

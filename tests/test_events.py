@@ -671,3 +671,23 @@ def test_cli_events_account_usage_errors_exit_2(
     result = run_cli(["events", "-f", "--mqtt-port", str(free_port()), *args], env)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_the_event_limiter_lets_a_burst_through_per_window_and_counts_the_rest() -> None:
+    from kvfence.events import EventLimiter
+
+    now = [0.0]
+    lim = EventLimiter(burst=3, interval_s=10.0, clock=lambda: now[0])
+    assert [lim.allow("a") for _ in range(5)] == [True, True, True, False, False]
+    assert lim.allow("b")  # control: another key has a window of its own
+    assert lim.flush() == []  # no window has closed yet
+    now[0] = 10.0
+    assert lim.flush() == [("a", 2)]  # "b" held nothing back: nothing to say
+    assert [lim.allow("a") for _ in range(4)] == [True, True, True, False]
+    now[0] = 25.0
+    # a window that closed before flush() took it: counted once the next one opens
+    assert lim.allow("a") and lim.flush() == [("a", 1)]
+    assert [lim.allow("a") for _ in range(3)] == [True, True, False]
+    assert lim.flush() == [] and lim.flush(force=True) == [("a", 1)]
+    with pytest.raises(ValueError):
+        EventLimiter(burst=0, interval_s=1.0)

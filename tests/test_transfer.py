@@ -921,3 +921,62 @@ async def test_a_decode_node_caps_unverified_connections_from_its_config(tmp_pat
         for ep in flood:
             ep.abort()
         await dec.stop(grace=0)
+
+
+async def test_a_flood_of_forged_hellos_is_a_bounded_number_of_events(tmp_path):
+    """Anyone who reaches the UCX port can say forged hellos: each is counted in the metric, but
+    only the first HELLO_EVENTS_BURST of a window become events (log lines, MQTT messages, event
+    buffer places); the rest are one summary event saying how many. Control: up to the burst every
+    forged hello is an event, and a silent connection (BAD_HELLO) has a window of its own."""
+    from decode_svc.service import HELLO_EVENTS_BURST
+    from kvfence.config import Role, parse_config
+    from kvfence.model.tiny import ensure_tiny_model
+    from kvfence.node_main import start_node
+
+    tiny = ensure_tiny_model(tmp_path / "tiny")
+    cfg = parse_config(
+        {
+            "model": {"path": str(tiny)},
+            "kv": {"page_size": 16, "decode_pool": {"num_pages": 8}},
+            "control_plane": {"state_dir": str(tmp_path / "state")},
+            "transfer": {"batch_timeout_s": 0.5},
+        },
+        environ={},
+    )
+    dec = await start_node(cfg, Role.DECODE, register=False)
+
+    def events(kind: str, what: str) -> list[dict]:
+        field = "check" if kind == "integrity_violation" else "reason"
+        return [e for e in dec.bus.recent if e["kind"] == kind and e.get(field) == what]
+
+    def counted() -> str:
+        line = 'kvfence_integrity_failures_total{check="UNKNOWN_RESERVATION"'
+        text = dec.metrics.render().decode()
+        return next((x.split()[-1] for x in text.splitlines() if x.startswith(line)), "none")
+
+    flood: list = []
+    try:
+        forged = HELLO_EVENTS_BURST + 7
+        flood = await raw_endpoints(dec.receiver.port, forged + 1)
+        for ep in flood[:HELLO_EVENTS_BURST]:
+            await say(ep, FORGED)
+        assert await eventually(lambda: counted() == f"{HELLO_EVENTS_BURST}.0")
+        assert len(events("integrity_violation", "UNKNOWN_RESERVATION")) == HELLO_EVENTS_BURST
+        for ep in flood[HELLO_EVENTS_BURST:forged]:
+            await say(ep, FORGED)
+        # the last one says nothing: BAD_HELLO once batch_timeout_s has passed
+        assert await eventually(lambda: counted() == f"{forged}.0")
+        assert await eventually(lambda: len(events("transfer_failed", "BAD_HELLO")) == 1)
+        sent = events("integrity_violation", "UNKNOWN_RESERVATION")
+        assert len(sent) == HELLO_EVENTS_BURST and not any("suppressed" in e for e in sent)
+        dec.servicer.flush_hello_events(force=True)
+        [summary] = [
+            e for e in events("integrity_violation", "UNKNOWN_RESERVATION") if "suppressed" in e
+        ]
+        assert summary["suppressed"] == forged - HELLO_EVENTS_BURST
+        assert summary["stage"] == "ucx_hello"
+        assert not [e for e in events("transfer_failed", "BAD_HELLO") if "suppressed" in e]
+    finally:
+        for ep in flood:
+            ep.abort()
+        await dec.stop(grace=0)
