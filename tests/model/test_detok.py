@@ -5,69 +5,27 @@ text finds, and the rewritten ``find_stop``/``stream_safe_len`` answer as the ol
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stop_reference import old_find_stop, old_stream_safe_len
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as RawTokenizer
+from stop_reference import (
+    TEXT_PIECES,
+    byte_level_tokenizer,
+    old_find_stop,
+    old_stream_safe_len,
+    sentencepiece_tokenizer,
+)
 
-from kvfence.detok import IncrementalDetokenizer, StopWatch, cut_rule
+from kvfence.detok import WINDOW_CAP, IncrementalDetokenizer, StopWatch, cut_rule
 from kvfence.model.sampling import find_stop, stream_safe_len
 from kvfence.model.tiny import ensure_tiny_model
 from kvfence.tokenizer import ByteTokenizer, HFTokenizer, _bytes_to_unicode, load_tokenizer
-
-# Pieces that stress what decoding across tokens does: characters of 1-4 UTF-8 bytes, a
-# replacement character that is real text, pieces that look like byte tokens, words with and
-# without the SentencePiece space mark.
-TEXT_PIECES = ["a", "b", "ab", "é", "€", "中文", "😀", "\ufffd", "<0x4", "0x41>", "st", "op", "x"]
-SP_PIECES = ["▁", "▁▁", "▁a", "▁ab", "▁€", "a▁", *TEXT_PIECES]
-SPECIALS = ["<unk>", "<s>", "</s>"]
-ADDED = [("<|eot|>", True), ("<tool>", False), ("<0x41>", False), ("▁plain", False)]
-
-
-def _save(tok: RawTokenizer, folder: Path, name: str) -> HFTokenizer:
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    for content, special in ADDED:
-        added = AddedToken(content, special=special, normalized=False)
-        (tok.add_special_tokens if special else tok.add_tokens)([added])
-    path = folder / f"{name}.json"
-    path.write_text(tok.to_str())
-    return HFTokenizer(path)
-
-
-def sentencepiece_tokenizer(folder: Path, strip: bool = True) -> HFTokenizer:
-    """Llama 2 / Mistral's layout: BPE with byte fallback (<0x00>..<0xFF> after three specials),
-    Metaspace, and the Replace, ByteFallback, Fuse, Strip decoder chain."""
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    vocab.update({f"<0x{b:02X}>": len(SPECIALS) + b for b in range(256)})
-    for piece in SP_PIECES:
-        vocab.setdefault(piece, len(vocab))
-    tok = RawTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    chain = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(chain + ([decoders.Strip(" ", 1, 0)] if strip else []))
-    return _save(tok, folder, f"sentencepiece-{strip}")
-
-
-def byte_level_tokenizer(folder: Path) -> HFTokenizer:
-    """GPT-2 / Llama 3 / Qwen2's layout: byte-level BPE whose multi-byte pieces split characters."""
-    to_char = _bytes_to_unicode()
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    vocab.update({to_char[b]: len(SPECIALS) + b for b in range(256)})
-    for piece in [*TEXT_PIECES, " a", "ab c"]:
-        raw = piece.encode()
-        for cut in range(len(raw)):  # whole pieces and pieces that end mid-character
-            vocab.setdefault("".join(to_char[b] for b in raw[: cut + 1]), len(vocab))
-            vocab.setdefault("".join(to_char[b] for b in raw[cut:]), len(vocab))
-    tok = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return _save(tok, folder, "byte-level")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +45,8 @@ KINDS = ["tiny", "byte", "byte-level", "sentencepiece", "sentencepiece-nostrip"]
 
 
 def ids_for(tok: object) -> st.SearchStrategy[list[int]]:
-    """Random ids, weighted towards UTF-8 lead and continuation bytes and past the vocabulary."""
+    """Random ids, weighted towards UTF-8 lead and continuation bytes and past the vocabulary, or
+    runs of byte tokens (byte b is id 3 + b in every tokenizer here) among them."""
     size = tok.vocab_size  # type: ignore[attr-defined]
     utf8 = [3 + b for b in (0x41, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80)]
     one = st.one_of(
@@ -95,7 +54,46 @@ def ids_for(tok: object) -> st.SearchStrategy[list[int]]:
         st.sampled_from([0, 1, 2, *utf8]),  # specials and bytes of multi-byte characters
         st.integers(max(0, size - 30), size - 1),  # the added tokens and the last pieces
     )
-    return st.lists(one, max_size=40)
+    # A pattern of byte chunks, repeated: runs that are never valid, that stay valid for long (a
+    # byte-fallback group that a later byte can still turn invalid), and mixes of both.
+    run = st.tuples(
+        st.lists(st.sampled_from(BYTE_CHUNKS), min_size=1, max_size=4), st.integers(1, 25)
+    ).map(lambda t: [3 + b for _ in range(t[1]) for chunk in t[0] for b in chunk])
+    runs = st.lists(st.one_of(one.map(lambda i: [i]), run, text_in_pieces(tok)), max_size=8)
+    return st.one_of(
+        st.lists(one, max_size=40), runs.map(lambda parts: [i for p in parts for i in p][:160])
+    )
+
+
+@st.composite
+def text_in_pieces(draw: st.DrawFn, tok: object) -> list[int]:
+    """Text cut into the tokenizer's pieces at random places: on the byte-level tokenizer, pieces
+    that begin inside one character and end inside the next, one after the other (on the
+    others, its bytes)."""
+    text = "".join(draw(st.lists(st.sampled_from(["中文", "中", "😀", "€", "é", "a", " "]))))
+    raw = text.encode()
+    byte_level = isinstance(tok, HFTokenizer) and b'"ByteLevel"' in tok._tok.decoder.__getstate__()
+    vocab = tok._tok.get_vocab() if byte_level else {}
+    to_char = _bytes_to_unicode()
+    ids, at = [], 0
+    while at < len(raw):
+        n = draw(st.integers(1, 6))
+        while n > 1 and "".join(to_char[b] for b in raw[at : at + n]) not in vocab:
+            n -= 1
+        piece = "".join(to_char[b] for b in raw[at : at + n])
+        ids.append(vocab.get(piece, 3 + raw[at]))  # one byte: 3 + b
+        at += n
+    return ids
+
+
+BYTE_CHUNKS = [
+    b"\x80", b"\xff", b"\xc0", b"\xe2", b"\xed\xa0",  # never valid, or cut off by what follows
+    b"\xe2\x82", b"\xf0\x9f\x98",  # the start of a character
+    "😀".encode(), "€".encode(), "é".encode(), b"A", b" ", "\ufffd".encode(),  # whole characters
+]  # fmt: skip
+# How long a window may grow before a cut is forced: one id (a forced cut at every chance) up to
+# the default.
+CAPS = st.sampled_from([1, 2, 3, 4, 5, 8, WINDOW_CAP])
 
 
 def test_the_supported_tokenizers_are_incremental_and_others_fall_back(tokenizers: dict) -> None:
@@ -122,7 +120,7 @@ def test_the_incremental_text_is_the_full_decode_after_every_token(
     tok = tokenizers[kind]
     ids = data.draw(ids_for(tok))
     chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)))
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, window_cap=data.draw(CAPS))
     emitted, n = "", 0
     while n < len(ids):
         step = ids[n : n + chunks[n]]
@@ -142,7 +140,7 @@ def test_the_incremental_text_is_the_full_decode_after_every_token(
 def test_the_stable_text_never_changes(tokenizers: dict, kind: str, data: st.DataObject) -> None:
     tok = tokenizers[kind]
     ids = data.draw(ids_for(tok))
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, window_cap=data.draw(CAPS))
     stable: list[str] = []
     for i in ids:
         detok.push([i])
@@ -164,7 +162,7 @@ def test_stop_strings_are_found_where_a_search_of_the_whole_text_finds_them(
     spans = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3))
     stops = [whole[a : a + n] for a, n in spans if whole[a : a + n]]
     stops += data.draw(st.lists(st.sampled_from([*TEXT_PIECES, "é€", "b中"]), max_size=3))
-    watch = StopWatch(tok, stops)
+    watch = StopWatch(tok, stops, window_cap=data.draw(CAPS))
     for n in range(1, len(ids) + 1):
         want = old_find_stop(tok.decode(ids[:n]), stops) if stops else None
         got = watch.push(ids[watch.token_count : n])
@@ -219,3 +217,15 @@ def test_a_decoder_not_argued_for_falls_back_to_the_full_decode(tmp_path: Path) 
     for n in range(1, len(ids) + 1):
         detok.push(ids[n - 1 : n])
         assert detok.text() == tok.decode(ids[:n])
+
+
+@pytest.mark.parametrize("build", [sentencepiece_tokenizer, byte_level_tokenizer])
+def test_the_cache_of_what_a_tokenizer_is_does_not_keep_it_alive(build, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    tok = build(tmp_path)
+    detok = IncrementalDetokenizer(tok)
+    detok.push([3 + 0x41, 3 + 0x80])
+    assert detok.exact and cut_rule(tok) is not None
+    gone = weakref.ref(tok)
+    del tok, detok
+    gc.collect()
+    assert gone() is None
