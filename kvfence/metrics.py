@@ -17,6 +17,8 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kvfence import PROTOCOL_VERSION, __version__
+
 NAMESPACE = "kvfence"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -58,6 +60,17 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_ConstLabels(self._inner, {"service": service}))
         r = self._inner
+
+        # Always 1: which release and control-plane/node protocol this process runs, so that a
+        # dashboard (or `count by (version)`) shows a half-finished upgrade.
+        self.build_info = Gauge(
+            "build_info",
+            "The kvfence release and control-plane/node protocol this process runs (always 1).",
+            ["version", "protocol"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.build_info.labels(version=__version__, protocol=str(PROTOCOL_VERSION)).set(1)
 
         self.requests_total = Counter(
             "requests_total",

@@ -6,6 +6,7 @@ import urllib.request
 
 import pytest
 
+from kvfence import PROTOCOL_VERSION, __version__
 from kvfence.metrics import Metrics
 
 
@@ -46,6 +47,8 @@ EXPECTED = [
     'kvfence_request_state_seconds_bucket{le="0.05",service="decode",state="prefilling"} 1.0',
     'kvfence_rpcs_total{method="Reserve",service="decode"} 1.0',
     'kvfence_events_dropped_total{service="decode"} 7.0',
+    f'kvfence_build_info{{protocol="{PROTOCOL_VERSION}",service="decode",'
+    f'version="{__version__}"}} 1.0',
 ]
 
 
