@@ -6,7 +6,9 @@ first start and kept in ``<state_dir>/admin_token`` (mode 0600), so restarts kee
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ from kvfence.server import abort, bearer_token
 
 log = get_logger("admin")
 R = TypeVar("R")
+BACKUP_CHUNK_BYTES = 1 << 20  # well under the 64 MiB message limit of every channel
 
 
 def load_admin_token(cp: ControlPlaneConfig) -> str:
@@ -143,6 +146,27 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         tenant = self.tenants.set_limits(request.name, limits_from_pb(request.limits))
         log.info("tenant limits set", tenant=tenant.name)
         return tenant_pb(tenant)
+
+    @_admin_only
+    async def BackupTenants(
+        self, request: control_pb2.BackupTenantsRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        # The snapshot (SQLite's backup API, disk I/O) runs in a worker thread: requests and
+        # heartbeats go on meanwhile, and so do changes to tenants (the snapshot is of one moment).
+        data, digest = await asyncio.to_thread(self._snapshot)
+        log.info("tenant database backed up", bytes=len(data), sha256=digest)
+        view = memoryview(data)
+        first = control_pb2.BackupTenantsChunk(
+            data=bytes(view[:BACKUP_CHUNK_BYTES]), total_bytes=len(data), sha256=digest
+        )
+        await context.write(first)
+        for start in range(BACKUP_CHUNK_BYTES, len(data), BACKUP_CHUNK_BYTES):
+            chunk = bytes(view[start : start + BACKUP_CHUNK_BYTES])
+            await context.write(control_pb2.BackupTenantsChunk(data=chunk))
+
+    def _snapshot(self) -> tuple[bytes, str]:
+        data = self.tenants.snapshot()
+        return data, hashlib.sha256(data).hexdigest()
 
     # -- cluster -----------------------------------------------------------------------------------
 

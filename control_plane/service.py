@@ -28,7 +28,7 @@ from control_plane.model_info import ModelAccess, ModelInfo, load_model_info
 from control_plane.pipeline import SHUTTING_DOWN, EventSink, Pipeline, PipelineDeps
 from control_plane.registry import ROLES, Node, NodeRegistryServicer, Registry
 from control_plane.routing import NodeClients
-from control_plane.tenants import TenantStore
+from control_plane.tenants import TENANTS_DB, TenantStore
 from kvfence import tls
 from kvfence.auth import load_node_token
 from kvfence.config import ClusterConfig
@@ -43,7 +43,6 @@ log = get_logger("control_plane")
 
 PUBLIC_SERVICES = ["kvfence.v1.Generation", "kvfence.v1.NodeRegistry"]
 ADMIN_SERVICES = ["kvfence.v1.Admin"]
-TENANTS_DB = "tenants.sqlite3"
 
 
 @dataclass(frozen=True)

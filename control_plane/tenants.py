@@ -3,25 +3,39 @@
 An API key is 256 random bits, shown once at creation; the store keeps only its SHA-256, so a copy
 of the database does not let anyone call the API. Every authentication reads the database, so a
 revoked key is refused from the next request on. Calls are short and local, so they run inline on
-the event loop.
+the event loop; a backup (:meth:`TenantStore.snapshot`) is not, and runs in a worker thread.
+
+One control plane per state directory: the store holds an exclusive ``flock`` on
+``<state_dir>/tenants.sqlite3.lock`` for as long as it is open, so a second control plane on the
+same directory fails to start, and :func:`restore` (offline: it replaces the database file)
+refuses while a control plane runs on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import io
+import os
 import re
 import secrets
+import shutil
+import socket
 import sqlite3
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import grpc
 
-from kvfence.errors import InvalidArgument, KvfenceError, NotFound
+from kvfence.errors import IntegrityError, InvalidArgument, KvfenceError, NotFound
 
+TENANTS_DB = "tenants.sqlite3"  # the database's file name in the state directory
 KEY_PREFIX = "kvf_"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # whole name: fullmatch
 
@@ -46,6 +60,14 @@ CREATE TABLE IF NOT EXISTS api_keys (
 class AlreadyExists(KvfenceError):
     code = grpc.StatusCode.ALREADY_EXISTS
     default_reason = "ALREADY_EXISTS"
+
+
+class StateDirInUse(RuntimeError):
+    """Another process (a control plane, or a restore) holds the state directory's lock."""
+
+
+class NotATenantDatabase(ValueError):
+    """A file offered for restore is not a sound kvfence tenant database."""
 
 
 @dataclass(frozen=True)
@@ -86,19 +108,95 @@ def _check_limits(limits: TenantLimits) -> None:
             raise InvalidArgument(f"{name} must be between 0 and 2^31-1, got {value}")
 
 
+def lock_path(db_path: Path) -> Path:
+    return db_path.with_name(db_path.name + ".lock")
+
+
+def lock_state(db_path: Path, user: str) -> int:
+    """Take the exclusive lock on ``db_path``'s state directory; returns the lock's fd (closing
+    it releases the lock, as does the process's exit). ``user`` says who holds it, for the message
+    another process gets. Raises :class:`StateDirInUse` when it is held."""
+    path = lock_path(db_path)
+    # os.open's fds are not inherited by child processes (PEP 446): a subprocess started while the
+    # lock is held does not keep it after this process lets go.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = b""
+        with contextlib.suppress(OSError):
+            holder = os.pread(fd, 200, 0)
+        os.close(fd)
+        held_by = holder.decode(errors="replace").strip() or "another process"
+        raise StateDirInUse(
+            f"the state directory {db_path.parent} is in use ({held_by} holds {path}): "
+            "one control plane per state directory, and restore only while none runs on it"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{user} (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
+    return fd
+
+
 class TenantStore:
-    """The tenant database; one instance per control plane process."""
+    """The tenant database; one instance per control plane process, and per state directory."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        self._lock: int | None = lock_state(path, "a control plane")
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+        except BaseException:
+            self._unlock()
+            raise
 
     def close(self) -> None:
         self._db.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def snapshot(self) -> bytes:
+        """A consistent copy of the database, as one self-contained SQLite file (no -wal).
+
+        SQLite's online backup API, in one step on a connection of its own: it reads one
+        snapshot of the database while this store's connection goes on writing (WAL readers and
+        the writer do not block each other). Blocking (disk I/O): call it in a worker thread.
+        IntegrityError (DATA_LOSS) when the copy fails SQLite's integrity check: the database
+        itself is damaged, and no backup is better than a damaged one.
+        """
+        try:
+            # In the state directory: the chart's pods have a read-only root file system, and no
+            # /tmp of their own; the state volume is writable (and as private as the database).
+            with tempfile.TemporaryDirectory(prefix=".backup-", dir=self.path.parent) as tmp:
+                copy = Path(tmp) / TENANTS_DB
+                src = sqlite3.connect(self.path, timeout=30.0)
+                try:
+                    dst = sqlite3.connect(copy, isolation_level=None)
+                    try:
+                        src.backup(dst)  # pages=-1: every page in one step, one read transaction
+                        # The copy carries the source's WAL flag; a backup file stands alone.
+                        dst.execute("PRAGMA journal_mode=DELETE")
+                        _check_integrity(dst, "the tenant database")
+                    finally:
+                        dst.close()
+                finally:
+                    src.close()
+                return copy.read_bytes()
+        except NotATenantDatabase as err:
+            raise IntegrityError(str(err), reason="TENANT_DATABASE_DAMAGED") from None
+        except (sqlite3.Error, OSError) as err:
+            raise KvfenceError(f"the backup of the tenant database failed: {err}") from None
 
     def create_tenant(self, name: str, limits: TenantLimits) -> tuple[Tenant, str, str]:
         """Create ``name`` with one API key; returns (tenant, api_key, key_id)."""
@@ -214,3 +312,141 @@ class TenantStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+
+# -- offline restore -------------------------------------------------------------------------------
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _schema(db: sqlite3.Connection) -> set[tuple[str, str, str, str]]:
+    rows = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+    return {(t, n, tbl, " ".join((sql or "").split())) for t, n, tbl, sql in rows}
+
+
+def _expected_schema() -> set[tuple[str, str, str, str]]:
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(_SCHEMA)
+        return _schema(db)
+    finally:
+        db.close()
+
+
+def _check_integrity(db: sqlite3.Connection, what: str) -> None:
+    result = [row[0] for row in db.execute("PRAGMA integrity_check").fetchall()]
+    if result != ["ok"]:
+        raise NotATenantDatabase(f"{what} fails SQLite's integrity check: {'; '.join(result[:3])}")
+    if db.execute("PRAGMA foreign_key_check").fetchone() is not None:
+        raise NotATenantDatabase(f"{what} has API keys of tenants that do not exist")
+
+
+def check_database(path: Path, name: str | None = None) -> tuple[int, int]:
+    """Check that ``path`` is a sound kvfence tenant database: a SQLite file whose tables are
+    exactly those :class:`TenantStore` creates, passing ``integrity_check``. Returns (tenants,
+    API keys). Raises :class:`NotATenantDatabase` saying what is wrong.
+
+    It opens the file read-write (a WAL-flagged copy is converted to a self-contained one): pass
+    a copy, not a file that must stay as it is. Messages call the file ``name`` (default: path).
+    """
+    name = name or str(path)
+    with path.open("rb") as f:
+        if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+            raise NotATenantDatabase(f"{name} is not a SQLite database")
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=DELETE")
+        _check_integrity(db, name)
+        schema, want = _schema(db), _expected_schema()
+        if schema != want:
+            have = sorted(n for t, n, _, _ in schema if t == "table")
+            raise NotATenantDatabase(
+                f"{name} is a SQLite database but not a kvfence tenant database (tables "
+                f"{', '.join(have) or 'none'}; expected api_keys, tenants as kvfence creates them)"
+            )
+        tenants = db.execute("SELECT count(*) FROM tenants").fetchone()[0]
+        keys = db.execute("SELECT count(*) FROM api_keys").fetchone()[0]
+        return int(tenants), int(keys)
+    except sqlite3.DatabaseError as err:
+        raise NotATenantDatabase(f"{name} is not a usable SQLite database: {err}") from None
+    finally:
+        db.close()
+
+
+@dataclass(frozen=True)
+class Restored:
+    path: Path  # the restored database
+    previous: Path | None  # where the database it replaced was kept (None: there was none)
+    tenants: int
+    keys: int
+
+
+_SIDE_FILES = ("-wal", "-journal", "-shm")
+
+
+def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -> Restored:
+    """Replace ``state_dir``'s tenant database with ``backup``, a file or a readable binary stream
+    (stdin) called ``name`` in messages (offline: no control plane may run on ``state_dir``;
+    :class:`StateDirInUse` otherwise).
+
+    The backup is copied next to the database and checked there (:func:`check_database`); only
+    then the current database (with its -wal, which may hold committed changes) is renamed to
+    ``tenants.sqlite3.bak-<UTC time>`` (a database SQLite can still open, -wal included) and the
+    copy renamed into place. The lock is held throughout, so no control plane starts meanwhile.
+    """
+    if not state_dir.is_dir():
+        raise FileNotFoundError(f"state directory {state_dir} does not exist")
+    if isinstance(backup, Path) and not backup.is_file():
+        raise FileNotFoundError(f"backup file {backup} does not exist")
+    name = name or str(backup)
+    db_path = state_dir / TENANTS_DB
+    fd = lock_state(db_path, "kvfence tenants restore")
+    staged = state_dir / (TENANTS_DB + ".restoring")
+    try:
+        for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):
+            p.unlink(missing_ok=True)
+        with _create_private(staged) as dst:
+            if isinstance(backup, Path):
+                with backup.open("rb") as src:
+                    shutil.copyfileobj(src, dst)
+            else:
+                shutil.copyfileobj(backup, dst)
+        tenants, keys = check_database(staged, name)
+        with open(staged, "rb") as f:
+            os.fsync(f.fileno())
+        # The current database and its journal move aside together, under SQLite's names for a
+        # database and its journal, so the kept copy opens with its committed -wal changes. A
+        # journal left without its database moves aside too: SQLite would replay it onto the
+        # restored file. The -shm is an index SQLite rebuilds; stale, it must not stay.
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        kept = _free_name(state_dir, f"{TENANTS_DB}.bak-{stamp}")
+        previous = kept if db_path.exists() else None
+        for suffix in ("", "-wal", "-journal"):
+            current = Path(f"{db_path}{suffix}")
+            if current.exists():
+                os.rename(current, Path(f"{kept}{suffix}"))
+        Path(f"{db_path}-shm").unlink(missing_ok=True)
+        os.replace(staged, db_path)
+        dir_fd = os.open(state_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return Restored(db_path, previous, tenants, keys)
+    finally:
+        for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):
+            p.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _create_private(path: Path) -> io.BufferedWriter:
+    """``path`` created for writing, owner-only (it holds key hashes)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+
+
+def _free_name(directory: Path, name: str) -> Path:
+    path, n = directory / name, 1
+    while path.exists() or Path(f"{path}-wal").exists():
+        n += 1
+        path = directory / f"{name}.{n}"
+    return path

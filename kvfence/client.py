@@ -15,6 +15,7 @@ stable: tests and operators depend on it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import grpc
 
 from kvfence.auth import bearer_metadata
-from kvfence.errors import Cancelled, from_rpc_error
+from kvfence.errors import Cancelled, IntegrityError, from_rpc_error
 from kvfence.proto.kvfence.v1 import (
     client_pb2,
     client_pb2_grpc,
@@ -445,6 +446,33 @@ class AdminClient:
     def check_config(self) -> control_pb2.CheckConfigResponse:
         """Every registered node's pool against the context window and the enforced limit."""
         return self._call("CheckConfig", control_pb2.CheckConfigRequest())
+
+    def backup_tenants(self, timeout: float | None = 120.0) -> bytes:
+        """A consistent snapshot of the tenant database: a self-contained SQLite file holding
+        tenants, limits and API key hashes (keep it private). ``kvfence tenants restore`` puts it
+        back. IntegrityError if what arrived is not the whole file the control plane sent."""
+        call = self._stub.BackupTenants(
+            control_pb2.BackupTenantsRequest(), metadata=self._metadata, timeout=timeout
+        )
+        parts: list[bytes] = []
+        total, digest = -1, ""
+        try:
+            for i, chunk in enumerate(call):
+                if i == 0:
+                    total, digest = chunk.total_bytes, chunk.sha256
+                parts.append(chunk.data)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+        data = b"".join(parts)
+        if len(data) != total or hashlib.sha256(data).hexdigest() != digest:
+            raise IntegrityError(
+                f"the backup is incomplete or damaged: got {len(data)} bytes, the control plane "
+                f"sent {max(total, 0)}",
+                reason="BACKUP_MISMATCH",
+            )
+        return data
 
     def close(self) -> None:
         self._channel.close()

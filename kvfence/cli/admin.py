@@ -1,4 +1,5 @@
-"""Operator commands over the admin API: tenants, nodes, model access, requests in flight.
+"""Operator commands over the admin API: tenants, nodes, model access, requests in flight, and
+the tenant database's backup (over the API) and restore (offline, on the state directory).
 
 Every command takes ``--target`` (admin HOST:PORT, env KVFENCE_ADMIN_TARGET),
 ``--admin-token`` (env KVFENCE_ADMIN_TOKEN; else ``.kvfence/admin_token`` when the default state
@@ -11,6 +12,7 @@ is reported in one line on stderr with exit status 1; an out-of-range option is 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +47,8 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
     tenants.command("create-key")(tenants_create_key)
     tenants.command("revoke-key")(tenants_revoke_key)
     tenants.command("set-limits")(tenants_set_limits)
+    tenants.command("backup")(tenants_backup)
+    tenants.command("restore")(tenants_restore)
     model.command("status")(model_status)
     model.command("offline")(model_offline)
     model.command("online")(model_online)
@@ -240,6 +244,115 @@ def tenants_set_limits(
         f"tenant {tenant.name}: max concurrent {_limit(lim.max_concurrent_requests)}, "
         f"max tokens {_limit(lim.max_tokens_per_request)}, "
         f"scrub on free {'yes' if lim.scrub_on_free else 'no'}"
+    )
+
+
+def tenants_backup(
+    out_file: Path = typer.Argument(..., help="File to write (owner-only: it holds key hashes)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT_FILE if it exists."),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds for the transfer."),
+    target: str = TARGET,
+    admin_token: str | None = TOKEN,
+    tls_ca: str | None = TLS_CA,
+) -> None:
+    """Back up the tenant database of a running control plane to a file.
+
+    A consistent snapshot of tenants, limits and API key hashes, checked and written owner-only
+    (0600); `kvfence tenants restore` puts it back.
+    """
+    from control_plane.tenants import NotATenantDatabase, check_database
+
+    if out_file.is_dir():
+        raise _fail(f"{out_file} is a directory")
+    if not out_file.parent.is_dir():
+        raise _fail(f"cannot write {out_file}: no directory {out_file.parent}")
+    if out_file.exists() and not force:
+        raise _fail(f"{out_file} exists; pass --force to overwrite it")
+    with _admin(target, admin_token, tls_ca) as admin:
+        data = admin.backup_tenants(timeout=timeout)
+    # Written beside OUT_FILE and moved into place: never a half-written backup under its name,
+    # never readable by others, not even for a moment.
+    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        raise _fail(f"cannot write {out_file}: {_os_error(err)}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tenants, keys = check_database(tmp, "the backup")
+        if force:
+            os.replace(tmp, out_file)
+        else:
+            _link_new(tmp, out_file)
+    except FileExistsError:
+        raise _fail(f"{out_file} exists; pass --force to overwrite it") from None
+    except NotATenantDatabase as err:
+        raise _fail(str(err)) from None
+    except OSError as err:
+        raise _fail(f"cannot write {out_file}: {_os_error(err)}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    typer.echo(
+        f"backed up {tenants} tenants and {keys} API keys to {out_file} ({len(data)} bytes, "
+        "owner-only: it holds API key hashes)"
+    )
+
+
+def _link_new(tmp: Path, out_file: Path) -> None:
+    """``tmp`` under the name ``out_file``, which must not exist (FileExistsError)."""
+    try:
+        os.link(tmp, out_file)  # atomic: fails if OUT_FILE appeared meanwhile
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links
+        if out_file.exists():
+            raise FileExistsError(out_file) from None
+        os.replace(tmp, out_file)
+
+
+def _os_error(err: OSError) -> str:
+    if err.strerror is None:
+        return str(err)
+    return err.strerror + (f": {err.filename}" if err.filename else "")
+
+
+def tenants_restore(
+    backup: Path = typer.Argument(
+        ..., help="A file written by `kvfence tenants backup`; - reads it from stdin."
+    ),
+    state_dir: Path = typer.Option(
+        ...,
+        "--state-dir",
+        help="The control plane's state directory (control_plane.state_dir; "
+        "/var/lib/kvfence in the Helm chart).",
+    ),
+) -> None:
+    """Restore the tenant database of a state directory from a backup (offline).
+
+    Refused while a control plane runs on that directory, and for a file that is not a sound
+    kvfence tenant database. The database it replaces is kept beside it as
+    tenants.sqlite3.bak-<time>.
+    """
+    from control_plane.tenants import NotATenantDatabase, StateDirInUse, restore
+
+    try:
+        if str(backup) == "-":  # e.g. through `kubectl exec -i`, into a pod without tar
+            done = restore(state_dir, sys.stdin.buffer, "the backup on stdin")
+        else:
+            done = restore(state_dir, backup)
+    except StateDirInUse as err:
+        raise _fail(f"{err}; stop it first") from None
+    except NotATenantDatabase as err:
+        raise _fail(f"refusing to restore: {err}") from None
+    except OSError as err:
+        raise _fail(f"cannot restore: {_os_error(err)}") from None
+    kept = f"the previous one is kept as {done.previous}" if done.previous else "there was none"
+    typer.echo(
+        f"restored {done.tenants} tenants and {done.keys} API keys into {done.path} from "
+        f"{'stdin' if str(backup) == '-' else backup}; {kept}"
     )
 
 

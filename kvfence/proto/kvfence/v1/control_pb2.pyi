@@ -298,3 +298,17 @@ class CheckConfigResponse(_message.Message):
     clamped: bool
     pools: _containers.RepeatedCompositeFieldContainer[PoolCheck]
     def __init__(self, ok: _Optional[bool] = ..., context_window: _Optional[int] = ..., admissible_limit: _Optional[int] = ..., clamped: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolCheck, _Mapping]]] = ...) -> None: ...
+
+class BackupTenantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BackupTenantsChunk(_message.Message):
+    __slots__ = ("data", "total_bytes", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    sha256: str
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...

@@ -205,6 +205,11 @@ class AdminStub:
                 request_serializer=kvfence_dot_v1_dot_control__pb2.CheckConfigRequest.SerializeToString,
                 response_deserializer=kvfence_dot_v1_dot_control__pb2.CheckConfigResponse.FromString,
                 _registered_method=True)
+        self.BackupTenants = channel.unary_stream(
+                '/kvfence.v1.Admin/BackupTenants',
+                request_serializer=kvfence_dot_v1_dot_control__pb2.BackupTenantsRequest.SerializeToString,
+                response_deserializer=kvfence_dot_v1_dot_control__pb2.BackupTenantsChunk.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -278,6 +283,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BackupTenants(self, request, context):
+        """A consistent snapshot of the tenant database (tenants, limits, API key hashes), taken with
+        SQLite's online backup API while the control plane serves: a self-contained SQLite file, in
+        chunks. The first chunk carries the size and SHA-256 of the whole file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -335,6 +349,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.CheckConfig,
                     request_deserializer=kvfence_dot_v1_dot_control__pb2.CheckConfigRequest.FromString,
                     response_serializer=kvfence_dot_v1_dot_control__pb2.CheckConfigResponse.SerializeToString,
+            ),
+            'BackupTenants': grpc.unary_stream_rpc_method_handler(
+                    servicer.BackupTenants,
+                    request_deserializer=kvfence_dot_v1_dot_control__pb2.BackupTenantsRequest.FromString,
+                    response_serializer=kvfence_dot_v1_dot_control__pb2.BackupTenantsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -635,6 +654,33 @@ class Admin:
             '/kvfence.v1.Admin/CheckConfig',
             kvfence_dot_v1_dot_control__pb2.CheckConfigRequest.SerializeToString,
             kvfence_dot_v1_dot_control__pb2.CheckConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackupTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvfence.v1.Admin/BackupTenants',
+            kvfence_dot_v1_dot_control__pb2.BackupTenantsRequest.SerializeToString,
+            kvfence_dot_v1_dot_control__pb2.BackupTenantsChunk.FromString,
             options,
             channel_credentials,
             insecure,
