@@ -282,6 +282,13 @@ class EventsConfig(_Strict):
     # content without its trailing newlines (kvfence/events.py, load_mqtt_credentials).
     mqtt_username: str | None = None
     mqtt_password_file: Path | None = None
+    # TLS to the broker (None = plain TCP): the broker's certificate must be signed by this CA
+    # (PEM; the only one trusted) and name mqtt_host. A broker that requires client certificates
+    # also gets mqtt_tls_cert_file + mqtt_tls_key_file (PEM, both or neither; only with the CA).
+    # The files are read at start and again at each reconnect (kvfence/events.py, MqttTls).
+    mqtt_tls_ca_file: Path | None = None
+    mqtt_tls_cert_file: Path | None = None
+    mqtt_tls_key_file: Path | None = None
 
     @field_validator("mqtt_host")
     @classmethod
@@ -308,6 +315,26 @@ class EventsConfig(_Strict):
             raise ValueError(
                 "mqtt_password_file is set but mqtt_username is not: give both (a broker "
                 "account), or neither (anonymous)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> EventsConfig:
+        cert, key = self.mqtt_tls_cert_file, self.mqtt_tls_key_file
+        if (cert is None) != (key is None):
+            given, missing = (
+                ("mqtt_tls_cert_file", "mqtt_tls_key_file")
+                if key is None
+                else ("mqtt_tls_key_file", "mqtt_tls_cert_file")
+            )
+            raise ValueError(
+                f"{given} is set but {missing} is not: a client certificate needs its key (give "
+                "both, or neither for no client certificate)"
+            )
+        if cert is not None and self.mqtt_tls_ca_file is None:
+            raise ValueError(
+                "mqtt_tls_cert_file and mqtt_tls_key_file without mqtt_tls_ca_file: a client "
+                "certificate is for TLS, which needs the CA that signed the broker's certificate"
             )
         return self
 

@@ -17,6 +17,16 @@ the connection (no, or wrong, credentials) is treated like an unreachable one: t
 buffered (bounded) and the publisher retries, and it logs the refusal as an error naming the
 account, never the password. Nothing on the request path waits for the broker either way.
 
+TLS to the broker (``events.mqtt_tls_ca_file``, and for a broker that requires client
+certificates ``mqtt_tls_cert_file`` + ``mqtt_tls_key_file``: ``MqttTls``, ``load_mqtt_tls``): the
+broker's certificate must be signed by that CA, the only one trusted, and name ``mqtt_host``. The
+files are read at start (a ConfigError then) and again before every reconnect, so renewed
+certificates are picked up. A handshake that fails (unknown CA, a certificate for another host, a
+broker that serves no TLS on the port) is handled like a refused account, and so is a broker that
+never answers a plain client's CONNECT (what a TLS listener does with one): the events stay
+buffered, and the failure is logged as an error with a hint, once per reason and then at most
+every ``REFUSAL_LOG_INTERVAL_S``.
+
 When the buffer is full the oldest non-security event goes first; security events (see
 ``SECURITY_KINDS``) are dropped only when the buffer holds nothing else. Every drop is counted.
 """
@@ -29,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import ssl
 import threading
 import time
 import uuid
@@ -41,6 +52,7 @@ from aiomqtt.exceptions import MqttConnectError  # not re-exported by aiomqtt
 
 from kvfence.config import ConfigError
 from kvfence.logging import get_logger
+from kvfence.tls import TlsError, read_pem
 
 if TYPE_CHECKING:
     from kvfence.config import ClusterConfig, EventsConfig
@@ -69,9 +81,12 @@ TOPIC_RESERVED = "/+#\x00"
 # CONNACK codes of a broker that refused the account: MQTT 3.1.1 "bad username or password" (4)
 # and "not authorized" (5), and their MQTT 5 reason codes (134, 135).
 AUTH_REFUSED_CODES = frozenset({4, 5, 134, 135})
-# A broker that keeps refusing the account is logged as an error at most this often (and at
-# once whenever the reason changes); the retries in between log at debug level.
+# A broker that keeps refusing the account (or the TLS handshake, or never answers) is logged
+# as an error at most this often (and at once whenever the reason changes); the retries in between
+# log at debug level.
 REFUSAL_LOG_INTERVAL_S = 60.0
+# The settings of EventsConfig that MqttTls's files come from (error messages name them).
+TLS_SETTINGS = ("events.mqtt_tls_ca_file", "events.mqtt_tls_cert_file", "events.mqtt_tls_key_file")
 
 log = get_logger("events")
 
@@ -112,6 +127,111 @@ def load_mqtt_credentials(events: EventsConfig) -> MqttCredentials | None:
         return None
     assert events.mqtt_password_file is not None
     return MqttCredentials(events.mqtt_username, read_mqtt_password(events.mqtt_password_file))
+
+
+class _ServerNameContext(ssl.SSLContext):
+    """A client context that checks (and asks by SNI for) ``server_name`` whatever the host
+    connected to: paho passes its host to ``wrap_socket``."""
+
+    server_name: str
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:  # type: ignore[override]
+        kwargs["server_hostname"] = self.server_name
+        return super().wrap_socket(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MqttTls:
+    """TLS to the broker: its certificate verified against ``ca_file`` (PEM; the only CA
+    trusted) and its host name checked; with ``cert_file`` and ``key_file`` (both or neither) a
+    client certificate. ``server_name``: the name the certificate must carry when it is not the
+    host connected to (``kvfence events`` through a port-forward). ``settings`` names where each
+    path came from, for error messages."""
+
+    ca_file: Path
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+    settings: tuple[str, str, str] = dataclasses.field(default=TLS_SETTINGS, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+        if self.server_name is not None and not self.server_name.strip():
+            raise ValueError("the TLS server name is empty")
+
+    def context(self) -> ssl.SSLContext:
+        """A client context from the files as they are now. Raises TlsError (a ConfigError)
+        naming the setting and the file: missing, unreadable, not PEM, no certificate in the CA
+        file, a key that is not the certificate's or is encrypted."""
+        ca_what, cert_what, key_what = self.settings
+        ca = read_pem(self.ca_file, ca_what).decode("utf-8", "replace")
+        # PROTOCOL_TLS_CLIENT: certificate verification and host name check on, TLS >= 1.2
+        ctx: ssl.SSLContext
+        if self.server_name is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        else:
+            ctx = named = _ServerNameContext(ssl.PROTOCOL_TLS_CLIENT)
+            named.server_name = self.server_name
+        try:
+            ctx.load_verify_locations(cadata=ca)  # only this CA: no system CAs
+        except (ssl.SSLError, ValueError) as err:
+            reason = _ssl_reason(err)
+            raise TlsError(
+                f"{ca_what} file {self.ca_file}: no usable CA certificate in it ({reason})"
+            ) from None
+        if self.cert_file is not None and self.key_file is not None:
+            read_pem(self.cert_file, cert_what)
+            read_pem(self.key_file, key_what)
+
+            def encrypted() -> bytes:  # without it OpenSSL would prompt on the terminal
+                raise TlsError(
+                    f"{key_what} file {self.key_file} is encrypted: give an unencrypted key"
+                )
+
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file, password=encrypted)
+            except (ssl.SSLError, OSError) as err:
+                raise TlsError(
+                    f"{cert_what} {self.cert_file} and {key_what} {self.key_file}: not a "
+                    f"certificate and its key ({_ssl_reason(err)})"
+                ) from None
+        return ctx
+
+
+def _ssl_reason(err: BaseException) -> str:
+    return str(getattr(err, "reason", None) or err)
+
+
+def load_mqtt_tls(events: EventsConfig) -> MqttTls | None:
+    """The TLS settings of ``events``; None without a CA (plain TCP) or without a broker. The
+    files are read once here, so that a missing or wrong one is a ConfigError at start."""
+    if events.mqtt_host is None or events.mqtt_tls_ca_file is None:
+        return None
+    tls = MqttTls(events.mqtt_tls_ca_file, events.mqtt_tls_cert_file, events.mqtt_tls_key_file)
+    tls.context()
+    return tls
+
+
+def is_tls_failure(err: BaseException) -> bool:
+    """True when ``err``, a failed connection attempt of a client that uses TLS, is its TLS
+    handshake failing: the broker's certificate not signed by the CA or not naming the host (an
+    SSL error), or a broker that serves no TLS on the port dropping the handshake."""
+    cause: BaseException | None = err
+    for _ in range(5):  # aiomqtt raises MqttError(str(exc)) from None: exc is the context
+        if cause is None:
+            return False
+        if isinstance(cause, ssl.SSLError | ConnectionResetError | ConnectionAbortedError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def is_no_answer(err: BaseException) -> bool:
+    """True when ``err`` is aiomqtt giving up waiting for the broker (``Operation timed out``):
+    at connect time, what a plain client gets from a broker that serves TLS on the port (it drops
+    the connection, which aiomqtt notices only when its timeout ends)."""
+    return isinstance(err, aiomqtt.MqttError) and isinstance(err.__context__, TimeoutError)
 
 
 def is_auth_refusal(err: BaseException) -> bool:
@@ -270,6 +390,7 @@ class EventBus:
         *,
         metrics: Metrics | None = None,
         credentials: MqttCredentials | None = None,
+        tls: MqttTls | None = None,
     ):
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
@@ -285,13 +406,15 @@ class EventBus:
         self.mqtt_host = mqtt_host
         self.mqtt_port = mqtt_port
         self.credentials = credentials
+        self.tls = tls
         self.metrics = metrics
         # The last RECENT_SIZE events emitted, for in-process checks ("was an event emitted?").
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_SIZE)
         self.connected = False
         # Why the last connection attempt failed or the connection ended; None while connected.
         self.last_error: str | None = None
-        self._refusal_logged: tuple[str, float] | None = None  # (reason, monotonic time)
+        # (what, reason, monotonic time) of the last connect failure logged as an error
+        self._refusal_logged: tuple[str, str, float] | None = None
         self._buffer = _Buffer(buffer_size)
         self._lock = threading.Lock()
         self._seq = 0
@@ -308,8 +431,8 @@ class EventBus:
     def from_config(
         cls, cfg: ClusterConfig, node_id: str, *, metrics: Metrics | None = None
     ) -> EventBus:
-        """The bus ``cfg.events`` describes, with its broker account (ConfigError when the
-        password file cannot be read: a deployment mistake, reported at start)."""
+        """The bus ``cfg.events`` describes, with its broker account and TLS (ConfigError when
+        the password file or a TLS file cannot be used: a deployment mistake, reported at start)."""
         events = cfg.events
         return cls(
             cfg.cluster,
@@ -319,6 +442,7 @@ class EventBus:
             events.buffer_size,
             metrics=metrics,
             credentials=load_mqtt_credentials(events),
+            tls=load_mqtt_tls(events),
         )
 
     # -- caller side -------------------------------------------------------------------------------
@@ -467,24 +591,29 @@ class EventBus:
         assert self.mqtt_host is not None
         backoff = BACKOFF_MIN_S
         while True:
-            client = aiomqtt.Client(
-                self.mqtt_host,
-                self.mqtt_port,
-                identifier=f"kvfence-{self.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                timeout=PUBLISH_TIMEOUT_S,
-                keepalive=10,
-                will=aiomqtt.Will(
-                    node_topic(self.cluster, self.node_id),
-                    self._offline_payload(),
-                    qos=1,
-                    retain=True,
-                ),
-                max_inflight_messages=MAX_IN_FLIGHT,
-                username=_username(self.credentials),
-                password=_password(self.credentials),
-            )
+            entered = False  # past the CONNACK: a failure now is a lost connection
             try:
+                # the TLS files as they are now: a renewed certificate counts from this reconnect
+                tls_context = None if self.tls is None else self.tls.context()
+                client = aiomqtt.Client(
+                    self.mqtt_host,
+                    self.mqtt_port,
+                    identifier=f"kvfence-{self.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                    timeout=PUBLISH_TIMEOUT_S,
+                    keepalive=10,
+                    will=aiomqtt.Will(
+                        node_topic(self.cluster, self.node_id),
+                        self._offline_payload(),
+                        qos=1,
+                        retain=True,
+                    ),
+                    max_inflight_messages=MAX_IN_FLIGHT,
+                    username=_username(self.credentials),
+                    password=_password(self.credentials),
+                    tls_context=tls_context,
+                )
                 async with client:
+                    entered = True
                     self.connected = True
                     self.last_error = None
                     self._refusal_logged = None
@@ -494,12 +623,17 @@ class EventBus:
                         host=self.mqtt_host,
                         port=self.mqtt_port,
                         username=_username(self.credentials),
+                        tls=self.tls is not None,
                     )
                     await self._serve_connection(client)
+            except TlsError as err:  # a TLS file went missing or bad since the start
+                self.last_error = str(err)
+                self._log_refusal("tls_files", err, backoff)
             except aiomqtt.MqttError as err:
                 self.last_error = str(err)
-                if is_auth_refusal(err):
-                    self._log_refusal(err, backoff)
+                failure = None if entered else self._connect_failure(err)
+                if failure is not None:
+                    self._log_refusal(failure, err, backoff)
                 else:
                     log.warning(
                         "event bus disconnected",
@@ -627,9 +761,22 @@ class EventBus:
         if self._is_drained():
             self._idle.set()
 
-    def _log_refusal(self, err: aiomqtt.MqttError, backoff: float) -> None:
-        """The broker refused our credentials (or their absence): an error, once per reason and
-        then at most every REFUSAL_LOG_INTERVAL_S; the events stay buffered meanwhile."""
+    def _connect_failure(self, err: aiomqtt.MqttError) -> str | None:
+        """What a failed connection attempt says about our settings: "auth" (the broker refused
+        the account), "tls" (the TLS handshake failed), "no_answer" (a plain client the broker
+        never answered: what a TLS listener does with one); None for anything else."""
+        if is_auth_refusal(err):
+            return "auth"
+        if self.tls is not None and is_tls_failure(err):
+            return "tls"
+        if self.tls is None and is_no_answer(err):
+            return "no_answer"
+        return None
+
+    def _log_refusal(self, what: str, err: Exception, backoff: float) -> None:
+        """A connection attempt failed for our settings (``what``: see ``_connect_failure``; or
+        "tls_files", a TLS file unusable at a reconnect): an error with a hint, once per reason
+        and then at most every REFUSAL_LOG_INTERVAL_S; the events stay buffered meanwhile."""
         reason, now = str(err), time.monotonic()
         last = self._refusal_logged
         fields = {
@@ -640,17 +787,39 @@ class EventBus:
             "retry_in_s": backoff,
             "pending": self.pending,
         }
-        if last is None or last[0] != reason or now - last[1] >= REFUSAL_LOG_INTERVAL_S:
-            self._refusal_logged = (reason, now)
-            hint = (
+        message = {
+            "auth": "event bus refused by the broker",
+            "tls": "event bus TLS handshake with the broker failed",
+            "tls_files": "event bus cannot use its TLS files",
+            "no_answer": "event bus got no answer from the broker",
+        }[what]
+        if last is None or last[:2] != (what, reason) or now - last[2] >= REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged = (what, reason, now)
+            log.error(message, hint=self._hint(what), **fields)
+        else:
+            log.debug(message, **fields)
+
+    def _hint(self, what: str) -> str:
+        if what == "auth":
+            return (
                 "the broker requires an account: set events.mqtt_username and "
                 "events.mqtt_password_file"
                 if self.credentials is None
                 else "check events.mqtt_username and the password in events.mqtt_password_file"
             )
-            log.error("event bus refused by the broker", hint=hint, **fields)
-        else:
-            log.debug("event bus refused by the broker", **fields)
+        if what == "tls":
+            assert self.tls is not None
+            return (
+                f"the broker's certificate must be signed by the CA in {self.tls.settings[0]} "
+                f"({self.tls.ca_file}) and name {self.mqtt_host} (subjectAltName), and the "
+                f"broker must serve TLS on port {self.mqtt_port}"
+            )
+        if what == "tls_files":
+            return "they were usable at start: restore the file the error names"
+        return (
+            "no CONNACK in time: a broker that serves TLS on this port drops plain clients "
+            "(set events.mqtt_tls_ca_file), or it is overloaded"
+        )
 
     def _offline_payload(self) -> bytes:
         return _encode({"cluster": self.cluster, "node_id": self.node_id, "online": False})
@@ -698,11 +867,13 @@ async def follow(
     *,
     dedupe: bool = True,
     credentials: MqttCredentials | None = None,
+    tls: MqttTls | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield events of ``cluster`` (only ``kinds`` when given) as they arrive.
 
     Raises ``aiomqtt.MqttError`` when the broker cannot be reached, refuses the connection
-    (``is_auth_refusal`` tells a refused account) or the connection drops.
+    (``is_auth_refusal`` tells a refused account; ``is_tls_failure`` a failed TLS handshake) or
+    the connection drops, and TlsError when a file of ``tls`` cannot be used.
     Re-sent duplicates (same node, seq and ts) are skipped unless ``dedupe`` is False.
     """
     wanted = sorted(set(kinds)) if kinds else ["+"]
@@ -713,6 +884,7 @@ async def follow(
         identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",
         username=_username(credentials),
         password=_password(credentials),
+        tls_context=None if tls is None else tls.context(),
     )
     async with client as c:
         for kind in wanted:

@@ -6,10 +6,12 @@ that need to act while the broker is down. The process is always killed on exit.
 ``start_mosquitto(users={"name": "password"})`` starts a broker that refuses anonymous clients and
 knows those accounts (a password file made with ``mosquitto_passwd``, as the Helm chart does);
 ``acl=`` adds an ACL file (Mosquitto's format) that limits what each account may do.
+``tls=BrokerTls(cert, key, ca)`` makes the listener TLS only (a plain client gets no answer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 import shutil
@@ -75,6 +77,31 @@ def write_password_file(path: Path, users: dict[str, str]) -> None:
     hand_to_broker(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class BrokerTls:
+    """A TLS listener: the broker's certificate and key (PEM) and the CA file Mosquitto is given
+    (cafile); with ``require_certificate`` clients must present a certificate that CA signed."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    require_certificate: bool = False
+
+    def conf(self, workdir: Path) -> str:
+        """The listener's TLS lines, with copies of the files in ``workdir`` that the broker can
+        read (the key stays 0600)."""
+        lines = []
+        for option, src in (("cafile", self.ca), ("certfile", self.cert), ("keyfile", self.key)):
+            copy = workdir / f"tls-{option}.pem"
+            copy.write_bytes(Path(src).read_bytes())
+            copy.chmod(0o600)
+            hand_to_broker(copy)
+            lines.append(f"{option} {copy}\n")
+        if self.require_certificate:
+            lines.append("require_certificate true\n")
+        return "".join(lines)
+
+
 class Mosquitto:
     """One broker on a fixed port that can be killed and started again."""
 
@@ -84,12 +111,16 @@ class Mosquitto:
         workdir: Path,
         users: dict[str, str] | None = None,
         acl: str | None = None,
+        tls: BrokerTls | None = None,
     ):
         self.host = HOST
         self.port = port
         self.conf = workdir / "mosquitto.conf"
         self.log = workdir / "mosquitto.log"
-        conf = f"listener {port} {HOST}\npersistence false\nlog_dest file {self.log}\n"
+        conf = f"listener {port} {HOST}\n"
+        if tls is not None:  # the listener's own options: right after its line
+            conf += tls.conf(workdir)
+        conf += f"persistence false\nlog_dest file {self.log}\n"
         if users is None:
             assert acl is None, "an ACL needs accounts (users=)"
             conf += "allow_anonymous true\n"
@@ -146,13 +177,15 @@ def start_mosquitto(
     *,
     users: dict[str, str] | None = None,
     acl: str | None = None,
+    tls: BrokerTls | None = None,
 ) -> Iterator[Mosquitto]:
     """Run Mosquitto on ``port`` (None = a free one); yields an object that unpacks to
     ``(host, port, restart_fn)`` and also offers ``stop()`` / ``start()``. With ``users``
-    ({name: password}) it refuses anonymous clients and knows only those accounts."""
+    ({name: password}) it refuses anonymous clients and knows only those accounts; with ``tls``
+    its listener speaks TLS only."""
     with tempfile.TemporaryDirectory(prefix="kvfence-mqtt-") as tmp:
         Path(tmp).chmod(0o755)
-        broker = Mosquitto(port or free_port(), Path(tmp), users, acl)
+        broker = Mosquitto(port or free_port(), Path(tmp), users, acl, tls)
         broker.start()
         try:
             yield broker

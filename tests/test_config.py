@@ -100,6 +100,24 @@ def test_missing_file_is_a_clear_error(tmp_path):
             "events.mqtt_username",
             "empty MQTT username",
         ),
+        # TLS to the broker: a client certificate needs its key (and the reverse), and is only
+        # for TLS, which needs the CA
+        (
+            {"events": {"mqtt_tls_ca_file": "/ca", "mqtt_tls_cert_file": "/c"}},
+            "events",
+            "mqtt_tls_cert_file is set but mqtt_tls_key_file is not",
+        ),
+        (
+            {"events": {"mqtt_tls_ca_file": "/ca", "mqtt_tls_key_file": "/k"}},
+            "events",
+            "mqtt_tls_key_file is set but mqtt_tls_cert_file is not",
+        ),
+        (
+            {"events": {"mqtt_tls_cert_file": "/c", "mqtt_tls_key_file": "/k"}},
+            "events",
+            "without mqtt_tls_ca_file",
+        ),
+        ({"events": {"mqtt_tls_ca": "/ca"}}, "events.mqtt_tls_ca", "Extra inputs"),
     ],
 )
 def test_values_that_break_the_service_later_are_refused(data, field, rule):
@@ -146,6 +164,30 @@ def test_mqtt_account_is_a_username_and_a_password_file():
     assert parse_config({}, environ={}).events.mqtt_username is None  # default: anonymous
     with pytest.raises(ConfigError, match="mqtt_password"):
         parse_config({"events": {"mqtt_password": "in-clear"}}, environ={})
+
+
+def test_mqtt_tls_is_a_ca_and_optionally_a_client_certificate():
+    # control for the TLS refusals above: the CA alone, the CA with a client certificate and its
+    # key, from the file or from the environment; none of the files is read here (kvfence
+    # check-config --static runs where the Secrets are not mounted)
+    cfg = parse_config({"events": {"mqtt_tls_ca_file": "/nowhere/ca.crt"}}, environ={})
+    assert str(cfg.events.mqtt_tls_ca_file) == "/nowhere/ca.crt"
+    assert cfg.events.mqtt_tls_cert_file is None and cfg.events.mqtt_tls_key_file is None
+    env = {
+        "KVFENCE__EVENTS__MQTT_TLS_CA_FILE": "/etc/kvfence/mqtt-tls/ca.crt",
+        "KVFENCE__EVENTS__MQTT_TLS_CERT_FILE": "/etc/kvfence/mqtt-tls/tls.crt",
+        "KVFENCE__EVENTS__MQTT_TLS_KEY_FILE": "/etc/kvfence/mqtt-tls/tls.key",
+    }
+    cfg = parse_config({}, environ=env)
+    assert str(cfg.events.mqtt_tls_ca_file) == "/etc/kvfence/mqtt-tls/ca.crt"
+    assert str(cfg.events.mqtt_tls_cert_file) == "/etc/kvfence/mqtt-tls/tls.crt"
+    assert str(cfg.events.mqtt_tls_key_file) == "/etc/kvfence/mqtt-tls/tls.key"
+    plain = parse_config({}, environ={}).events  # default: no TLS
+    assert (plain.mqtt_tls_ca_file, plain.mqtt_tls_cert_file, plain.mqtt_tls_key_file) == (
+        None,
+        None,
+        None,
+    )
 
 
 def test_env_overrides_keep_strings_as_written():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +17,8 @@ import aiomqtt
 import pytest
 import structlog
 import typer
-from fixtures_mqtt import Mosquitto, free_port, start_mosquitto
+from fixtures_mqtt import BrokerTls, Mosquitto, free_port, start_mosquitto
+from test_tls import EC, make_ca, make_leaf, openssl
 from typer.testing import CliRunner
 
 from kvfence.cli.events import register
@@ -26,9 +28,12 @@ from kvfence.events import (
     SECURITY_KINDS,
     EventBus,
     MqttCredentials,
+    MqttTls,
     follow,
     is_auth_refusal,
+    is_tls_failure,
     load_mqtt_credentials,
+    load_mqtt_tls,
     node_topic,
 )
 from kvfence.metrics import Metrics
@@ -691,3 +696,418 @@ def test_the_event_limiter_lets_a_burst_through_per_window_and_counts_the_rest()
     assert lim.flush() == [] and lim.flush(force=True) == [("a", 1)]
     with pytest.raises(ValueError):
         EventLimiter(burst=0, interval_s=1.0)
+
+
+# --- TLS to the broker ----------------------------------------------------------------------------
+
+
+def make_server_cert(d: Path, name: str, ca: str, san: str) -> None:
+    """A serverAuth certificate named ``san`` only (test_tls.make_leaf names 127.0.0.1)."""
+    ext = d / f"{name}.ext"
+    ext.write_text(
+        f"subjectAltName={san}\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n"
+    )
+    openssl("req", *EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
+            cwd=d)  # fmt: skip
+    openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+        "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", ext.name, cwd=d,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca signs server (127.0.0.1, localhost), elsewhere (another host only) and client;
+    other-ca is unrelated."""
+    d = tmp_path_factory.mktemp("mqtt-pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    make_leaf(d, "server", "ca", "serverAuth")
+    make_server_cert(d, "elsewhere", "ca", "DNS:broker.elsewhere.example")
+    make_leaf(d, "client", "ca", "clientAuth")
+    return d
+
+
+def broker_tls(pki: Path, cert: str = "server", **kw: Any) -> BrokerTls:
+    return BrokerTls(pki / f"{cert}.pem", pki / f"{cert}.key", pki / "ca.pem", **kw)
+
+
+def trust(pki: Path, ca: str = "ca", client: str | None = None) -> MqttTls:
+    if client is None:
+        return MqttTls(pki / f"{ca}.pem")
+    return MqttTls(pki / f"{ca}.pem", pki / f"{client}.pem", pki / f"{client}.key")
+
+
+@asynccontextmanager
+async def tls_subscriber(broker: Mosquitto, pki: Path) -> AsyncIterator[aiomqtt.Client]:
+    async with aiomqtt.Client(
+        broker.host,
+        broker.port,
+        username=WATCHER.username,
+        password=WATCHER.password,
+        tls_context=trust(pki).context(),
+    ) as client:
+        await client.subscribe(f"kvfence/v1/{CLUSTER}/#", qos=1)
+        yield client
+
+
+def tls_events_config(pki: Path, port: int, pw_file: Path, **tls: Any) -> Any:
+    pw_file.write_text(PUBLISHER.password)
+    events = {
+        "mqtt_host": "127.0.0.1",
+        "mqtt_port": port,
+        "mqtt_username": PUBLISHER.username,
+        "mqtt_password_file": pw_file,
+        "mqtt_tls_ca_file": pki / "ca.pem",
+        **tls,
+    }
+    return parse_config({"cluster": CLUSTER, "events": events}, environ={})
+
+
+@pytest.mark.parametrize("client_cert", [False, True], ids=["server-cert", "client-cert-too"])
+async def test_publisher_over_tls_with_the_right_ca_delivers(
+    pki: Path, tmp_path: Path, client_cert: bool
+) -> None:
+    """Positive control for the TLS failures below: a broker with a TLS listener (and accounts,
+    as the chart runs it; requiring a client certificate too in the second case); kvfence,
+    configured with the CA (and its client certificate), delivers every event to a subscriber
+    that also speaks TLS."""
+    tls = broker_tls(pki, require_certificate=client_cert)
+    with start_mosquitto(users=ACCOUNTS, tls=tls) as broker:
+        extra = (
+            {"mqtt_tls_cert_file": pki / "client.pem", "mqtt_tls_key_file": pki / "client.key"}
+            if client_cert
+            else {}
+        )
+        cfg = tls_events_config(pki, broker.port, tmp_path / "pw", **extra)
+        bus = EventBus.from_config(cfg, "node-a")
+        assert bus.tls == MqttTls(pki / "ca.pem", extra.get("mqtt_tls_cert_file"),
+                                  extra.get("mqtt_tls_key_file"))  # fmt: skip
+        sub_tls = trust(pki, client="client" if client_cert else None)
+        async with aiomqtt.Client(
+            broker.host,
+            broker.port,
+            username=WATCHER.username,
+            password=WATCHER.password,
+            tls_context=sub_tls.context(),
+        ) as sub:
+            await sub.subscribe(f"kvfence/v1/{CLUSTER}/events/#", qos=1)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    seqs = emit_all_kinds(bus)
+                    got = await receive(sub, len(EVENT_KINDS))
+                    assert await bus.wait_drained(5)
+                finally:
+                    await bus.stop()
+    assert [e["seq"] for e in got] == seqs
+    assert bus.last_error is None and bus.pending == 0
+    (connected,) = [e for e in logs if e["event"] == "event bus connected"]
+    assert connected["tls"] is True
+    assert not [e for e in logs if e["log_level"] == "error"]
+
+
+async def watch_failures(bus: EventBus, message: str, logs: list[dict[str, Any]]) -> None:
+    """Wait for two failed connection attempts that ``message`` names."""
+    await wait_until(lambda: len([e for e in logs if e["event"] == message]) >= 2, timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("broker_cert", "client_tls", "message", "error"),
+    [
+        (
+            "server",
+            "other-ca",
+            "event bus TLS handshake with the broker failed",
+            "certificate verify failed",
+        ),
+        (
+            "elsewhere",
+            "ca",
+            "event bus TLS handshake with the broker failed",
+            "not valid for '127.0.0.1'",
+        ),
+        ("server", None, "event bus got no answer from the broker", "timed out"),
+        (None, "ca", "event bus TLS handshake with the broker failed", "Connection reset"),
+    ],
+    ids=["unknown-ca", "wrong-host", "plain-client-tls-broker", "tls-client-plain-broker"],
+)
+async def test_a_failed_tls_handshake_keeps_events_buffered_and_says_so(
+    pki: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    broker_cert: str | None,
+    client_tls: str | None,
+    message: str,
+    error: str,
+) -> None:
+    """The broker's certificate is signed by a CA kvfence does not trust, or names another host;
+    or kvfence speaks plain MQTT to a TLS listener (which never answers it), or TLS to a plain
+    one. Each time: emit neither blocks nor raises, the events stay buffered, nothing reaches
+    the broker's subscribers, and the failure is an error (with a hint) once, then debug."""
+    monkeypatch.setattr("kvfence.events.PUBLISH_TIMEOUT_S", 0.5)  # the no-answer wait
+    tls = None if broker_cert is None else broker_tls(pki, broker_cert)
+    with start_mosquitto(users=ACCOUNTS, tls=tls) as broker:
+        bus = make_bus(
+            broker,
+            credentials=PUBLISHER,
+            tls=None if client_tls is None else trust(pki, client_tls),
+        )
+        with structlog.testing.capture_logs() as logs:
+            await bus.start()
+            try:
+                t0 = time.perf_counter()
+                seqs = [bus.emit("integrity_violation", check="mac") for _ in range(200)]
+                assert time.perf_counter() - t0 < 1.0
+                await watch_failures(bus, message, logs)
+                assert not bus.connected and bus.pending == len(seqs)
+                assert not await bus.wait_drained(0.1)
+                if tls is not None and broker_cert == "server":
+                    async with tls_subscriber(broker, pki) as sub:  # a client that can connect
+                        with pytest.raises(TimeoutError):
+                            await receive(sub, 1, timeout=0.5)
+            finally:
+                await bus.stop(flush_timeout=0.1)
+    assert seqs == list(range(1, 201))
+    assert error in (bus.last_error or "")
+    failed = [e for e in logs if e["event"] == message]
+    assert [e["log_level"] for e in failed].count("error") == 1, failed
+    assert failed[0]["log_level"] == "error" and failed[0]["host"] == "127.0.0.1"
+    hint = failed[0]["hint"]
+    if client_tls is None:
+        assert "events.mqtt_tls_ca_file" in hint and "TLS" in hint
+    else:
+        assert f"CA in events.mqtt_tls_ca_file ({pki / f'{client_tls}.pem'})" in hint
+        assert "name 127.0.0.1" in hint
+    assert not [e for e in logs if e["event"] == "event bus connected"]
+
+
+async def test_a_tls_file_gone_at_reconnect_keeps_events_buffered_and_says_so(
+    pki: Path, tmp_path: Path
+) -> None:
+    """The files are reread at every connection attempt (renewed certificates count): one that
+    cannot be read then is an error (once), not a crash of the publisher; control: the same bus
+    delivers once the file is back."""
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes((pki / "ca.pem").read_bytes())
+    with start_mosquitto(tls=broker_tls(pki)) as broker:
+        bus = make_bus(broker, tls=MqttTls(ca))
+        ca.unlink()
+        with structlog.testing.capture_logs() as logs:
+            await bus.start()
+            try:
+                seq = bus.emit("node_lost", node="n2")
+                message = "event bus cannot use its TLS files"
+                await watch_failures(bus, message, logs)
+                assert bus.pending == 1 and "does not exist" in (bus.last_error or "")
+                ca.write_bytes((pki / "ca.pem").read_bytes())
+                assert await bus.wait_drained(5), bus.last_error
+            finally:
+                await bus.stop()
+    failed = [e for e in logs if e["event"] == message]
+    assert [e["log_level"] for e in failed].count("error") == 1
+    assert seq == 1 and bus.pending == 0
+
+
+def test_tls_files_that_cannot_be_used_are_clear_config_errors(pki: Path, tmp_path: Path) -> None:
+    """from_config reads the TLS files at start: a deployment mistake is a ConfigError naming
+    the setting and the file, never a handshake failure later (or an OpenSSL prompt)."""
+    (tmp_path / "not-pem").write_text("hello")
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(pki / "client.key"), "-aes256", "-passout", "pass:x",
+         "-out", str(tmp_path / "encrypted.key")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ca, cert, key = "mqtt_tls_ca_file", "mqtt_tls_cert_file", "mqtt_tls_key_file"
+    cases: list[tuple[dict[str, Path], str, str]] = [
+        ({ca: tmp_path / "missing.pem"}, ca, "does not exist"),
+        ({ca: tmp_path / "not-pem"}, ca, "is not PEM"),
+        ({ca: pki / "ca.key"}, ca, "no usable CA certificate"),  # a key, not a certificate
+        (
+            {cert: pki / "client.pem", key: pki / "server.key"},
+            cert,
+            "not a certificate and its key",
+        ),
+        ({cert: pki / "client.pem", key: tmp_path / "encrypted.key"}, key, "is encrypted"),
+        ({cert: pki / "client.pem", key: tmp_path / "missing.key"}, key, "does not exist"),
+    ]
+    for files, setting, message in cases:
+        events = {"mqtt_host": "127.0.0.1", ca: pki / "ca.pem", **files}
+        cfg = parse_config({"cluster": CLUSTER, "events": events}, environ={})
+        with pytest.raises(ConfigError) as err:
+            EventBus.from_config(cfg, "node-a")
+        assert f"events.{setting}" in str(err.value) and message in str(err.value), err.value
+    # control: the same files, right; and no broker: nothing is read
+    good = {ca: pki / "ca.pem", cert: pki / "client.pem", key: pki / "client.key"}
+    cfg = parse_config({"events": {"mqtt_host": "127.0.0.1", **good}}, environ={})
+    assert EventBus.from_config(cfg, "node-a").tls == MqttTls(*good.values())
+    cfg = parse_config({"events": {"mqtt_host": None, ca: tmp_path / "missing"}}, environ={})
+    assert load_mqtt_tls(cfg.events) is None
+    assert load_mqtt_tls(parse_config({}, environ={}).events) is None
+    with pytest.raises(ValueError, match="needs its key"):
+        MqttTls(pki / "ca.pem", pki / "client.pem")
+
+
+async def follow_one_tls(broker: Mosquitto, pki: Path, tls: MqttTls | None) -> dict[str, Any]:
+    async def first() -> dict[str, Any]:
+        async for event in follow(CLUSTER, broker.host, broker.port, credentials=WATCHER, tls=tls):
+            return event
+        raise AssertionError("follow ended")
+
+    task = asyncio.create_task(first())
+    bus = make_bus(broker, credentials=PUBLISHER, tls=trust(pki))
+    await bus.start()
+    try:
+        while not task.done():
+            bus.emit("node_lost", node="n2")
+            await asyncio.sleep(0.05)
+        return await task
+    finally:
+        await bus.stop()
+
+
+async def test_follow_over_tls_with_the_right_ca_only(pki: Path) -> None:
+    with start_mosquitto(users=ACCOUNTS, tls=broker_tls(pki)) as broker:
+        event = await asyncio.wait_for(follow_one_tls(broker, pki, trust(pki)), 10)  # control
+        assert event["kind"] == "node_lost"
+        with pytest.raises(aiomqtt.MqttError) as err:
+            await asyncio.wait_for(follow_one_tls(broker, pki, trust(pki, "other-ca")), 10)
+        assert is_tls_failure(err.value) and "certificate verify failed" in str(err.value)
+    with start_mosquitto(users=ACCOUNTS, tls=broker_tls(pki, "elsewhere")) as broker:
+        with pytest.raises(aiomqtt.MqttError) as err:
+            await asyncio.wait_for(follow_one_tls(broker, pki, trust(pki)), 10)
+        assert is_tls_failure(err.value) and "not valid for '127.0.0.1'" in str(err.value)
+
+
+async def test_cli_events_follow_over_tls(pki: Path, tmp_path: Path) -> None:
+    """Positive control for the failure below: the CA from --mqtt-tls-ca, from the env, or
+    from the config file's events section."""
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(WATCHER.password)
+    config = tmp_path / "config.yaml"
+    with start_mosquitto(users=ACCOUNTS, tls=broker_tls(pki)) as broker:
+        config.write_text(
+            f"cluster: {CLUSTER}\nevents:\n  mqtt_host: 127.0.0.1\n  mqtt_port: {broker.port}\n"
+            f"  mqtt_username: watcher\n  mqtt_password_file: {pw_file}\n"
+            f"  mqtt_tls_ca_file: {pki / 'ca.pem'}\n"
+        )
+        base = ["events", "-f", "--json", "--limit", "1"]
+        target = ["--mqtt-port", str(broker.port), "--cluster", CLUSTER]
+        target += ["--mqtt-username", "watcher", "--mqtt-password-file", str(pw_file)]
+        ways: list[tuple[list[str], dict[str, str] | None]] = [
+            ([*target, "--mqtt-tls-ca", str(pki / "ca.pem")], None),
+            (target, {"KVFENCE_MQTT_TLS_CA": str(pki / "ca.pem")}),
+            (["--config", str(config)], None),
+        ]
+        bus = make_bus(broker, credentials=PUBLISHER, tls=trust(pki))
+        await bus.start()
+        try:
+            for extra, env in ways:
+                cli = asyncio.create_task(asyncio.to_thread(run_cli, [*base, *extra], env))
+                while not cli.done():
+                    bus.emit("node_joined")
+                    await asyncio.sleep(0.05)
+                result = await cli
+                assert result.exit_code == 0, (extra, result.output)
+                (line,) = [ln for ln in result.output.splitlines() if ln.startswith("{")]
+                assert json.loads(line)["kind"] == "node_joined"
+        finally:
+            await bus.stop()
+
+
+async def cli_while_emitting(args: list[str], bus: EventBus) -> Any:
+    """Run ``kvfence events -f --limit 1 ARGS`` while ``bus`` keeps emitting: a CLI that
+    connects gets an event and exits 0 (instead of following forever), one that cannot exits 1."""
+    cli = asyncio.create_task(asyncio.to_thread(run_cli, ["events", "-f", "--limit", "1", *args]))
+    while not cli.done():
+        bus.emit("node_joined")
+        await asyncio.sleep(0.05)
+    return await cli
+
+
+async def test_cli_events_failed_tls_handshake_exits_1_and_says_so(
+    pki: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "config.yaml"
+    with start_mosquitto(tls=broker_tls(pki)) as broker:
+        bus = make_bus(broker, tls=trust(pki))  # events to receive, for a CLI that connects
+        await bus.start()
+        try:
+            target = ["--mqtt-port", str(broker.port), "--cluster", CLUSTER]
+            wrong_ca = await cli_while_emitting(
+                [*target, "--mqtt-tls-ca", str(pki / "other-ca.pem")], bus
+            )
+            config.write_text(
+                f"cluster: {CLUSTER}\nevents:\n  mqtt_host: 127.0.0.1\n"
+                f"  mqtt_port: {broker.port}\n  mqtt_tls_ca_file: {pki / 'other-ca.pem'}\n"
+            )
+            from_config = await cli_while_emitting(["--config", str(config)], bus)
+        finally:
+            await bus.stop()
+    with start_mosquitto(tls=broker_tls(pki, "elsewhere")) as broker:
+        bus = make_bus(broker, tls=MqttTls(pki / "ca.pem", server_name="broker.elsewhere.example"))
+        await bus.start()
+        try:
+            target = ["--mqtt-port", str(broker.port), "--cluster", CLUSTER]
+            wrong_host = await cli_while_emitting(
+                [*target, "--mqtt-tls-ca", str(pki / "ca.pem")], bus
+            )
+        finally:
+            await bus.stop()
+    for result, ca_setting, reason in (
+        (wrong_ca, "--mqtt-tls-ca", "certificate verify failed"),
+        (from_config, "events.mqtt_tls_ca_file", "certificate verify failed"),
+        (wrong_host, "--mqtt-tls-ca", "IP address mismatch"),
+    ):
+        assert result.exit_code == 1, result.output
+        lines = [ln for ln in result.output.splitlines() if ln.startswith("events:")]
+        assert len(lines) == 1, result.output
+        assert "TLS handshake with MQTT broker 127.0.0.1:" in lines[0]
+        assert reason in lines[0] and f"the CA in {ca_setting}" in lines[0]
+
+
+async def test_cli_events_over_a_port_forward_checks_the_brokers_own_name(pki: Path) -> None:
+    """Through a port-forward kvfence events connects to 127.0.0.1, which the broker's
+    certificate (made for its Service name) does not name: --mqtt-tls-server-name says which
+    name to check instead. Another name still fails (the check is not switched off)."""
+    with start_mosquitto(tls=broker_tls(pki, "elsewhere")) as broker:
+        target = ["--json", "--cluster", CLUSTER, "--mqtt-port", str(broker.port)]
+        target += ["--mqtt-tls-ca", str(pki / "ca.pem"), "--mqtt-tls-server-name"]
+        bus = make_bus(broker, tls=MqttTls(pki / "ca.pem", server_name="broker.elsewhere.example"))
+        await bus.start()
+        try:
+            result = await cli_while_emitting([*target, "broker.elsewhere.example"], bus)
+            other = await cli_while_emitting([*target, "other.elsewhere.example"], bus)
+            assert bus.last_error is None
+        finally:
+            await bus.stop()
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("{")]
+    assert json.loads(line)["kind"] == "node_joined"
+    assert other.exit_code == 1, other.output
+    assert "Hostname mismatch" in other.output and "name other.elsewhere.example" in other.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--mqtt-tls-ca", "CA", "--mqtt-tls-cert", "CERT"],
+            "--mqtt-tls-cert without --mqtt-tls-key",
+        ),
+        (
+            ["--mqtt-tls-ca", "CA", "--mqtt-tls-key", "KEY"],
+            "--mqtt-tls-key without --mqtt-tls-cert",
+        ),
+        (["--mqtt-tls-cert", "CERT", "--mqtt-tls-key", "KEY"], "need --mqtt-tls-ca"),
+        (["--mqtt-tls-server-name", "b.example"], "--mqtt-tls-server-name needs --mqtt-tls-ca"),
+        (["--mqtt-tls-ca", "CA", "--mqtt-tls-server-name", " "], "is empty"),
+        (["--mqtt-tls-ca", "NOPE"], "does not exist"),
+        (["--mqtt-tls-ca", "KEY"], "no usable CA certificate"),
+    ],
+)
+def test_cli_events_tls_usage_errors_exit_2(pki: Path, args: list[str], message: str) -> None:
+    files = {"CA": "ca.pem", "CERT": "client.pem", "KEY": "client.key", "NOPE": "nope.pem"}
+    args = [str(pki / files[a]) if a in files else a for a in args]
+    result = run_cli(["events", "-f", "--mqtt-port", str(free_port()), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output

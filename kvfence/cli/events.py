@@ -5,8 +5,12 @@ A broker that requires an account: ``--mqtt-username`` (env KVFENCE_MQTT_USERNAM
 password in ``--mqtt-password-file`` (env KVFENCE_MQTT_PASSWORD_FILE) or in the env variable
 KVFENCE_MQTT_PASSWORD (never a flag: it would show in the shell history and the process list);
 else ``events.mqtt_username`` / ``events.mqtt_password_file`` of ``--config``.
+A broker that serves TLS: ``--mqtt-tls-ca`` (env KVFENCE_MQTT_TLS_CA), the CA that signed its
+certificate (which must name the host connected to, or ``--mqtt-tls-server-name``: through a
+port-forward), and for a broker that requires client certificates ``--mqtt-tls-cert`` +
+``--mqtt-tls-key``; else ``events.mqtt_tls_*`` of ``--config``.
 Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached, refused
-the account or the connection dropped, 2 bad usage.
+the account, failed the TLS handshake or the connection dropped, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ from kvfence.events import (
     EVENT_KINDS,
     SECURITY_KINDS,
     MqttCredentials,
+    MqttTls,
     follow,
     is_auth_refusal,
+    is_no_answer,
+    is_tls_failure,
     read_mqtt_password,
 )
 
 EXIT_OK, EXIT_BROKER, EXIT_USAGE = 0, 1, 2
 PASSWORD_ENV = "KVFENCE_MQTT_PASSWORD"
 _HEADER_FIELDS = ("seq", "ts", "kind", "cluster", "node_id")
+_TLS_FLAGS = ("--mqtt-tls-ca", "--mqtt-tls-cert", "--mqtt-tls-key")
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
@@ -55,6 +63,28 @@ def events(
         envvar="KVFENCE_MQTT_PASSWORD_FILE",
         help=f"File holding the account's password (or set {PASSWORD_ENV}).",
     ),
+    mqtt_tls_ca: Path | None = typer.Option(
+        None,
+        "--mqtt-tls-ca",
+        envvar="KVFENCE_MQTT_TLS_CA",
+        help="TLS: the CA (PEM) that signed the broker's certificate.",
+    ),
+    mqtt_tls_cert: Path | None = typer.Option(
+        None,
+        "--mqtt-tls-cert",
+        envvar="KVFENCE_MQTT_TLS_CERT",
+        help="TLS: client certificate (PEM), for a broker that requires one.",
+    ),
+    mqtt_tls_key: Path | None = typer.Option(
+        None, "--mqtt-tls-key", envvar="KVFENCE_MQTT_TLS_KEY", help="TLS: the client key (PEM)."
+    ),
+    mqtt_tls_server_name: str | None = typer.Option(
+        None,
+        "--mqtt-tls-server-name",
+        envvar="KVFENCE_MQTT_TLS_SERVER_NAME",
+        help="TLS: the name the broker's certificate carries, when it is not --mqtt-host "
+        "(through a port-forward: the broker's Service name).",
+    ),
     cluster: str | None = typer.Option(None, "--cluster", help="Cluster name."),
     kind: list[str] | None = typer.Option(
         None, "--kind", "-k", help=f"Only this kind (repeatable): {', '.join(EVENT_KINDS)}."
@@ -72,14 +102,25 @@ def events(
             f"events: unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(EVENT_KINDS)}",
             EXIT_USAGE,
         )
-    host, port, name, credentials = _target(
-        config, mqtt_host, mqtt_port, cluster, mqtt_username, mqtt_password_file
+    host, port, name, credentials, tls = _target(
+        config,
+        mqtt_host,
+        mqtt_port,
+        cluster,
+        mqtt_username,
+        mqtt_password_file,
+        (mqtt_tls_ca, mqtt_tls_cert, mqtt_tls_key),
+        mqtt_tls_server_name,
     )
     console = Console(highlight=False, soft_wrap=True)
     try:
-        asyncio.run(_stream(name, host, port, kind or None, as_json, limit, console, credentials))
+        asyncio.run(
+            _stream(name, host, port, kind or None, as_json, limit, console, credentials, tls)
+        )
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_OK) from None
+    except ConfigError as err:  # a TLS file that changed since _target read it
+        _exit(f"events: {err}", EXIT_USAGE)
     except aiomqtt.MqttError as err:
         if is_auth_refusal(err):
             account = (
@@ -88,7 +129,21 @@ def events(
                 else "a connection without an account (give --mqtt-username and a password)"
             )
             _exit(f"events: MQTT broker {host}:{port} refused {account}: {err}", EXIT_BROKER)
-        _exit(f"events: MQTT broker {host}:{port} unreachable or lost: {err}", EXIT_BROKER)
+        if tls is not None and is_tls_failure(err):
+            _exit(
+                f"events: TLS handshake with MQTT broker {host}:{port} failed: {err} (the "
+                f"broker's certificate must be signed by the CA in {tls.settings[0]} "
+                f"{tls.ca_file} and name {tls.server_name or host}, and the broker must serve "
+                f"TLS on port {port})",
+                EXIT_BROKER,
+            )
+        hint = (
+            " (no answer to CONNECT: a broker that serves TLS on this port drops plain clients;"
+            " give --mqtt-tls-ca)"
+            if tls is None and is_no_answer(err)
+            else ""
+        )
+        _exit(f"events: MQTT broker {host}:{port} unreachable or lost: {err}{hint}", EXIT_BROKER)
 
 
 def _target(
@@ -98,13 +153,16 @@ def _target(
     cluster: str | None,
     username: str | None,
     password_file: Path | None,
-) -> tuple[str, int, str, MqttCredentials | None]:
+    tls_files: tuple[Path | None, Path | None, Path | None],
+    server_name: str | None = None,
+) -> tuple[str, int, str, MqttCredentials | None, MqttTls | None]:
     try:
         cfg = load_config(config) if config is not None else None
     except ConfigError as err:
         _exit(f"events: {err}", EXIT_USAGE)
     password_env = os.environ.get(PASSWORD_ENV) or None
     what = "--mqtt-password-file"
+    tls_what = _TLS_FLAGS
     if cfg is not None:
         host = host or cfg.events.mqtt_host
         port = port or cfg.events.mqtt_port
@@ -112,12 +170,50 @@ def _target(
         if username is None and password_file is None and password_env is None:
             username, password_file = cfg.events.mqtt_username, cfg.events.mqtt_password_file
             what = "events.mqtt_password_file"
+        if tls_files == (None, None, None):  # the flags, else the config's, never a mix
+            e = cfg.events
+            tls_files = (e.mqtt_tls_ca_file, e.mqtt_tls_cert_file, e.mqtt_tls_key_file)
+            tls_what = (
+                "events.mqtt_tls_ca_file",
+                "events.mqtt_tls_cert_file",
+                "events.mqtt_tls_key_file",
+            )
     return (
         host or "127.0.0.1",
         port or 1883,
         cluster or "local",
         _credentials(username, password_file, password_env, what),
+        _tls(tls_files, tls_what, server_name),
     )
+
+
+def _tls(
+    files: tuple[Path | None, Path | None, Path | None],
+    what: tuple[str, str, str],
+    server_name: str | None,
+) -> MqttTls | None:
+    ca, cert, key = files
+    if ca is None and cert is None and key is None:
+        if server_name is not None:
+            _exit(f"events: --mqtt-tls-server-name needs {what[0]} (TLS)", EXIT_USAGE)
+        return None
+    if server_name is not None and not server_name.strip():
+        _exit("events: --mqtt-tls-server-name is empty", EXIT_USAGE)
+    if (cert is None) != (key is None):
+        given, missing = (what[1], what[2]) if key is None else (what[2], what[1])
+        _exit(f"events: {given} without {missing}: give both, or neither", EXIT_USAGE)
+    if ca is None:
+        _exit(
+            f"events: {what[1]} and {what[2]} need {what[0]} (the CA that signed the broker's "
+            "certificate)",
+            EXIT_USAGE,
+        )
+    tls = MqttTls(ca, cert, key, server_name, settings=what)
+    try:
+        tls.context()  # read now: a wrong file is a usage error, not a broker failure
+    except ConfigError as err:
+        _exit(f"events: {err}", EXIT_USAGE)
+    return tls
 
 
 def _credentials(
@@ -155,9 +251,10 @@ async def _stream(
     limit: int | None,
     console: Console,
     credentials: MqttCredentials | None = None,
+    tls: MqttTls | None = None,
 ) -> None:
     seen = 0
-    async for event in follow(cluster, host, port, kinds, credentials=credentials):
+    async for event in follow(cluster, host, port, kinds, credentials=credentials, tls=tls):
         if as_json:
             typer.echo(json.dumps(event, default=str))
         else:

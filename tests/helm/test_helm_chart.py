@@ -26,7 +26,7 @@ import yaml
 from fixtures_mqtt import MOSQUITTO, free_port, hand_to_broker, wait_for_port
 
 from kvfence.config import Role, parse_config
-from kvfence.events import EventBus, MqttCredentials, is_auth_refusal
+from kvfence.events import EventBus, MqttCredentials, MqttTls, is_auth_refusal, is_tls_failure
 
 ROOT = Path(__file__).resolve().parents[2]
 HELM = ROOT / ".tools" / "bin" / "helm"
@@ -638,14 +638,19 @@ def test_external_broker_takes_an_existing_secret(helm_home: Path) -> None:
 
 
 @contextmanager
-def chart_broker(docs: list[dict]) -> Iterator[int]:
+def chart_broker(
+    docs: list[dict], user_secrets: dict[str, dict[str, str]] | None = None
+) -> Iterator[int]:
     """Run the bundled broker as the chart deploys it: the pod's volumes laid out in a temporary
     folder (ConfigMap files, Secret items, emptyDir), the init container's script run with its
-    env, then Mosquitto with the rendered config, on a free local port. Yields the port."""
+    env, then Mosquitto with the rendered config, on a free local port. Yields the port.
+    ``user_secrets``: {name: {key: base64}} of the Secrets the chart does not render (the
+    existingSecret ones)."""
     deployment = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
     pod = deployment["spec"]["template"]["spec"]
     data = mosquitto_data(docs)
     secrets = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
+    secrets.update(user_secrets or {})
     with tempfile.TemporaryDirectory(prefix="kvfence-chart-mqtt-") as tmp:
         root = Path(tmp)
         root.chmod(0o755)  # mosquitto, started as root, drops to its own user
@@ -819,6 +824,198 @@ async def test_the_charts_anonymous_broker_takes_anyone(helm_home: Path) -> None
             async with connect(port, None) as anyone:
                 await anyone.publish("kvfence/v1/kvfence/events/node_lost", b"{}", qos=1)
             assert await receive_events(sub, 1.0) == [{}]
+
+
+# --- MQTT over TLS --------------------------------------------------------------------------------
+
+MQTT_TLS_CA = "/etc/kvfence/mqtt-tls/ca.crt"
+BROKER_TLS = ["mqtt.tls.enabled=true", "mqtt.tls.existingSecret=mqtt-cert"]
+
+
+def test_the_broker_speaks_no_tls_by_default(helm_home: Path) -> None:
+    """Control for the TLS renders below: by default nothing about TLS is rendered (the broker
+    config, kvfence's config, the pods' volumes are as before mqtt.tls existed)."""
+    docs = render(helm_home)
+    lines = conf_lines(docs)
+    assert lines[0] == "listener 1883"
+    assert not [ln for ln in lines if ln.startswith(("cafile", "certfile", "keyfile"))]
+    broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")["spec"]["template"]["spec"]
+    assert [v["name"] for v in broker["volumes"]] == ["config", "auth", "secret"]
+    for role in Role:
+        assert node_config(docs, role, POD_ENV).events.mqtt_tls_ca_file is None
+        pod = find(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["template"]["spec"]
+        assert "mqtt-tls" not in [v["name"] for v in pod["volumes"]]
+    assert "mqtt_tls" not in hook_config(docs)
+
+
+def test_bundled_broker_tls_render(helm_home: Path, tmp_path: Path) -> None:
+    """mqtt.tls: the broker's listener gets the certificate files of the Secret (and keeps its
+    accounts), every kvfence service verifies it against the Secret's ca.crt, mounted where its
+    config points; the pre-install check still passes (it reads no file)."""
+    docs = render(helm_home, sets=BROKER_TLS)
+    lines = conf_lines(docs)
+    assert lines[:4] == [
+        "listener 1883",
+        "cafile /mosquitto/tls/ca.crt",
+        "certfile /mosquitto/tls/tls.crt",
+        "keyfile /mosquitto/tls/tls.key",
+    ]
+    assert "allow_anonymous false" in lines and "password_file /mosquitto/auth/passwd" in lines
+    broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        assert mounted_file(broker, f"/mosquitto/tls/{name}") == ("mqtt-cert", name)
+    for role in Role:
+        cfg = node_config(docs, role, POD_ENV)
+        assert str(cfg.events.mqtt_tls_ca_file) == MQTT_TLS_CA
+        assert cfg.events.mqtt_tls_cert_file is None and cfg.events.mqtt_username == "kvfence"
+        deployment = find(docs, "Deployment", f"{FULLNAME}-{role}")
+        assert mounted_file(deployment, MQTT_TLS_CA) == ("mqtt-cert", "ca.crt")
+        # only the CA: the broker's key stays in the broker's pod
+        pod = deployment["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "mqtt-tls"]
+        assert [i["key"] for i in volume["secret"]["items"]] == ["ca.crt"]
+    assert f"mqtt_tls_ca_file: {MQTT_TLS_CA}" in hook_config(docs)
+    # the user's Secret: not rendered
+    assert "mqtt-cert" not in [d["metadata"]["name"] for d in docs]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    proc = check_config_static(hook_config(docs), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_external_broker_tls_takes_a_ca_secret(helm_home: Path) -> None:
+    sets = [*EXTERNAL, "mqtt.auth.existingSecret=ops-mqtt", "mqtt.tls.enabled=true"]
+    rc, _, err = template(helm_home, sets=sets)
+    assert rc != 0 and "mqtt.tls.existingSecret" in err and "ca.crt" in err
+    docs = render(helm_home, sets=[*sets, "mqtt.tls.existingSecret=ops-mqtt-ca"])
+    assert not [d for d in docs if d["metadata"]["name"].endswith("mosquitto")]
+    for role in Role:
+        cfg = node_config(docs, role, POD_ENV)
+        assert cfg.events.mqtt_host == "broker.example"
+        assert str(cfg.events.mqtt_tls_ca_file) == MQTT_TLS_CA
+        deployment = find(docs, "Deployment", f"{FULLNAME}-{role}")
+        assert mounted_file(deployment, MQTT_TLS_CA) == ("ops-mqtt-ca", "ca.crt")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_broker_tls_without_a_secret_fails_the_render(helm_home: Path) -> None:
+    rc, _, err = template(helm_home, sets=["mqtt.tls.enabled=true"])
+    assert rc != 0
+    assert "mqtt.tls.enabled: give mqtt.tls.existingSecret" in err
+    assert "tls.crt, tls.key and ca.crt" in err
+    rc, _, err = template(helm_home, sets=["mqtt.tls.enabled=yes"])  # the schema: a boolean
+    assert rc != 0 and "/mqtt/tls/enabled" in err
+    rc, _, err = template(helm_home, sets=[*BROKER_TLS, "mqtt.tls.secret=x"])
+    assert rc != 0 and "additional properties 'secret' not allowed" in err
+    assert template(helm_home, sets=BROKER_TLS)[0] == 0  # control
+
+
+def test_notes_follow_events_over_tls(helm_home: Path) -> None:
+    """The NOTES' events command takes the CA, and the broker's own name (the certificate names
+    the Service, not the port-forward's 127.0.0.1)."""
+    args = ["install", RELEASE, str(CHART), "--namespace", "serving", "--dry-run=client"]
+    plain = helm(*args, tmp=helm_home)
+    assert plain.returncode == 0, plain.stderr
+    assert "--mqtt-tls-ca" not in plain.stdout
+    proc = helm(*args, *[a for s in BROKER_TLS for a in ("--set", s)], tmp=helm_home)
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "get secret mqtt-cert" in notes and "{.data.ca\\.crt}" in notes
+    assert (
+        f"--mqtt-tls-ca mqtt-ca.crt --mqtt-tls-server-name {FULLNAME}-mosquitto.serving.svc"
+        in notes
+    )
+
+
+@pytest.fixture(scope="module")
+def mqtt_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_tls import make_ca, make_leaf
+
+    d = tmp_path_factory.mktemp("chart-mqtt-pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    make_leaf(d, "server", "ca", "serverAuth")  # names 127.0.0.1, where chart_broker listens
+    return d
+
+
+def cert_manager_secret(pki: Path) -> dict[str, str]:
+    """The Secret a cert-manager Certificate would write for the broker."""
+    files = {"tls.crt": "server.pem", "tls.key": "server.key", "ca.crt": "ca.pem"}
+    return {k: base64.b64encode((pki / f).read_bytes()).decode() for k, f in files.items()}
+
+
+def tls_client(port: int, account: MqttCredentials | None, ca: Path | None) -> aiomqtt.Client:
+    return aiomqtt.Client(
+        "127.0.0.1",
+        port,
+        username=None if account is None else account.username,
+        password=None if account is None else account.password,
+        tls_context=None if ca is None else MqttTls(ca).context(),
+        timeout=1,
+    )
+
+
+async def test_the_charts_tls_broker_takes_tls_clients_with_the_ca_only(
+    helm_home: Path, tmp_path: Path, mqtt_pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end with the real Mosquitto and the rendered TLS config: kvfence, configured as
+    the chart configures it (the CA at the path its config names), delivers over TLS and the
+    reader receives (positive control); a plain client gets no answer, a client with another
+    CA fails the handshake, and a kvfence bus without TLS keeps its events and says why."""
+    docs = render(helm_home, sets=BROKER_TLS)
+    with chart_broker(docs, {"mqtt-cert": cert_manager_secret(mqtt_pki)}) as port:
+        (tmp_path / "password").write_bytes(
+            base64.b64decode(find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]["password"])
+        )
+        # the pod's mount of the Secret's ca.crt
+        ca = tmp_path / Path(MQTT_TLS_CA).name
+        ca.write_bytes(base64.b64decode(cert_manager_secret(mqtt_pki)["ca.crt"]))
+        text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+        cfg = parse_config(
+            yaml.safe_load(text),
+            environ={
+                "KVFENCE__EVENTS__MQTT_HOST": "127.0.0.1",
+                "KVFENCE__EVENTS__MQTT_PORT": str(port),
+                "KVFENCE__EVENTS__MQTT_PASSWORD_FILE": str(tmp_path / "password"),
+                "KVFENCE__EVENTS__MQTT_TLS_CA_FILE": str(ca),
+            },
+        )
+        bus = EventBus.from_config(cfg, "control-plane-0")
+        assert bus.tls is not None and bus.tls.ca_file == ca
+        reader = chart_account(docs, "reader-password")
+        async with tls_client(port, reader, ca) as sub:
+            await sub.subscribe(f"kvfence/v1/{cfg.cluster}/events/#", qos=1)
+            await bus.start()
+            try:
+                seqs = [bus.emit("integrity_violation", check="mac") for _ in range(3)]
+                assert await bus.wait_drained(5), bus.last_error
+                got = await receive_events(sub, 1.0)
+                assert [e["seq"] for e in got] == seqs
+            finally:
+                await bus.stop()
+        with pytest.raises(aiomqtt.MqttError) as err:  # plain MQTT: the listener never answers
+            async with tls_client(port, reader, None):
+                pass
+        assert "timed out" in str(err.value)
+        with pytest.raises(aiomqtt.MqttError) as err:
+            async with tls_client(port, reader, mqtt_pki / "other-ca.pem"):
+                pass
+        assert is_tls_failure(err.value) and "certificate verify failed" in str(err.value)
+        monkeypatch.setattr("kvfence.events.PUBLISH_TIMEOUT_S", 1.0)  # the no-answer wait
+        plain = EventBus(
+            cfg.cluster, "control-plane-1", "127.0.0.1", port, credentials=bus.credentials
+        )
+        await plain.start()
+        try:
+            plain.emit("node_joined")
+            for _ in range(400):
+                if plain.last_error is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert "timed out" in (plain.last_error or "") and plain.pending == 1
+        finally:
+            await plain.stop(flush_timeout=0.1)
 
 
 # --- IPv6 pods ------------------------------------------------------------------------------------

@@ -105,6 +105,34 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* "true" when kvfence speaks TLS to its broker (bundled or external). */}}
+{{- define "kvfence.mqttTls" -}}
+{{- if and .Values.mqtt.tls.enabled (or .Values.mqtt.enabled .Values.mqtt.externalUrl) }}true{{ end }}
+{{- end }}
+
+{{- define "kvfence.checkMqttTls" -}}
+{{- if and .Values.mqtt.tls.enabled (not .Values.mqtt.tls.existingSecret) }}
+{{- fail "mqtt.tls.enabled: give mqtt.tls.existingSecret, a Secret holding tls.crt, tls.key and ca.crt (what a cert-manager Certificate writes; the certificate must name the broker's Service) for the bundled broker, or ca.crt alone (the CA of the broker's certificate) for mqtt.externalUrl" }}
+{{- end }}
+{{- end }}
+
+{{/* The broker's CA, for kvfence pods (events.mqtt_tls_ca_file). */}}
+{{- define "kvfence.mqttTlsVolume" -}}
+- name: mqtt-tls
+  secret:
+    secretName: {{ .Values.mqtt.tls.existingSecret }}
+    defaultMode: 0444  # a CA certificate: nothing secret
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+
+{{- define "kvfence.mqttTlsMount" -}}
+- name: mqtt-tls
+  mountPath: /etc/kvfence/mqtt-tls
+  readOnly: true
+{{- end }}
+
 {{/* The kvfence account's password, for kvfence pods (events.mqtt_password_file). */}}
 {{- define "kvfence.mqttPasswordVolume" -}}
 - name: mqtt-password
@@ -179,6 +207,7 @@ the pre-install hook checks those with the same code kvfence runs (`kvfence chec
 {{- define "kvfence.config" -}}
 {{- include "kvfence.checkPools" . }}
 {{- include "kvfence.checkMqttAuth" . }}
+{{- include "kvfence.checkMqttTls" . }}
 {{- $m := .Values.model -}}
 {{- $cp := .Values.controlPlane -}}
 cluster: {{ .Values.clusterName | quote }}
@@ -242,6 +271,9 @@ events:
   {{- if include "kvfence.mqttAuth" . }}
   mqtt_username: {{ .Values.mqtt.auth.username | quote }}
   mqtt_password_file: /etc/kvfence/mqtt/password
+  {{- end }}
+  {{- if include "kvfence.mqttTls" . }}
+  mqtt_tls_ca_file: /etc/kvfence/mqtt-tls/ca.crt
   {{- end }}
 {{- if .Values.tls.enabled }}
 tls:

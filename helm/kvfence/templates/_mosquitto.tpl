@@ -12,6 +12,12 @@ it (checksum/config): Mosquitto reads both at start only.
 # (mqtt.auth), besides the NetworkPolicy (networkPolicy.mqttFrom) on who may connect at all.
 mosquitto.conf: |
   listener {{ int $m.port }}
+  {{- /* mqtt.tls: the port speaks TLS only, with the files of mqtt.tls.existingSecret */}}
+  {{- if $m.tls.enabled }}
+  cafile /mosquitto/tls/ca.crt
+  certfile /mosquitto/tls/tls.crt
+  keyfile /mosquitto/tls/tls.key
+  {{- end }}
   persistence false
   log_dest stdout
   {{- if $auth }}

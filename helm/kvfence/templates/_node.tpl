@@ -130,6 +130,9 @@ spec:
             {{- if include "kvfence.mqttAuth" $root }}
             {{- include "kvfence.mqttPasswordMount" $root | nindent 12 }}
             {{- end }}
+            {{- if include "kvfence.mqttTls" $root }}
+            {{- include "kvfence.mqttTlsMount" $root | nindent 12 }}
+            {{- end }}
             - name: shm
               mountPath: /dev/shm
             {{- /* control_plane.state_dir: where a node writes the embedded model when no
@@ -146,6 +149,9 @@ spec:
         {{- include "kvfence.nodeTokenVolume" $root | nindent 8 }}
         {{- if include "kvfence.mqttAuth" $root }}
         {{- include "kvfence.mqttPasswordVolume" $root | nindent 8 }}
+        {{- end }}
+        {{- if include "kvfence.mqttTls" $root }}
+        {{- include "kvfence.mqttTlsVolume" $root | nindent 8 }}
         {{- end }}
         - name: shm
           emptyDir:
