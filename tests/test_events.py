@@ -18,7 +18,7 @@ import pytest
 import structlog
 import typer
 from fixtures_mqtt import BrokerTls, Mosquitto, free_port, start_mosquitto
-from test_tls import EC, make_ca, make_leaf, openssl
+from test_tls import make_ca, make_leaf
 from typer.testing import CliRunner
 
 from kvfence.cli.events import register
@@ -701,20 +701,6 @@ def test_the_event_limiter_lets_a_burst_through_per_window_and_counts_the_rest()
 # --- TLS to the broker ----------------------------------------------------------------------------
 
 
-def make_server_cert(d: Path, name: str, ca: str, san: str) -> None:
-    """A serverAuth certificate named ``san`` only (test_tls.make_leaf names 127.0.0.1)."""
-    ext = d / f"{name}.ext"
-    ext.write_text(
-        f"subjectAltName={san}\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n"
-    )
-    openssl("req", *EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
-            cwd=d)  # fmt: skip
-    openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-        "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", ext.name, cwd=d,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca signs server (127.0.0.1, localhost), elsewhere (another host only) and client;
@@ -723,7 +709,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_ca(d, "ca")
     make_ca(d, "other-ca")
     make_leaf(d, "server", "ca", "serverAuth")
-    make_server_cert(d, "elsewhere", "ca", "DNS:broker.elsewhere.example")
+    make_leaf(d, "elsewhere", "ca", "serverAuth", san="DNS:broker.elsewhere.example")
     make_leaf(d, "client", "ca", "clientAuth")
     return d
 

@@ -36,12 +36,11 @@ def make_ca(d: Path, name: str) -> None:
     )  # fmt: skip
 
 
-def make_leaf(d: Path, name: str, ca: str, usage: str) -> None:
+def make_leaf(
+    d: Path, name: str, ca: str, usage: str, san: str = "DNS:localhost,IP:127.0.0.1"
+) -> None:
     ext = d / f"{name}.ext"
-    ext.write_text(
-        f"subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n"
-        "basicConstraints=CA:FALSE\n"
-    )
+    ext.write_text(f"subjectAltName={san}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n")
     openssl("req", *EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
             cwd=d)  # fmt: skip
     openssl(
