@@ -244,7 +244,8 @@ class Registry:
         return self._nodes.get(node_id)
 
     def nodes(self, role: str | None = None) -> list[Node]:
-        return [n for n in self._nodes.values() if role is None or n.role == role]
+        # list(): a copy made at once under the GIL; metrics read this from the scrape thread
+        return [n for n in list(self._nodes.values()) if role is None or n.role == role]
 
     def vacant_for(self, role: str) -> float | None:
         """Seconds since the last node of ``role`` left (or since the registry started, if none

@@ -75,79 +75,89 @@ class ControlPlane:
             events = self.bus
         self.events: EventSink = events
         self.tenants = TenantStore(cp.state_dir / TENANTS_DB)
-        self.admin_token = load_admin_token(cp)
-        self.node_token = load_node_token(cp.node_token_file, cp.state_dir)
-        self.table = RequestTable()
-        self.queue = AdmissionQueue(cp.admission_queue, cp.admission_queue_per_tenant)
-        self.access = ModelAccess()
-        # Read from the switch at each scrape: nothing to keep in step with it.
-        self.metrics.model_online.labels(model=self.model.name).set_function(
-            lambda: 1.0 if self.access.online else 0.0
-        )
-        self.registry = Registry(
-            self.model,
-            cp.heartbeat_interval_s,
-            cp.node_timeout_s,
-            on_joined=self._node_joined,
-            on_lost=self._node_lost,
-            on_refused=self._node_refused,
-            on_capacity=self.queue.notify,
-        )
-        for role in ROLES:
-            self.metrics.nodes.labels(role=role).set_function(
-                functools.partial(self._nodes_taking_requests, role)
+        # It holds the state directory's lock from here on: a failure below must let go of it
+        # (a process that goes on, a test, could not start a control plane there again).
+        try:
+            self.admin_token = load_admin_token(cp)
+            self.node_token = load_node_token(cp.node_token_file, cp.state_dir)
+            self.table = RequestTable()
+            self.queue = AdmissionQueue(cp.admission_queue, cp.admission_queue_per_tenant)
+            self.access = ModelAccess()
+            # Read from the switch at each scrape: nothing to keep in step with it.
+            self.metrics.model_online.labels(model=self.model.name).set_function(
+                lambda: 1.0 if self.access.online else 0.0
             )
-        self._publish_limit()
-        self.clients = NodeClients(
-            self.node_token, tls.internal_channel_credentials(cfg.tls), self.metrics
-        )
-        self.deps = PipelineDeps(
-            model=self.model,
-            access=self.access,
-            registry=self.registry,
-            clients=self.clients,
-            queue=self.queue,
-            table=self.table,
-            events=self.events,
-            metrics=self.metrics,
-            scrub_on_free=cfg.kv.scrub_on_free,
-            poll_s=cp.heartbeat_interval_s,
-            no_node_wait_s=cp.no_node_wait_s,
-        )
-        self.generation = GenerationServicer(
-            Pipeline(self.deps),
-            self.tenants,
-            self.table,
-            self.metrics,
-            cp.default_deadline_s,
-            self.list_models,
-            max_deadline_s=cp.max_deadline_s,
-        )
-        self.admin = AdminServicer(
-            self.admin_token, self.tenants, self.deps, cfg.model.clamp_context, self.set_access
-        )
-        self._public: GrpcServer | None = None
-        self._admin: GrpcServer | None = None
-        self._reaper: asyncio.Task[None] | None = None
+            self.registry = Registry(
+                self.model,
+                cp.heartbeat_interval_s,
+                cp.node_timeout_s,
+                on_joined=self._node_joined,
+                on_lost=self._node_lost,
+                on_refused=self._node_refused,
+                on_capacity=self.queue.notify,
+            )
+            for role in ROLES:
+                self.metrics.nodes.labels(role=role).set_function(
+                    functools.partial(self._nodes_taking_requests, role)
+                )
+            self._publish_limit()
+            self.clients = NodeClients(
+                self.node_token, tls.internal_channel_credentials(cfg.tls), self.metrics
+            )
+            self.deps = PipelineDeps(
+                model=self.model,
+                access=self.access,
+                registry=self.registry,
+                clients=self.clients,
+                queue=self.queue,
+                table=self.table,
+                events=self.events,
+                metrics=self.metrics,
+                scrub_on_free=cfg.kv.scrub_on_free,
+                poll_s=cp.heartbeat_interval_s,
+                no_node_wait_s=cp.no_node_wait_s,
+            )
+            self.generation = GenerationServicer(
+                Pipeline(self.deps),
+                self.tenants,
+                self.table,
+                self.metrics,
+                cp.default_deadline_s,
+                self.list_models,
+                max_deadline_s=cp.max_deadline_s,
+            )
+            self.admin = AdminServicer(
+                self.admin_token, self.tenants, self.deps, cfg.model.clamp_context, self.set_access
+            )
+            self._public: GrpcServer | None = None
+            self._admin: GrpcServer | None = None
+            self._reaper: asyncio.Task[None] | None = None
+        except BaseException:
+            self.tenants.close()
+            raise
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self, listen: str | None = None, admin_listen: str | None = None) -> Ports:
         """Start both listeners (addresses default to the config's); returns the bound ports."""
         cp = self.cfg.control_plane
-        public_creds = tls.public_server_credentials(self.cfg.tls)
-        self._public = await GrpcServer.start(
-            listen or cp.listen,
-            [
-                (client_pb2_grpc.add_GenerationServicer_to_server, self.generation),
-                (
-                    control_pb2_grpc.add_NodeRegistryServicer_to_server,
-                    NodeRegistryServicer(self.registry, self.node_token),
-                ),
-            ],
-            PUBLIC_SERVICES,
-            credentials=public_creds,
-        )
+        try:
+            public_creds = tls.public_server_credentials(self.cfg.tls)
+            self._public = await GrpcServer.start(
+                listen or cp.listen,
+                [
+                    (client_pb2_grpc.add_GenerationServicer_to_server, self.generation),
+                    (
+                        control_pb2_grpc.add_NodeRegistryServicer_to_server,
+                        NodeRegistryServicer(self.registry, self.node_token),
+                    ),
+                ],
+                PUBLIC_SERVICES,
+                credentials=public_creds,
+            )
+        except BaseException:
+            self.tenants.close()  # a control plane that cannot start lets go of the state dir
+            raise
         try:
             self._admin = await GrpcServer.start(
                 admin_listen or cp.admin_listen,
@@ -158,6 +168,7 @@ class ControlPlane:
         except BaseException:
             await self._public.stop(0)
             self._public = None
+            self.tenants.close()  # a control plane that cannot start lets go of the state dir
             raise
         # Only once both ports are ours: a second control plane that cannot bind must not reach
         # the broker, where its status (and, at exit, its "offline") would be this one's.

@@ -149,6 +149,12 @@ class TenantStore:
         self.path = path
         self._lock: int | None = lock_state(path, "a control plane")
         try:
+            # Key hashes: owner only. SQLite gives its -wal and -shm the database's mode; an
+            # older database (or one a restore left) is made private too.
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            for p in (path, *(Path(f"{path}{s}") for s in ("-wal", "-shm"))):
+                if p.exists():
+                    os.chmod(p, 0o600)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
@@ -390,9 +396,14 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
     :class:`StateDirInUse` otherwise).
 
     The backup is copied next to the database and checked there (:func:`check_database`); only
-    then the current database (with its -wal, which may hold committed changes) is renamed to
-    ``tenants.sqlite3.bak-<UTC time>`` (a database SQLite can still open, -wal included) and the
-    copy renamed into place. The lock is held throughout, so no control plane starts meanwhile.
+    then is it swapped in. The current database is kept as ``tenants.sqlite3.bak-<UTC time>``:
+    its -wal (a control plane that died leaves committed changes there) is first checkpointed
+    into it, so that it is one whole file, which is linked to the kept name before the copy is
+    renamed over the live one: killed at any point, the live name holds a whole database, the old
+    or the new, never none (a control plane would start on an empty one) and never the new with
+    the old -wal beside it. A database SQLite cannot checkpoint (damaged: the reason for many
+    restores) moves aside with its -wal instead. The lock is held throughout, so no control plane
+    starts meanwhile.
     """
     if not state_dir.is_dir():
         raise FileNotFoundError(f"state directory {state_dir} does not exist")
@@ -421,10 +432,15 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         kept = _free_name(state_dir, f"{TENANTS_DB}.bak-{stamp}")
         previous = kept if db_path.exists() else None
-        for suffix in ("", "-wal", "-journal"):
-            current = Path(f"{db_path}{suffix}")
-            if current.exists():
-                os.rename(current, Path(f"{kept}{suffix}"))
+        if previous is not None and _fold_journal(db_path):
+            os.link(db_path, kept)  # the old file, whole, under its kept name too
+        else:
+            for suffix in ("", "-wal", "-journal"):
+                current = Path(f"{db_path}{suffix}")
+                if current.exists():
+                    os.rename(current, Path(f"{kept}{suffix}"))
+        if previous is not None:
+            os.chmod(kept, 0o600)
         Path(f"{db_path}-shm").unlink(missing_ok=True)
         os.replace(staged, db_path)
         dir_fd = os.open(state_dir, os.O_RDONLY)
@@ -437,6 +453,22 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
         for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):
             p.unlink(missing_ok=True)
         os.close(fd)
+
+
+def _fold_journal(db_path: Path) -> bool:
+    """Checkpoint ``db_path``'s -wal into it (and roll back a hot -journal), leaving one whole
+    file and no journal beside it. Only with the state directory's lock held: no control plane
+    writes. False when SQLite cannot (a damaged database) or a journal is left."""
+    try:
+        db = sqlite3.connect(db_path, isolation_level=None)
+        try:
+            busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            db.execute("PRAGMA journal_mode=DELETE")  # out of WAL mode: the -wal goes on close
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:
+        return False
+    return busy == 0 and not any(Path(f"{db_path}{s}").exists() for s in ("-wal", "-journal"))
 
 
 def _create_private(path: Path) -> io.BufferedWriter:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import os
 import sqlite3
 import stat
 import subprocess
@@ -32,11 +33,20 @@ from typer.testing import CliRunner
 
 from control_plane.admin import AdminServicer
 from control_plane.service import ControlPlane
-from control_plane.tenants import TENANTS_DB, StateDirInUse, TenantLimits, hash_key
+from control_plane.tenants import (
+    TENANTS_DB,
+    StateDirInUse,
+    TenantLimits,
+    TenantStore,
+    hash_key,
+    restore,
+)
 from kvfence.cli import admin as admin_cli
 from kvfence.client import AdminClient
+from kvfence.config import parse_config
 from kvfence.errors import IntegrityError, Unauthenticated
 from kvfence.proto.kvfence.v1 import control_pb2
+from kvfence.server import BindError
 
 
 @pytest.fixture(autouse=True)
@@ -377,10 +387,27 @@ os._exit(0)  # killed: no close, no checkpoint; the change is committed in the -
 """
 
 
+def crashed_writer_state(tmp_path: Path) -> Path:
+    """A state directory whose control plane died after committing ``newer`` to the -wal only,
+    and a backup (``tmp_path / "b"``) from before, with ``acme`` alone."""
+    state = tmp_path / "state"
+    store = TenantStore(state / TENANTS_DB)
+    store.create_tenant("acme", TenantLimits())
+    (tmp_path / "b").write_bytes(store.snapshot())
+    store.close()
+    subprocess.run(
+        [sys.executable, "-c", CRASHED_WRITER, str(state / TENANTS_DB)],
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert Path(f"{state / TENANTS_DB}-wal").stat().st_size > 0  # the change is there only
+    return state
+
+
 async def test_restore_keeps_the_database_it_replaces_with_its_wal(tmp_path: Path) -> None:
     """The database a restore replaces is kept whole: a control plane that died leaves committed
-    changes in the -wal, which move aside with it (and never stay beside the restored file,
-    where SQLite would replay them)."""
+    changes in the -wal, which are folded into the kept copy (and never stay beside the restored
+    file, where SQLite would replay them)."""
     state = tmp_path / "state"
     c = await make_cluster(state)
     (tmp_path / "b").write_bytes(await backup(c))
@@ -397,7 +424,8 @@ async def test_restore_keeps_the_database_it_replaces_with_its_wal(tmp_path: Pat
     assert result.exit_code == 0, result.output
     [kept] = state.glob(f"{TENANTS_DB}.bak-*[0-9Z]")
     assert f"kept as {kept}" in result.output
-    assert Path(f"{kept}-wal").exists()
+    assert not Path(f"{kept}-wal").exists()  # one whole file
+    assert kept.stat().st_mode & 0o077 == 0  # key hashes: owner only
     assert not list(state.glob(f"{TENANTS_DB}-*"))  # no -wal/-shm beside the restored one
     old = sqlite3.connect(kept)
     assert names(old) == {"acme", "newer"}  # the crashed writer's change is in the kept copy
@@ -405,6 +433,56 @@ async def test_restore_keeps_the_database_it_replaces_with_its_wal(tmp_path: Pat
     restored = sqlite3.connect(state / TENANTS_DB)
     assert names(restored) == {"acme"}
     restored.close()
+
+
+def test_a_restore_killed_before_the_swap_leaves_the_old_database_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between keeping the old database and renaming the backup over it, a restore leaves
+    the live name on the whole old database, the -wal's changes in it: a control plane that starts
+    next serves every tenant (it used to find no database, start an empty one, and the -wal's
+    changes were lost). Control: the same restore, not interrupted, swaps the backup in."""
+    state = crashed_writer_state(tmp_path)
+
+    def killed(*_: object) -> None:
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        restore(state, tmp_path / "b")
+    monkeypatch.undo()
+    store = TenantStore(state / TENANTS_DB)
+    assert {t.name for t in store.list()} == {"acme", "newer"}
+    store.close()
+    restore(state, tmp_path / "b")
+    store = TenantStore(state / TENANTS_DB)
+    assert {t.name for t in store.list()} == {"acme"}
+    store.close()
+
+
+async def test_the_database_is_private_and_a_failed_start_lets_go_of_the_state_dir(
+    tmp_path: Path,
+) -> None:
+    """The live database holds key hashes: owner only, like its backups. A control plane that
+    fails after taking the state directory (a token file missing, a port taken) lets go of it, so
+    that one configured right can start there in the same process."""
+    state = tmp_path / "state"
+    broken = make_cfg(state).model_dump()
+    broken["control_plane"]["admin_token_file"] = str(tmp_path / "missing-token")
+    with pytest.raises(FileNotFoundError):
+        ControlPlane(parse_config(broken, environ={}), model_info=make_model_info())
+    taken = await make_cluster(state)  # control: the state directory is free again
+    try:
+        for p in state.glob(f"{TENANTS_DB}*"):
+            if not p.name.endswith(".lock"):
+                assert p.stat().st_mode & 0o077 == 0, p
+        other = ControlPlane(make_cfg(tmp_path / "other"), model_info=make_model_info())
+        with pytest.raises(BindError):
+            await other.start(listen=f"127.0.0.1:{taken.ports.public}")
+        again = ControlPlane(make_cfg(tmp_path / "other"), model_info=make_model_info())
+        again.tenants.close()
+    finally:
+        await taken.close()
 
 
 def plain_sqlite(path: Path) -> None:
