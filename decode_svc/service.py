@@ -25,7 +25,8 @@ Events about UCX hellos (``stage: ucx_hello``: a connection that said no hello, 
 are what whoever reaches the UCX port can cause at will, so they are bounded: at most
 ``HELLO_EVENTS_BURST`` per ``HELLO_EVENTS_INTERVAL_S`` of each kind and check; once such a window
 has closed, one more event of that kind says how many were held back (``suppressed``, with
-``window_s``). ``kvfence_integrity_failures_total`` counts every one.
+``window_s``). ``kvfence_integrity_failures_total`` counts every integrity violation among them;
+a ``transfer_failed`` one only the events count.
 """
 
 from __future__ import annotations

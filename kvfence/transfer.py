@@ -455,7 +455,9 @@ class KvReceiver:
         # when the next log line may be written (``_reject``).
         self.rejected: collections.Counter[str] = collections.Counter()
         self._rejects_unlogged = 0
+        self._rejects_reason = ""
         self._reject_log_after = 0.0
+        self._reject_log_timer: asyncio.TimerHandle | None = None
         self.connections = 0  # endpoints accepted since start (tests, metrics)
         self.transfers_served = 0  # hellos accepted, over all endpoints
         self.warm_hellos = 0  # of those, hellos that carried their first batch (v4)
@@ -501,6 +503,7 @@ class KvReceiver:
 
     async def stop(self) -> None:
         self._stopped = True
+        self._log_rejects()  # what a burst left unlogged
         for t in list(self.transfers.values()):
             self.cancel(t.reservation_id)
         # Idle endpoints wait for a next hello: abort them so their handlers end now (every
@@ -578,18 +581,34 @@ class KvReceiver:
             with contextlib.suppress(Exception):  # a failing metric must not fail the handler
                 self._on_reject(reason)
         self._rejects_unlogged += 1
+        self._rejects_reason = reason
         now = time.monotonic()
         if now >= self._reject_log_after:
-            log.warning(
-                "UCX connections closed unserved",
-                reason=reason,
-                closed=self._rejects_unlogged,
-                unverified=len(self._unverified),
-                max_unverified=self.max_unverified,
-                next_line_after_s=REJECT_LOG_INTERVAL_S,
+            self._log_rejects()
+        elif self._reject_log_timer is None:
+            # The rest of a burst is logged when the interval is over, not at the next reject
+            # (which may never come).
+            self._reject_log_timer = asyncio.get_running_loop().call_later(
+                self._reject_log_after - now, self._log_rejects
             )
-            self._rejects_unlogged = 0
-            self._reject_log_after = now + REJECT_LOG_INTERVAL_S
+
+    def _log_rejects(self) -> None:
+        """Log the connections closed unserved since the last line (if any)."""
+        if self._reject_log_timer is not None:
+            self._reject_log_timer.cancel()
+            self._reject_log_timer = None
+        if not self._rejects_unlogged:
+            return
+        log.warning(
+            "UCX connections closed unserved",
+            reason=self._rejects_reason,
+            closed=self._rejects_unlogged,
+            unverified=len(self._unverified),
+            max_unverified=self.max_unverified,
+            next_line_after_s=REJECT_LOG_INTERVAL_S,
+        )
+        self._rejects_unlogged = 0
+        self._reject_log_after = time.monotonic() + REJECT_LOG_INTERVAL_S
 
     async def _serve(self, ep: Any) -> None:
         """Serve successive transfers on one endpoint, one at a time, each with its own hello.
@@ -605,7 +624,10 @@ class KvReceiver:
             try:
                 [hello] = await _within(ep, [_recv_json(ep)], wait)
             except Exception as err:
-                # After a completed transfer, the sender closing its idle endpoint is normal.
+                # After a completed transfer, the sender closing its idle endpoint is normal; so
+                # is our own stop() aborting an endpoint that had said nothing yet.
+                if self._stopped:
+                    return
                 if served == 0 or isinstance(err, TransferError | ValueError):
                     self.report(
                         "transfer_failed",

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import structlog
@@ -805,7 +806,11 @@ async def test_a_flood_of_unverified_connections_is_capped_and_legit_transfers_g
             await eps.close()
             await rx.stop()
     closed = [e for e in logs if e["event"] == "UCX connections closed unserved"]
-    assert len(closed) == 1 and closed[0]["log_level"] == "warning"
+    # the first at once, the rest of the burst in one more line (at the end of the interval, or
+    # at stop), never one per connection; together they count every one
+    assert len(closed) == 2 and {e["log_level"] for e in closed} == {"warning"}
+    assert closed[0]["closed"] == 1
+    assert sum(e["closed"] for e in closed) == rx.rejected["unverified_limit"] == 6
     assert closed[0]["reason"] == "unverified_limit" and closed[0]["max_unverified"] == 3
 
 
@@ -980,3 +985,63 @@ async def test_a_flood_of_forged_hellos_is_a_bounded_number_of_events(tmp_path):
         for ep in flood:
             ep.abort()
         await dec.stop(grace=0)
+
+
+async def test_the_rest_of_a_burst_of_closed_connections_is_logged_when_the_interval_ends(
+    monkeypatch,
+):
+    """A burst of connections closed unserved logs its first at once and the rest in one line
+    when the interval is over, even if no connection comes after it (the rest used to wait for
+    the next one, which may never come)."""
+    import kvfence.transfer as transfer_mod
+
+    monkeypatch.setattr(transfer_mod, "REJECT_LOG_INTERVAL_S", 0.3)
+    rx = KvReceiver(
+        make_pool(), host="127.0.0.1", max_batch_bytes=1, batch_timeout_s=1.0, report=print
+    )
+    aborted: list = []
+    ep = types.SimpleNamespace(abort=lambda: aborted.append(1))
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(7):
+            rx._reject(ep, "unverified_limit")
+        closed = [e for e in logs if e["event"] == "UCX connections closed unserved"]
+        assert [e["closed"] for e in closed] == [1]  # control: the first at once
+        await asyncio.sleep(0.6)
+        closed = [e for e in logs if e["event"] == "UCX connections closed unserved"]
+    assert [e["closed"] for e in closed] == [1, 6] and len(aborted) == 7
+
+
+async def test_a_decode_that_stops_reports_no_bad_hello_for_the_connections_it_aborts(tmp_path):
+    """A connection that says nothing within batch_timeout_s is a BAD_HELLO (control); the silent
+    connections a stopping decode aborts itself are not (they were reported, and past the hello
+    events' bound never summarised: the limiter had been flushed already)."""
+    from kvfence.config import Role, parse_config
+    from kvfence.model.tiny import ensure_tiny_model
+    from kvfence.node_main import start_node
+
+    tiny = ensure_tiny_model(tmp_path / "tiny")
+    cfg = parse_config(
+        {
+            "model": {"path": str(tiny)},
+            "kv": {"page_size": 16, "decode_pool": {"num_pages": 8}},
+            "control_plane": {"state_dir": str(tmp_path / "state")},
+            "transfer": {"batch_timeout_s": 1.0},
+        },
+        environ={},
+    )
+    dec = await start_node(cfg, Role.DECODE, register=False)
+
+    def bad_hellos() -> int:
+        return sum(e.get("reason") == "BAD_HELLO" for e in dec.bus.recent)
+
+    flood: list = []
+    try:
+        flood = await raw_endpoints(dec.receiver.port, 1)
+        assert await eventually(lambda: bad_hellos() == 1)
+        flood += await raw_endpoints(dec.receiver.port, 12)
+        assert await eventually(lambda: dec.receiver.unverified == 12)
+    finally:
+        await dec.stop(grace=0)
+        for ep in flood:
+            ep.abort()
+    assert bad_hellos() == 1
