@@ -244,6 +244,93 @@ def is_auth_refusal(err: BaseException) -> bool:
     return code in AUTH_REFUSED_CODES
 
 
+class _Client(aiomqtt.Client):
+    """An ``aiomqtt.Client`` that leaves nothing behind when its connection attempt fails, is
+    cancelled, or the connection ends.
+
+    aiomqtt (2.5.1) opens paho's socket in an executor thread and registers it with the loop (a
+    reader, a writer while output is queued, and a ``_misc_loop`` keep-alive task), then waits for
+    the CONNACK. When that wait times out ("Operation timed out", a slow broker) or the attempt
+    is cancelled (``EventBus.stop``), ``__aenter__`` just raises: the socket stays open and
+    registered, so a late CONNACK makes the abandoned attempt a live connection that keeps
+    pinging and holds its client id and will; with a slow broker, one more per retry. And a
+    cancel while paho's blocking connect still runs leaves the thread to open and register the
+    socket after we gave up. ``__aexit__`` can leave the socket open too: when its DISCONNECT
+    times out (a hung broker), or when aiomqtt saw the connection break in its reader callback.
+
+    So after a failed or cancelled ``__aenter__`` (once the connect thread is done, not before:
+    the loop must not be handed a closed fd) and after every ``__aexit__``, ``_close`` removes
+    the socket's reader and writer from the loop, closes it and cancels the keep-alive task. It
+    reaches into aiomqtt's private ``_client`` (the paho client; its ``socket()`` is public),
+    ``_misc_task`` and ``_client_connect`` (aiomqtt 2.5.1), each looked up with a default so a
+    later aiomqtt without them degrades to its own behaviour instead of failing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kv_loop = asyncio.get_running_loop()
+        # Set from both the loop and aiomqtt's connect thread: whether the attempt was given up,
+        # whether paho's connect() is running in that thread.
+        self._kv_guard = threading.Lock()
+        self._kv_abandoned = False
+        self._kv_connecting = False
+
+    def _client_connect(self) -> None:
+        # aiomqtt 2.5.1 runs this (paho's blocking connect) in an executor thread. The socket
+        # callbacks it triggers are queued on the loop (call_soon_threadsafe) before it returns,
+        # so a close queued after it returns runs after them.
+        with self._kv_guard:
+            if self._kv_abandoned:  # given up before the thread even started
+                raise aiomqtt.MqttError("connection attempt abandoned")
+            self._kv_connecting = True
+        try:
+            super_connect = getattr(super(), "_client_connect", None)
+            if super_connect is not None:
+                super_connect()
+        finally:
+            with self._kv_guard:
+                self._kv_connecting = False
+                late = self._kv_abandoned
+            if late:  # given up while we connected: close what we just opened
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to undo
+                    self._kv_loop.call_soon_threadsafe(self._close)
+
+    async def __aenter__(self) -> _Client:
+        with self._kv_guard:
+            self._kv_abandoned = False
+        try:
+            await super().__aenter__()
+        except BaseException:
+            with self._kv_guard:
+                self._kv_abandoned = True
+                connecting = self._kv_connecting
+            if not connecting:  # else the connect thread closes it when it is done
+                self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        try:
+            await super().__aexit__(*exc_info)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Unregister and close paho's socket, cancel aiomqtt's keep-alive task (idempotent; on
+        the loop's thread, with the connect thread done)."""
+        paho = getattr(self, "_client", None)
+        sock = None if paho is None else paho.socket()
+        if sock is not None:
+            fd = sock.fileno()
+            if fd >= 0:
+                self._kv_loop.remove_reader(fd)
+                self._kv_loop.remove_writer(fd)
+            sock.close()
+        misc = getattr(self, "_misc_task", None)
+        if isinstance(misc, asyncio.Task) and not misc.done():
+            misc.cancel()
+
+
 def _username(credentials: MqttCredentials | None) -> str | None:
     return None if credentials is None else credentials.username
 
@@ -595,7 +682,7 @@ class EventBus:
             try:
                 # the TLS files as they are now: a renewed certificate counts from this reconnect
                 tls_context = None if self.tls is None else self.tls.context()
-                client = aiomqtt.Client(
+                client = _Client(
                     self.mqtt_host,
                     self.mqtt_port,
                     identifier=f"kvfence-{self.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -878,7 +965,7 @@ async def follow(
     """
     wanted = sorted(set(kinds)) if kinds else ["+"]
     seen: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
-    client = aiomqtt.Client(
+    client = _Client(
         host,
         port,
         identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",

@@ -4,6 +4,7 @@ and brokers that require an account."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import threading
@@ -1097,3 +1098,196 @@ def test_cli_events_tls_usage_errors_exit_2(pki: Path, args: list[str], message:
     result = run_cli(["events", "-f", "--mqtt-port", str(free_port()), *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+# --- abandoned connection attempts leave nothing behind -------------------------------------------
+
+
+class SlowBrokerProxy:
+    """A TCP proxy in front of ``broker`` that holds the broker's first bytes to each client (its
+    CONNACK) for ``delay`` s. ``open`` counts the client connections still open: a client that
+    gave up on its attempt but left its socket open (aiomqtt does: it then gets the CONNACK late
+    and stays connected, pinging, with its will) keeps counting."""
+
+    def __init__(self, broker: Mosquitto, delay: float) -> None:
+        self.broker = broker
+        self.delay = delay
+        self.open = 0
+        self.accepted = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def __aenter__(self) -> SlowBrokerProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):  # ends the handlers' reads (no cancel: 3.11's streams
+            writer.close()  # log a cancelled client_connected_cb as an error)
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.accepted += 1
+        self.open += 1
+        delay = self.delay
+        broker_w: asyncio.StreamWriter | None = None
+
+        async def down(broker_r: asyncio.StreamReader) -> None:  # broker -> client
+            first = True
+            while data := await broker_r.read(65536):
+                if first:
+                    first = False
+                    await asyncio.sleep(delay)
+                client_w.write(data)
+                await client_w.drain()
+            client_w.close()
+
+        down_task: asyncio.Task[None] | None = None
+        try:
+            self._writers.add(client_w)
+            broker_r, broker_w = await asyncio.open_connection(self.broker.host, self.broker.port)
+            self._writers.add(broker_w)
+            down_task = asyncio.create_task(down(broker_r))
+            with contextlib.suppress(OSError):
+                while data := await client_r.read(65536):  # until the client closes its socket
+                    broker_w.write(data)
+                    await broker_w.drain()
+        finally:
+            self.open -= 1
+            if down_task is not None:
+                down_task.cancel()
+                await asyncio.gather(down_task, return_exceptions=True)
+            for writer in (client_w, broker_w):
+                if writer is not None:
+                    self._writers.discard(writer)
+                    writer.close()
+                    with contextlib.suppress(OSError):
+                        await writer.wait_closed()
+            self._handlers.discard(task)
+
+
+def aiomqtt_misc_tasks() -> int:
+    """aiomqtt's keep-alive tasks (one per client whose socket it opened) in this loop."""
+    return sum("_misc_loop" in t.get_coro().__qualname__ for t in asyncio.all_tasks())
+
+
+async def test_connect_attempts_that_time_out_leave_no_live_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broker slower to send its CONNACK than the bus waits for it: aiomqtt gave up on the
+    attempt ("Operation timed out") but left its socket open and its keep-alive task running, so
+    each late CONNACK turned an abandoned attempt into a live connection that kept pinging and
+    held its will: they piled up, one per retry. Now at most the attempt in progress is open, and
+    nothing after stop(). Control: the same proxy without the delay connects and delivers."""
+    monkeypatch.setattr("kvfence.events.PUBLISH_TIMEOUT_S", 0.3)  # the CONNACK wait
+    with start_mosquitto() as broker:
+        async with SlowBrokerProxy(broker, delay=1.2) as proxy:
+            bus = make_bus(port=proxy.port)
+            await bus.start()
+            bus.emit("node_joined")
+            seen_open, seen_misc = 0, 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3.5:  # attempts at ~0, 0.35, 0.75, 1.25, 1.95, 3.05 s
+                seen_open = max(seen_open, proxy.open)
+                seen_misc = max(seen_misc, aiomqtt_misc_tasks())
+                await asyncio.sleep(0.02)
+            assert not bus.connected and bus.last_error == "Operation timed out"
+            assert proxy.accepted >= 4, proxy.accepted
+            assert seen_open <= 1 and seen_misc <= 1, (proxy.accepted, seen_open, seen_misc)
+            t0 = time.monotonic()
+            await bus.stop(flush_timeout=0.1)
+            assert time.monotonic() - t0 < 1.5
+            await wait_until(lambda: proxy.open == 0, 2)
+            assert aiomqtt_misc_tasks() == 0
+
+            # Control: no delay, the same path connects and delivers, one connection.
+            proxy.delay = 0
+            monkeypatch.setattr("kvfence.events.PUBLISH_TIMEOUT_S", 5.0)
+            async with subscriber(broker, f"kvfence/v1/{CLUSTER}/events/#") as sub:
+                bus = make_bus(port=proxy.port)
+                await bus.start()
+                seq = bus.emit("node_joined")
+                (got,) = await receive(sub, 1)
+                assert got["seq"] == seq and bus.connected
+                assert proxy.open == 1 and aiomqtt_misc_tasks() == 2  # the bus and the subscriber
+                await bus.stop()
+            await wait_until(lambda: proxy.open == 0 and aiomqtt_misc_tasks() == 0, 2)
+
+
+async def test_stop_while_the_connack_is_on_its_way_leaves_no_live_connection() -> None:
+    """stop() during the CONNACK wait cancelled aiomqtt's connect, which left the socket open:
+    the late CONNACK made it a live connection after stop() returned, pinging for good."""
+    with start_mosquitto() as broker:
+        async with SlowBrokerProxy(broker, delay=0.8) as proxy:
+            bus = make_bus(port=proxy.port)
+            await bus.start()
+            bus.emit("node_joined")
+            await wait_until(lambda: proxy.accepted == 1, 2)
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            await bus.stop(flush_timeout=0.1)
+            assert time.monotonic() - t0 < 1.0
+            await asyncio.sleep(1.2)  # past the CONNACK's arrival
+            assert proxy.open == 0 and aiomqtt_misc_tasks() == 0
+            assert proxy.accepted == 1
+
+
+async def test_stop_during_the_tcp_connect_leaves_no_live_connection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """stop() while paho's blocking connect still runs in aiomqtt's executor thread: the thread
+    goes on, opens the socket and registers it with the loop after the attempt was given up. It
+    must be closed once the thread is done, not before (the loop would be given a closed fd)."""
+    import socket
+
+    real = socket.create_connection
+
+    def slow_create_connection(*args: Any, **kwargs: Any) -> socket.socket:
+        time.sleep(0.5)  # a slow TCP handshake (paho's connect runs in a thread)
+        return real(*args, **kwargs)
+
+    with start_mosquitto() as broker:
+        async with SlowBrokerProxy(broker, delay=0) as proxy:
+            monkeypatch.setattr(socket, "create_connection", slow_create_connection)
+            bus = make_bus(port=proxy.port)
+            await bus.start()
+            bus.emit("node_joined")
+            await asyncio.sleep(0.1)  # the thread is in create_connection
+            t0 = time.monotonic()
+            await bus.stop(flush_timeout=0.05)
+            assert time.monotonic() - t0 < 1.0
+            await asyncio.sleep(1.0)  # the thread connected at 0.5 s, the CONNACK came at once
+            monkeypatch.undo()
+            assert proxy.accepted == 1
+            assert proxy.open == 0 and aiomqtt_misc_tasks() == 0
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+async def test_follow_cancelled_while_the_connack_is_on_its_way_leaves_no_live_connection() -> None:
+    """The same for ``follow`` (``kvfence events --follow`` interrupted while connecting)."""
+
+    async def run_follow(port: int) -> None:
+        async for _ in follow(CLUSTER, "127.0.0.1", port):
+            pass
+
+    with start_mosquitto() as broker:
+        async with SlowBrokerProxy(broker, delay=0.8) as proxy:
+            task = asyncio.create_task(run_follow(proxy.port))
+            await wait_until(lambda: proxy.accepted == 1, 2)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(1.2)  # past the CONNACK's arrival
+            assert proxy.open == 0 and aiomqtt_misc_tasks() == 0
