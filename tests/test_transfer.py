@@ -889,25 +889,30 @@ async def test_a_receiver_says_when_it_listens_wider_than_the_node_binds():
         assert not [e for e in logs if e["event"].startswith("UCX transfer listener")]
 
 
-async def test_a_decode_node_caps_unverified_connections_from_its_config(tmp_path):
-    """node_main wires it: transfer.max_unverified_connections is the receiver's cap, a connection
-    beyond it counts in kvfence_transfer_connections_rejected_total, and the receiver knows the
-    address node.listen binds (control: the same count is 0 before the flood)."""
+async def start_decode(tmp_path, **transfer):
+    """A real decode node on the embedded tiny model, unregistered, with these transfer
+    settings."""
     from kvfence.config import Role, parse_config
     from kvfence.model.tiny import ensure_tiny_model
     from kvfence.node_main import start_node
 
-    tiny = ensure_tiny_model(tmp_path / "tiny")
     cfg = parse_config(
         {
-            "model": {"path": str(tiny)},
+            "model": {"path": str(ensure_tiny_model(tmp_path / "tiny"))},
             "kv": {"page_size": 16, "decode_pool": {"num_pages": 8}},
             "control_plane": {"state_dir": str(tmp_path / "state")},
-            "transfer": {"batch_timeout_s": 30, "max_unverified_connections": 2},
+            "transfer": transfer,
         },
         environ={},
     )
-    dec = await start_node(cfg, Role.DECODE, register=False)
+    return await start_node(cfg, Role.DECODE, register=False)
+
+
+async def test_a_decode_node_caps_unverified_connections_from_its_config(tmp_path):
+    """node_main wires it: transfer.max_unverified_connections is the receiver's cap, a connection
+    beyond it counts in kvfence_transfer_connections_rejected_total, and the receiver knows the
+    address node.listen binds (control: the same count is 0 before the flood)."""
+    dec = await start_decode(tmp_path, batch_timeout_s=30, max_unverified_connections=2)
     flood: list = []
 
     def rejected() -> str:
@@ -934,21 +939,8 @@ async def test_a_flood_of_forged_hellos_is_a_bounded_number_of_events(tmp_path):
     buffer places); the rest are one summary event saying how many. Control: up to the burst every
     forged hello is an event, and a silent connection (BAD_HELLO) has a window of its own."""
     from decode_svc.service import HELLO_EVENTS_BURST
-    from kvfence.config import Role, parse_config
-    from kvfence.model.tiny import ensure_tiny_model
-    from kvfence.node_main import start_node
 
-    tiny = ensure_tiny_model(tmp_path / "tiny")
-    cfg = parse_config(
-        {
-            "model": {"path": str(tiny)},
-            "kv": {"page_size": 16, "decode_pool": {"num_pages": 8}},
-            "control_plane": {"state_dir": str(tmp_path / "state")},
-            "transfer": {"batch_timeout_s": 0.5},
-        },
-        environ={},
-    )
-    dec = await start_node(cfg, Role.DECODE, register=False)
+    dec = await start_decode(tmp_path, batch_timeout_s=0.5)
 
     def events(kind: str, what: str) -> list[dict]:
         field = "check" if kind == "integrity_violation" else "reason"
@@ -1015,21 +1007,7 @@ async def test_a_decode_that_stops_reports_no_bad_hello_for_the_connections_it_a
     """A connection that says nothing within batch_timeout_s is a BAD_HELLO (control); the silent
     connections a stopping decode aborts itself are not (they were reported, and past the hello
     events' bound never summarised: the limiter had been flushed already)."""
-    from kvfence.config import Role, parse_config
-    from kvfence.model.tiny import ensure_tiny_model
-    from kvfence.node_main import start_node
-
-    tiny = ensure_tiny_model(tmp_path / "tiny")
-    cfg = parse_config(
-        {
-            "model": {"path": str(tiny)},
-            "kv": {"page_size": 16, "decode_pool": {"num_pages": 8}},
-            "control_plane": {"state_dir": str(tmp_path / "state")},
-            "transfer": {"batch_timeout_s": 1.0},
-        },
-        environ={},
-    )
-    dec = await start_node(cfg, Role.DECODE, register=False)
+    dec = await start_decode(tmp_path, batch_timeout_s=1.0)
 
     def bad_hellos() -> int:
         return sum(e.get("reason") == "BAD_HELLO" for e in dec.bus.recent)
