@@ -1023,3 +1023,26 @@ async def test_a_decode_that_stops_reports_no_bad_hello_for_the_connections_it_a
         for ep in flood:
             ep.abort()
     assert bad_hellos() == 1
+
+
+async def test_late_hellos_are_not_bounded_like_forged_ones(tmp_path):
+    """A late hello (RESERVATION_RELEASED) names a reservation this node issued: not something
+    anyone can send at will, and each says a transfer came too late, so every one is an event;
+    forged ones (UNKNOWN_RESERVATION) past the bound are not (control)."""
+    from decode_svc.service import HELLO_EVENTS_BURST
+
+    dec = await start_decode(tmp_path, batch_timeout_s=1.0)
+    n = HELLO_EVENTS_BURST + 5
+    try:
+        for i in range(n):
+            for reason, field, kind in (
+                ("RESERVATION_RELEASED", "reason", "transfer_failed"),
+                ("UNKNOWN_RESERVATION", "check", "integrity_violation"),
+            ):
+                payload = {field: reason, "reservation_id": f"res-{i}", "stage": "ucx_hello"}
+                dec.servicer.report_transfer(kind, payload)
+        late = [e for e in dec.bus.recent if e.get("reason") == "RESERVATION_RELEASED"]
+        forged = [e for e in dec.bus.recent if e.get("check") == "UNKNOWN_RESERVATION"]
+        assert len(late) == n and len(forged) == HELLO_EVENTS_BURST
+    finally:
+        await dec.stop(grace=0)
