@@ -899,6 +899,21 @@ def test_external_broker_tls_takes_a_ca_secret(helm_home: Path) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
+def test_an_mqtts_external_url_needs_tls_and_defaults_to_8883(helm_home: Path) -> None:
+    base = ["mqtt.enabled=false", "mqtt.auth.existingSecret=ops-mqtt"]
+    tls = ["mqtt.tls.enabled=true", "mqtt.tls.existingSecret=ops-mqtt-ca"]
+    rc, _, err = template(helm_home, sets=[*base, "mqtt.externalUrl=mqtts://broker.example"])
+    assert rc != 0 and "is TLS: set mqtt.tls.enabled=true" in err
+    for url, port in (("mqtts://broker.example", 8883), ("ssl://broker.example:9883", 9883)):
+        docs = render(helm_home, sets=[*base, *tls, f"mqtt.externalUrl={url}"])
+        cfg = node_config(docs, Role.DECODE, POD_ENV)
+        assert (cfg.events.mqtt_host, cfg.events.mqtt_port) == ("broker.example", port)
+        assert str(cfg.events.mqtt_tls_ca_file) == MQTT_TLS_CA
+    # control: plain mqtt:// keeps 1883
+    docs = render(helm_home, sets=[*base, "mqtt.externalUrl=mqtt://broker.example"])
+    assert node_config(docs, Role.DECODE, POD_ENV).events.mqtt_port == 1883
+
+
 def test_broker_tls_without_a_secret_fails_the_render(helm_home: Path) -> None:
     rc, _, err = template(helm_home, sets=["mqtt.tls.enabled=true"])
     assert rc != 0

@@ -156,10 +156,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-mosquitto.%s.svc:%d" (include "kvfence.fullname" .) .Release.Namespace (int .Values.mqtt.port) }}
 {{- else if .Values.mqtt.externalUrl }}
 {{- $u := urlParse .Values.mqtt.externalUrl }}
-{{- if not (has $u.scheme (list "mqtt" "tcp")) }}
-{{- fail (printf "mqtt.externalUrl %q: scheme must be mqtt:// or tcp://" .Values.mqtt.externalUrl) }}
+{{- if not (has $u.scheme (list "mqtt" "tcp" "mqtts" "ssl")) }}
+{{- fail (printf "mqtt.externalUrl %q: scheme must be mqtt://, tcp://, mqtts:// or ssl://" .Values.mqtt.externalUrl) }}
 {{- end }}
-{{- if contains ":" $u.host }}{{ $u.host }}{{ else }}{{ printf "%s:1883" $u.host }}{{ end }}
+{{- $tls := has $u.scheme (list "mqtts" "ssl") }}
+{{- if and $tls (not .Values.mqtt.tls.enabled) }}
+{{- fail (printf "mqtt.externalUrl %q is TLS: set mqtt.tls.enabled=true with mqtt.tls.existingSecret holding ca.crt, the CA of the broker's certificate" .Values.mqtt.externalUrl) }}
+{{- end }}
+{{- if contains ":" $u.host }}{{ $u.host }}{{ else }}{{ printf "%s:%d" $u.host (ternary 8883 1883 $tls) }}{{ end }}
 {{- end }}
 {{- end }}
 
