@@ -49,13 +49,17 @@ def make_bus(broker: Mosquitto | None = None, port: int | None = None, **kw: Any
 
 @asynccontextmanager
 async def subscriber(
-    broker: Mosquitto, topic: str, account: MqttCredentials | None = None
+    broker: Mosquitto,
+    topic: str,
+    account: MqttCredentials | None = None,
+    tls: MqttTls | None = None,
 ) -> AsyncIterator[aiomqtt.Client]:
     async with aiomqtt.Client(
         broker.host,
         broker.port,
         username=None if account is None else account.username,
         password=None if account is None else account.password,
+        tls_context=None if tls is None else tls.context(),
     ) as client:
         await client.subscribe(topic, qos=1)
         yield client
@@ -91,16 +95,26 @@ def emit_all_kinds(bus: EventBus) -> list[int]:
     return seqs
 
 
+async def deliver_all_kinds(
+    bus: EventBus, sub: aiomqtt.Client
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Start ``bus``, emit one event of every kind, and return their seqs and what ``sub`` got
+    (the bus drained, then stopped)."""
+    await bus.start()
+    try:
+        seqs = emit_all_kinds(bus)
+        got = await receive(sub, len(EVENT_KINDS))
+        assert await bus.wait_drained(5)
+    finally:
+        await bus.stop()
+    return seqs, got
+
+
 async def test_every_kind_arrives_in_order_with_seq() -> None:
     with start_mosquitto() as broker:
         async with subscriber(broker, f"kvfence/v1/{CLUSTER}/events/#") as sub:
             bus = make_bus(broker)
-            await bus.start()
-            try:
-                seqs = emit_all_kinds(bus)
-                got = await receive(sub, len(EVENT_KINDS))
-            finally:
-                await bus.stop()
+            seqs, got = await deliver_all_kinds(bus, sub)
     assert seqs == list(range(1, len(EVENT_KINDS) + 1))
     assert [e["seq"] for e in got] == seqs
     assert [e["kind"] for e in got] == list(EVENT_KINDS)
@@ -450,13 +464,7 @@ async def test_publisher_with_the_broker_account_delivers() -> None:
         async with subscriber(broker, topic, WATCHER) as sub:
             bus = make_bus(broker, credentials=PUBLISHER)
             with structlog.testing.capture_logs() as logs:
-                await bus.start()
-                try:
-                    seqs = emit_all_kinds(bus)
-                    got = await receive(sub, len(EVENT_KINDS))
-                    assert await bus.wait_drained(5)
-                finally:
-                    await bus.stop()
+                seqs, got = await deliver_all_kinds(bus, sub)
     assert [e["seq"] for e in got] == seqs
     assert bus.last_error is None and bus.pending == 0
     connected = [e for e in logs if e["event"] == "event bus connected"]
@@ -771,22 +779,10 @@ async def test_publisher_over_tls_with_the_right_ca_delivers(
         assert bus.tls == MqttTls(pki / "ca.pem", extra.get("mqtt_tls_cert_file"),
                                   extra.get("mqtt_tls_key_file"))  # fmt: skip
         sub_tls = trust(pki, client="client" if client_cert else None)
-        async with aiomqtt.Client(
-            broker.host,
-            broker.port,
-            username=WATCHER.username,
-            password=WATCHER.password,
-            tls_context=sub_tls.context(),
-        ) as sub:
-            await sub.subscribe(f"kvfence/v1/{CLUSTER}/events/#", qos=1)
+        topic = f"kvfence/v1/{CLUSTER}/events/#"
+        async with subscriber(broker, topic, WATCHER, tls=sub_tls) as sub:
             with structlog.testing.capture_logs() as logs:
-                await bus.start()
-                try:
-                    seqs = emit_all_kinds(bus)
-                    got = await receive(sub, len(EVENT_KINDS))
-                    assert await bus.wait_drained(5)
-                finally:
-                    await bus.stop()
+                seqs, got = await deliver_all_kinds(bus, sub)
     assert [e["seq"] for e in got] == seqs
     assert bus.last_error is None and bus.pending == 0
     (connected,) = [e for e in logs if e["event"] == "event bus connected"]
