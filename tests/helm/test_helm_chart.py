@@ -25,7 +25,7 @@ import pytest
 import yaml
 from fixtures_mqtt import MOSQUITTO, free_port, hand_to_broker, wait_for_port
 
-from kvfence.config import Role, parse_config
+from kvfence.config import ClusterConfig, Role, parse_config
 from kvfence.events import EventBus, MqttCredentials, MqttTls, is_auth_refusal, is_tls_failure
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -708,6 +708,23 @@ def chart_account(docs: list[dict], key: str) -> MqttCredentials:
     return MqttCredentials(users[key], base64.b64decode(value).decode())
 
 
+def chart_events_config(docs: list[dict], port: int, tmp_path: Path, **env: str) -> ClusterConfig:
+    """kvfence's own config, as a control plane pod loads it (with the chart's kvfence password
+    where the pod mounts it: here, in ``tmp_path``), pointed at a broker on ``port``."""
+    password = tmp_path / "password"
+    password.write_bytes(
+        base64.b64decode(find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]["password"])
+    )
+    text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+    environ = {
+        "KVFENCE__EVENTS__MQTT_HOST": "127.0.0.1",
+        "KVFENCE__EVENTS__MQTT_PORT": str(port),
+        "KVFENCE__EVENTS__MQTT_PASSWORD_FILE": str(password),
+        **env,
+    }
+    return parse_config(yaml.safe_load(text), environ=environ)
+
+
 async def receive_events(client: aiomqtt.Client, timeout: float) -> list[dict]:
     got: list[dict] = []
 
@@ -741,19 +758,7 @@ async def test_the_charts_broker_takes_the_charts_accounts_only(
     docs = render(helm_home)
     publisher, reader = chart_account(docs, "password"), chart_account(docs, "reader-password")
     with chart_broker(docs) as port:
-        # kvfence's own config, as a control plane pod loads it, pointed at this broker
-        (tmp_path / "password").write_bytes(
-            base64.b64decode(find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]["password"])
-        )
-        text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
-        cfg = parse_config(
-            yaml.safe_load(text),
-            environ={
-                "KVFENCE__EVENTS__MQTT_HOST": "127.0.0.1",
-                "KVFENCE__EVENTS__MQTT_PORT": str(port),
-                "KVFENCE__EVENTS__MQTT_PASSWORD_FILE": str(tmp_path / "password"),
-            },
-        )
+        cfg = chart_events_config(docs, port, tmp_path)
         bus = EventBus.from_config(cfg, "control-plane-0")
         assert bus.credentials == publisher
         topic = f"kvfence/v1/{cfg.cluster}/events/#"
@@ -980,22 +985,10 @@ async def test_the_charts_tls_broker_takes_tls_clients_with_the_ca_only(
     CA fails the handshake, and a kvfence bus without TLS keeps its events and says why."""
     docs = render(helm_home, sets=BROKER_TLS)
     with chart_broker(docs, {"mqtt-cert": cert_manager_secret(mqtt_pki)}) as port:
-        (tmp_path / "password").write_bytes(
-            base64.b64decode(find(docs, "Secret", f"{FULLNAME}-mqtt")["data"]["password"])
-        )
         # the pod's mount of the Secret's ca.crt
         ca = tmp_path / Path(MQTT_TLS_CA).name
         ca.write_bytes(base64.b64decode(cert_manager_secret(mqtt_pki)["ca.crt"]))
-        text = find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
-        cfg = parse_config(
-            yaml.safe_load(text),
-            environ={
-                "KVFENCE__EVENTS__MQTT_HOST": "127.0.0.1",
-                "KVFENCE__EVENTS__MQTT_PORT": str(port),
-                "KVFENCE__EVENTS__MQTT_PASSWORD_FILE": str(tmp_path / "password"),
-                "KVFENCE__EVENTS__MQTT_TLS_CA_FILE": str(ca),
-            },
-        )
+        cfg = chart_events_config(docs, port, tmp_path, KVFENCE__EVENTS__MQTT_TLS_CA_FILE=str(ca))
         bus = EventBus.from_config(cfg, "control-plane-0")
         assert bus.tls is not None and bus.tls.ca_file == ca
         reader = chart_account(docs, "reader-password")
