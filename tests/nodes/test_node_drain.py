@@ -17,7 +17,12 @@ from typing import Any
 import grpc
 import pytest
 from asyncwait import eventually
-from test_prefill_decode import make_cfg, reserve_and_prefill, tiny_dir  # noqa: F401  (fixture)
+from test_prefill_decode import (  # noqa: F401  (tiny_dir: a fixture)
+    make_cfg,
+    node_pair,
+    reserve_and_prefill,
+    tiny_dir,
+)
 
 from control_plane.service import ControlPlane
 from control_plane.tenants import TenantLimits
@@ -32,7 +37,6 @@ from kvfence.proto.kvfence.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
-    prefill_pb2_grpc,
 )
 
 STEP_S = 0.03  # each decode step made this slow, so a stream is still running when a node stops
@@ -241,58 +245,46 @@ async def test_a_draining_decode_node_refuses_new_reserves_and_serves_what_it_ho
     granted (control); during it a new Reserve is UNAVAILABLE/NODE_DRAINING and takes no page,
     while the reservation made before goes on: its KV transfer, its Decode stream, to a finish.
     The drain ends once that stream has ended."""
-    cfg = make_cfg(tiny_dir, tmp_path)
-    dec = await start_node(cfg, Role.DECODE, register=False)
-    pre = await start_node(cfg, Role.PREFILL, register=False)
-    try:
-        async with (
-            grpc.aio.insecure_channel(dec.address) as dch,
-            grpc.aio.insecure_channel(pre.address) as pch,
-        ):
-            dstub = with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token)
-            pstub = with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token)
-            prompt = [(5 * i + 3) % 300 + 3 for i in range(20)]
-            res = await dstub.Reserve(
+    async with node_pair(tiny_dir, tmp_path) as (dec, _pre, dstub, pstub):
+        prompt = [(5 * i + 3) % 300 + 3 for i in range(20)]
+        res = await dstub.Reserve(
+            decode_pb2.ReserveRequest(
+                request_id="held", tenant_id="t", prompt_tokens=len(prompt), max_new_tokens=4
+            )
+        )
+        drain = asyncio.create_task(dec.drain(20))
+        assert await eventually(lambda: dec.draining)
+        free = dec.rt.pool.num_free
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await dstub.Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id="held", tenant_id="t", prompt_tokens=len(prompt), max_new_tokens=4
+                    request_id="new", tenant_id="t", prompt_tokens=3, max_new_tokens=4
                 )
             )
-            drain = asyncio.create_task(dec.drain(20))
-            assert await eventually(lambda: dec.draining)
-            free = dec.rt.pool.num_free
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await dstub.Reserve(
-                    decode_pb2.ReserveRequest(
-                        request_id="new", tenant_id="t", prompt_tokens=3, max_new_tokens=4
-                    )
-                )
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert refused_reason(err.value) == NODE_DRAINING
-            assert "draining" in (err.value.details() or "")
-            assert dec.rt.pool.num_free == free and "new" not in dec.servicer.by_request
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused_reason(err.value) == NODE_DRAINING
+        assert "draining" in (err.value.details() or "")
+        assert dec.rt.pool.num_free == free and "new" not in dec.servicer.by_request
 
-            await asyncio.sleep(0.2)
-            assert not drain.done()  # it holds a reservation
-            _, call = await reserve_and_prefill(dstub, pstub, "held", prompt, res=res, tenant="t")
-            manifest = (await call).manifest
-            tokens, finish = [], ""
-            async for msg in dstub.Decode(
-                decode_pb2.DecodeRequest(
-                    request_id="held",
-                    tenant_id="t",
-                    reservation_id=res.reservation_id,
-                    manifest=manifest,
-                    sampling=common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True),
-                )
-            ):
-                tokens.extend(msg.token_ids)
-                finish = msg.finish_reason or finish
-            assert finish == "length" and len(tokens) == 4
-            assert await asyncio.wait_for(drain, 5) is True
-            await pstub.Release(prefill_pb2.ReleaseRequest(request_id="held"))
-    finally:
-        await pre.stop(grace=1)
-        await dec.stop(grace=1)
+        await asyncio.sleep(0.2)
+        assert not drain.done()  # it holds a reservation
+        _, call = await reserve_and_prefill(dstub, pstub, "held", prompt, res=res, tenant="t")
+        manifest = (await call).manifest
+        tokens, finish = [], ""
+        async for msg in dstub.Decode(
+            decode_pb2.DecodeRequest(
+                request_id="held",
+                tenant_id="t",
+                reservation_id=res.reservation_id,
+                manifest=manifest,
+                sampling=common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True),
+            )
+        ):
+            tokens.extend(msg.token_ids)
+            finish = msg.finish_reason or finish
+        assert finish == "length" and len(tokens) == 4
+        assert await asyncio.wait_for(drain, 5) is True
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id="held"))
     assert dec.rt.pool.num_free == dec.rt.pool.num_pages
     dec.rt.pool.check_integrity()
 
@@ -304,37 +296,25 @@ async def test_a_draining_prefill_node_refuses_new_prefills_and_waits_for_its_re
     """A prefill node that holds a request's source pages (prefilled, not yet Released) drains
     until the control plane's Release comes; a new Prefill meanwhile is UNAVAILABLE/NODE_DRAINING
     before any page is taken. Control: the same Prefill was served before the drain."""
-    cfg = make_cfg(tiny_dir, tmp_path)
-    dec = await start_node(cfg, Role.DECODE, register=False)
-    pre = await start_node(cfg, Role.PREFILL, register=False)
-    try:
-        async with (
-            grpc.aio.insecure_channel(dec.address) as dch,
-            grpc.aio.insecure_channel(pre.address) as pch,
-        ):
-            dstub = with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token)
-            pstub = with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token)
-            _, call = await reserve_and_prefill(dstub, pstub, "first", [5, 6, 7])
-            await call  # control: served; its source pages stay held until Release
-            assert "first" in pre.servicer.held
-            drain = asyncio.create_task(pre.drain(20))
-            assert await eventually(lambda: pre.draining)
-            free = pre.rt.pool.num_free
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                _, call = await reserve_and_prefill(dstub, pstub, "second", [5, 6, 7])
-                await call
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert refused_reason(err.value) == NODE_DRAINING
-            assert pre.rt.pool.num_free == free and "second" not in pre.servicer.held
-            await asyncio.sleep(0.2)
-            assert not drain.done()
-            await pstub.Release(prefill_pb2.ReleaseRequest(request_id="first"))
-            assert await asyncio.wait_for(drain, 5) is True
-            for rid in ("first", "second"):
-                await dstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
-    finally:
-        await pre.stop(grace=1)
-        await dec.stop(grace=1)
+    async with node_pair(tiny_dir, tmp_path) as (_dec, pre, dstub, pstub):
+        _, call = await reserve_and_prefill(dstub, pstub, "first", [5, 6, 7])
+        await call  # control: served; its source pages stay held until Release
+        assert "first" in pre.servicer.held
+        drain = asyncio.create_task(pre.drain(20))
+        assert await eventually(lambda: pre.draining)
+        free = pre.rt.pool.num_free
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            _, call = await reserve_and_prefill(dstub, pstub, "second", [5, 6, 7])
+            await call
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused_reason(err.value) == NODE_DRAINING
+        assert pre.rt.pool.num_free == free and "second" not in pre.servicer.held
+        await asyncio.sleep(0.2)
+        assert not drain.done()
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id="first"))
+        assert await asyncio.wait_for(drain, 5) is True
+        for rid in ("first", "second"):
+            await dstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
     assert pre.rt.pool.num_free == pre.rt.pool.num_pages
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -44,23 +45,33 @@ def make_cfg(tiny_dir, tmp_path, **over):
     return parse_config(data, environ={})
 
 
-@pytest.fixture
-async def nodes(tiny_dir, tmp_path):
+@contextlib.asynccontextmanager
+async def node_pair(tiny_dir, tmp_path):
+    """A decode and a prefill node, unregistered, and stubs that call them as the control plane
+    does (with the node token): ``(dec, pre, dstub, pstub)``; both stopped at the end."""
     cfg = make_cfg(tiny_dir, tmp_path)
     dec = await start_node(cfg, Role.DECODE, register=False)
     pre = await start_node(cfg, Role.PREFILL, register=False)
-    dch = grpc.aio.insecure_channel(dec.address)
-    pch = grpc.aio.insecure_channel(pre.address)
-    yield (
-        dec,
-        pre,
-        with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token),
-        with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token),
-    )
-    await dch.close()
-    await pch.close()
-    await pre.stop(grace=1)
-    await dec.stop(grace=1)
+    try:
+        async with (
+            grpc.aio.insecure_channel(dec.address) as dch,
+            grpc.aio.insecure_channel(pre.address) as pch,
+        ):
+            yield (
+                dec,
+                pre,
+                with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token),
+                with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token),
+            )
+    finally:
+        await pre.stop(grace=1)
+        await dec.stop(grace=1)
+
+
+@pytest.fixture
+async def nodes(tiny_dir, tmp_path):
+    async with node_pair(tiny_dir, tmp_path) as pair:
+        yield pair
 
 
 async def reserve_and_prefill(
