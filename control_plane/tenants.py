@@ -416,7 +416,7 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
     try:
         for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):
             p.unlink(missing_ok=True)
-        with _create_private(staged) as dst:
+        with create_private(staged) as dst:
             if isinstance(backup, Path):
                 with backup.open("rb") as src:
                     shutil.copyfileobj(src, dst)
@@ -471,8 +471,9 @@ def _fold_journal(db_path: Path) -> bool:
     return busy == 0 and not any(Path(f"{db_path}{s}").exists() for s in ("-wal", "-journal"))
 
 
-def _create_private(path: Path) -> io.BufferedWriter:
-    """``path`` created for writing, owner-only (it holds key hashes)."""
+def create_private(path: Path) -> io.BufferedWriter:
+    """``path`` created for writing, owner-only (it holds key hashes); FileExistsError when it
+    exists (never overwritten)."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
 

@@ -260,7 +260,7 @@ def tenants_backup(
     A consistent snapshot of tenants, limits and API key hashes, checked and written owner-only
     (0600); `kvfence tenants restore` puts it back.
     """
-    from control_plane.tenants import NotATenantDatabase, check_database
+    from control_plane.tenants import NotATenantDatabase, check_database, create_private
 
     if out_file.is_dir():
         raise _fail(f"{out_file} is a directory")
@@ -274,11 +274,11 @@ def tenants_backup(
     # never readable by others, not even for a moment.
     tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        f = create_private(tmp)
     except OSError as err:
         raise _fail(f"cannot write {out_file}: {_os_error(err)}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
