@@ -261,7 +261,7 @@ class _Client(aiomqtt.Client):
     So after a failed or cancelled ``__aenter__`` (once the connect thread is done, not before:
     the loop must not be handed a closed fd) and after every ``__aexit__``, ``_close`` removes
     the socket's reader and writer from the loop, closes it and cancels the keep-alive task. It
-    reaches into aiomqtt's private ``_client`` (the paho client; its ``socket()`` is public),
+    reaches into aiomqtt's private ``_client`` (the paho client, and its ``_sock_close``),
     ``_misc_task`` and ``_client_connect`` (aiomqtt 2.5.1), each looked up with a default so a
     later aiomqtt without them degrades to its own behaviour instead of failing.
     """
@@ -318,14 +318,12 @@ class _Client(aiomqtt.Client):
     def _close(self) -> None:
         """Unregister and close paho's socket, cancel aiomqtt's keep-alive task (idempotent; on
         the loop's thread, with the connect thread done)."""
-        paho = getattr(self, "_client", None)
-        sock = None if paho is None else paho.socket()
-        if sock is not None:
-            fd = sock.fileno()
-            if fd >= 0:
-                self._kv_loop.remove_reader(fd)
-                self._kv_loop.remove_writer(fd)
-            sock.close()
+        # paho's own close: aiomqtt's socket callbacks take the socket off the loop (reader and
+        # writer) and cancel the keep-alive task, and paho forgets the socket, so that its
+        # __del__ does not try again later, on a loop that may be gone by then.
+        sock_close = getattr(getattr(self, "_client", None), "_sock_close", None)
+        if sock_close is not None:
+            sock_close()
         misc = getattr(self, "_misc_task", None)
         if isinstance(misc, asyncio.Task) and not misc.done():
             misc.cancel()
