@@ -304,34 +304,30 @@ class EventsConfig(_Strict):
             raise ValueError("empty MQTT username: give one, or null to connect anonymously")
         return value
 
+    def _together(self, first: str, second: str, advice: str) -> None:
+        """Both of two fields, or neither: ValueError naming the one given and the one missing."""
+        given = [name for name in (first, second) if getattr(self, name) is not None]
+        if len(given) == 1:
+            missing = second if given == [first] else first
+            raise ValueError(f"{given[0]} is set but {missing} is not: {advice}")
+
     @model_validator(mode="after")
     def _username_and_password_together(self) -> EventsConfig:
-        if self.mqtt_username is not None and self.mqtt_password_file is None:
-            raise ValueError(
-                "mqtt_username is set but mqtt_password_file is not: give both (a broker "
-                "account), or neither (anonymous)"
-            )
-        if self.mqtt_password_file is not None and self.mqtt_username is None:
-            raise ValueError(
-                "mqtt_password_file is set but mqtt_username is not: give both (a broker "
-                "account), or neither (anonymous)"
-            )
+        self._together(
+            "mqtt_username",
+            "mqtt_password_file",
+            "give both (a broker account), or neither (anonymous)",
+        )
         return self
 
     @model_validator(mode="after")
     def _tls_files_together(self) -> EventsConfig:
-        cert, key = self.mqtt_tls_cert_file, self.mqtt_tls_key_file
-        if (cert is None) != (key is None):
-            given, missing = (
-                ("mqtt_tls_cert_file", "mqtt_tls_key_file")
-                if key is None
-                else ("mqtt_tls_key_file", "mqtt_tls_cert_file")
-            )
-            raise ValueError(
-                f"{given} is set but {missing} is not: a client certificate needs its key (give "
-                "both, or neither for no client certificate)"
-            )
-        if cert is not None and self.mqtt_tls_ca_file is None:
+        self._together(
+            "mqtt_tls_cert_file",
+            "mqtt_tls_key_file",
+            "a client certificate needs its key (give both, or neither for no client certificate)",
+        )
+        if self.mqtt_tls_cert_file is not None and self.mqtt_tls_ca_file is None:
             raise ValueError(
                 "mqtt_tls_cert_file and mqtt_tls_key_file without mqtt_tls_ca_file: a client "
                 "certificate is for TLS, which needs the CA that signed the broker's certificate"
