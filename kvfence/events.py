@@ -129,6 +129,20 @@ def load_mqtt_credentials(events: EventsConfig) -> MqttCredentials | None:
     return MqttCredentials(events.mqtt_username, read_mqtt_password(events.mqtt_password_file))
 
 
+class _ClosingSSLSocket(ssl.SSLSocket):
+    """An SSLSocket that closes itself when its handshake fails. paho (2.2.0) wraps the socket
+    and calls ``do_handshake`` without closing it on error, so every refused handshake (an
+    unknown CA, a wrong host name: retried every few seconds) left an open socket for the
+    garbage collector, and a ``ResourceWarning``."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        try:
+            super().do_handshake(block)
+        except BaseException:
+            self.close()
+            raise
+
+
 class _ServerNameContext(ssl.SSLContext):
     """A client context that checks (and asks by SNI for) ``server_name`` whatever the host
     connected to: paho passes its host to ``wrap_socket``."""
@@ -173,6 +187,7 @@ class MqttTls:
         else:
             ctx = named = _ServerNameContext(ssl.PROTOCOL_TLS_CLIENT)
             named.server_name = self.server_name
+        ctx.sslsocket_class = _ClosingSSLSocket
         try:
             ctx.load_verify_locations(cadata=ca)  # only this CA: no system CAs
         except (ssl.SSLError, ValueError) as err:

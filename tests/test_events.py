@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -862,6 +864,44 @@ async def test_a_failed_tls_handshake_keeps_events_buffered_and_says_so(
         assert f"CA in events.mqtt_tls_ca_file ({pki / f'{client_tls}.pem'})" in hint
         assert "name 127.0.0.1" in hint
     assert not [e for e in logs if e["event"] == "event bus connected"]
+
+
+@pytest.mark.parametrize("ca", ["other-ca", "ca"], ids=["refused", "accepted"])
+def test_a_refused_tls_handshake_closes_its_socket(pki: Path, ca: str) -> None:
+    """paho wraps the socket and calls ``do_handshake`` without closing it when that fails, so
+    each refused attempt (retried every few seconds) left an open socket to the collector. The
+    client context's sockets close themselves; one whose handshake succeeds stays open."""
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(pki / "server.pem", pki / "server.key")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with (
+                contextlib.suppress(ssl.SSLError, OSError),
+                server_ctx.wrap_socket(conn, server_side=True) as tls_conn,
+            ):
+                tls_conn.recv(1)  # until the client closes
+            conn.close()
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        tcp = socket.create_connection(listener.getsockname(), timeout=5)
+        # as paho 2.2.0's _ssl_wrap_socket does it
+        ctx = trust(pki, ca).context()
+        sock = ctx.wrap_socket(tcp, server_hostname="127.0.0.1", do_handshake_on_connect=False)
+        try:
+            if ca == "ca":
+                sock.do_handshake()
+                assert sock.fileno() != -1
+            else:
+                with pytest.raises(ssl.SSLCertVerificationError):
+                    sock.do_handshake()
+                assert sock.fileno() == -1  # closed, not left to the garbage collector
+        finally:
+            sock.close()
+            server.join(timeout=5)
+    assert not server.is_alive()
 
 
 async def test_a_tls_file_gone_at_reconnect_keeps_events_buffered_and_says_so(
