@@ -165,12 +165,19 @@ def check_tenant(tenant: Tenant, prompt: Prompt, active_requests: int) -> None:
 
 
 class AdmissionQueue:
-    """Requests waiting for decode capacity: bounded, first come first served.
+    """Requests waiting for decode capacity: bounded, tenants served in turn.
 
     Only the request at the head of the queue may try to reserve, and a newcomer queues behind
-    anyone already waiting. Without that, a stream of small requests can keep taking the pages a
-    large one waits for until its deadline passes (starvation). Every change of capacity or model
-    access wakes the waiters; the head retries, the others check whether they are now the head.
+    it. Without that, a stream of small requests can keep taking the pages a large one waits for
+    until its deadline passes (starvation). Every change of capacity or model access wakes the
+    waiters; the head retries, the others check whether they are now the head.
+
+    The head is the oldest request of the tenant whose turn it is. When it leaves (it reserved,
+    failed or gave up), its tenant goes to the back of the turn order if it still has requests
+    waiting, and the next tenant's oldest request becomes the head. First come first served
+    across tenants would make one tenant's burst of 64 requests a wait of 64 reservations for
+    every other tenant's next request; in turn, another tenant waits for at most one request of
+    each tenant ahead of it. Within a tenant, requests are served in the order they came.
 
     One tenant may hold at most ``per_tenant`` places: without that bound, a tenant with no
     concurrency limit could fill the queue with long-deadline requests and every other tenant
@@ -180,13 +187,15 @@ class AdmissionQueue:
     def __init__(self, capacity: int, per_tenant: int | None = None):
         self.capacity = capacity
         self.per_tenant = capacity if per_tenant is None else min(per_tenant, capacity)
-        self._order: collections.deque[object] = collections.deque()
-        self._by_tenant: collections.Counter[str] = collections.Counter()
+        # Tenants with requests waiting, in turn order (dicts keep insertion order): the first
+        # one's oldest request is the head. No entry for a tenant that waits no more.
+        self._turns: dict[str, collections.deque[object]] = {}
+        self._waiting = 0
         self._changed = asyncio.Event()
 
     @property
     def waiting(self) -> int:
-        return len(self._order)
+        return self._waiting
 
     def notify(self) -> None:
         """Wake every waiter (pages freed, node joined, model access changed)."""
@@ -195,35 +204,45 @@ class AdmissionQueue:
 
     def may_try(self, ticket: object) -> bool:
         """True when ``ticket`` may try to reserve now: nobody waits, or it heads the queue."""
-        return not self._order or self._order[0] is ticket
+        if not self._turns:
+            return True
+        return next(iter(self._turns.values()))[0] is ticket
 
     def waiting_for(self, tenant: str) -> int:
-        return self._by_tenant[tenant]
+        queued = self._turns.get(tenant)
+        return 0 if queued is None else len(queued)
 
     @contextlib.contextmanager
     def slot(self, ticket: object, tenant: str) -> Iterator[None]:
         """Hold a queue place for the block; ResourceExhausted at once when the queue, or the
         tenant's share of it, is full. The message tells a tenant its own count only."""
-        if self._by_tenant[tenant] >= self.per_tenant:
+        if self.waiting_for(tenant) >= self.per_tenant:
             raise ResourceExhausted(
-                f"tenant {tenant} already has {self._by_tenant[tenant]} requests waiting for "
+                f"tenant {tenant} already has {self.waiting_for(tenant)} requests waiting for "
                 f"capacity (at most {self.per_tenant})",
                 reason=QUEUE_FULL,
             )
-        if len(self._order) >= self.capacity:
+        if self._waiting >= self.capacity:
             raise ResourceExhausted(
                 "the admission queue is full: no capacity for now, retry later", reason=QUEUE_FULL
             )
-        self._order.append(ticket)
-        self._by_tenant[tenant] += 1
+        self._turns.setdefault(tenant, collections.deque()).append(ticket)
+        self._waiting += 1
         try:
             yield
         finally:
-            self._order.remove(ticket)
-            self._by_tenant[tenant] -= 1
-            if not self._by_tenant[tenant]:
-                del self._by_tenant[tenant]  # no entry per tenant that ever waited
+            self._leave(ticket, tenant)
             self.notify()  # the next request may now head the queue
+
+    def _leave(self, ticket: object, tenant: str) -> None:
+        queued = self._turns[tenant]
+        was_head = queued[0] is ticket and next(iter(self._turns)) == tenant
+        queued.remove(ticket)
+        self._waiting -= 1
+        if not queued:
+            del self._turns[tenant]
+        elif was_head:  # its turn is over: to the back, behind every other waiting tenant
+            self._turns[tenant] = self._turns.pop(tenant)
 
     async def changed(self, timeout: float) -> None:
         """Return at the next notify() or after ``timeout`` seconds, whichever comes first."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -316,8 +317,8 @@ async def test_errors_carry_grpc_codes(cluster: Cluster) -> None:
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_admission_queue_is_first_come_first_served() -> None:
-    """A newcomer never overtakes a waiting request (no starvation of large requests)."""
+def test_a_newcomer_never_overtakes_the_head_of_the_queue() -> None:
+    """Only the head may try to reserve: no starvation of a large request by small ones."""
     from control_plane.admission import AdmissionQueue
 
     q = AdmissionQueue(capacity=2)
@@ -335,6 +336,62 @@ def test_admission_queue_is_first_come_first_served() -> None:
     assert q.waiting == 0 and q.may_try(late)
 
 
+def test_tenants_take_turns_at_the_head_of_the_queue() -> None:
+    """The head is the oldest request of the tenant whose turn it is; served, its tenant goes to
+    the back. Another tenant's request waits for one of a busy tenant's, not for all of them."""
+    from control_plane.admission import AdmissionQueue
+
+    q = AdmissionQueue(capacity=8)
+    held: dict[str, Any] = {}
+
+    def arrive(name: str) -> None:  # tenant "a" of request "a2"
+        held[name] = q.slot(name, name[0])
+        held[name].__enter__()
+
+    def serve_head() -> str:
+        (head,) = [name for name in held if q.may_try(name)]
+        held.pop(head).__exit__(None, None, None)
+        return head
+
+    for name in ("a1", "a2", "a3", "b1", "c1"):
+        arrive(name)
+    served = [serve_head()]
+    arrive("d1")  # a newcomer joins the turn order behind a, whose turn just ended
+    held.pop("c1").__exit__(None, None, None)  # one that is not the head gives up: no turn taken
+    while held:
+        served.append(serve_head())
+    assert served == ["a1", "b1", "a2", "d1", "a3"]
+    assert q.waiting == 0 and not q._turns
+
+    # control: one tenant alone is served in the order its requests came
+    for name in ("a1", "a2", "a3"):
+        arrive(name)
+    assert [serve_head() for _ in range(3)] == ["a1", "a2", "a3"]
+
+
+async def test_a_tenant_behind_another_tenants_burst_is_served_next(tmp_path: Path) -> None:
+    """Through the service: acme queues three requests while no decode node has room, then other
+    queues one; when room comes, other's request is reserved second, not last."""
+    c = await make_cluster(tmp_path)
+    try:
+        c.script.reserve_error = ResourceExhausted("pool full")
+        _, other_key, _ = c.cp.tenants.create_tenant("other", TenantLimits())
+        tasks = []
+        for n, key in enumerate([c.api_key] * 3 + [other_key]):
+            call = c.client(key, timeout=10).generate(prompt_ids=[10], max_new_tokens=2)
+            tasks.append(asyncio.create_task(call))
+            await eventually(lambda n=n: c.cp.queue.waiting == n + 1)
+        (decode,) = c.decode
+        first_after = len(decode.calls)
+        c.script.reserve_error = None
+        for done in await asyncio.gather(*tasks):
+            assert done.usage.completion_tokens == 2
+        reserved = [r.tenant_id for m, r in decode.calls[first_after:] if m == "Reserve"]
+        assert reserved == ["acme", "other", "acme", "acme"]
+    finally:
+        await c.close()
+
+
 def test_one_tenant_cannot_take_the_whole_queue() -> None:
     """A tenant holds at most ``per_tenant`` places: one with no concurrency limit used to fill
     the queue and lock every other tenant out (QUEUE_FULL) until its deadlines passed."""
@@ -350,7 +407,7 @@ def test_one_tenant_cannot_take_the_whole_queue() -> None:
         with q.slot(object(), "other"), q.slot(object(), "other"):
             assert q.waiting == 4 and q.waiting_for("other") == 2
     assert q.waiting == 0 and q.waiting_for("greedy") == 0
-    assert not q._by_tenant  # nothing kept per tenant once it waits no more
+    assert not q._turns  # nothing kept per tenant once it waits no more
 
 
 @pytest.mark.parametrize("seed", [None, 12345])
