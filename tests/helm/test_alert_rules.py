@@ -143,6 +143,65 @@ def test_a_broken_rule_is_caught(old: str, new: str, expected: str) -> None:
     assert found and all(expected in p for p in found), found
 
 
+def _walk(node: Any) -> list[Any]:
+    """Every node of a parsed expression, ``node`` first."""
+    kind = type(node).__name__
+    if kind == "BinaryExpr":
+        children = [node.lhs, node.rhs]
+    elif kind in ("AggregateExpr", "ParenExpr", "UnaryExpr", "SubqueryExpr"):
+        children = [node.expr]
+    elif kind == "Call":
+        children = list(node.args)
+    elif kind == "MatrixSelector":
+        children = [node.vector_selector]
+    else:
+        children = []
+    return [node, *(n for child in children for n in _walk(child))]
+
+
+def missed_first_increments(rules: list[dict[str, Any]]) -> list[str]:
+    """Rules that fire on ``increase(C[R])`` of a counter C with labels of its own but cannot see
+    C's first increment. Such a series does not exist until then and is born at 1, and
+    ``increase()`` reads a series born non-zero as no increase; the rule also needs a branch
+    ``C unless C offset R`` (there now, not R ago)."""
+    series = exposed_series()
+    out = []
+    for rule in rules:
+        nodes = _walk(promql_parser.parse(rule["expr"]))
+        born = {
+            (n.lhs.name, n.rhs.offset)
+            for n in nodes
+            if type(n).__name__ == "BinaryExpr"
+            and str(n.op) == "unless"
+            and type(n.lhs).__name__ == type(n.rhs).__name__ == "VectorSelector"
+            and n.lhs.name == n.rhs.name
+        }
+        for n in nodes:
+            if type(n).__name__ != "Call" or n.func.name != "increase":
+                continue
+            (matrix,) = n.args
+            metric = matrix.vector_selector.name
+            if series[metric] - {"service"} and (metric, matrix.range) not in born:
+                out.append(f"{rule['alert']}: the first increment of {metric} is missed")
+    return out
+
+
+def test_a_counters_first_increment_alerts() -> None:
+    """KvfenceIntegrityCheckFailed must fire for one forged manifest on a pod: the walkthrough
+    saw ``kvfence_integrity_failures_total{check="MAC"}`` appear at 1, which ``increase()``
+    alone reads as 0."""
+    rules = load_rules()
+    assert missed_first_increments(rules) == []
+    # control: the rule without its second branch is caught
+    (integrity,) = [r for r in rules if r["alert"] == "KvfenceIntegrityCheckFailed"]
+    only_increase = integrity["expr"].split("\nor\n")[0]
+    assert "unless" not in only_increase
+    assert missed_first_increments([{**integrity, "expr": only_increase}]) == [
+        "KvfenceIntegrityCheckFailed: the first increment of kvfence_integrity_failures_total "
+        "is missed"
+    ]
+
+
 def test_every_alert_has_a_runbook_section_and_every_section_an_alert() -> None:
     rules = load_rules()
     sections = set(re.findall(r"^## (Kvfence\w+)$", RUNBOOK.read_text(), re.M))
