@@ -203,6 +203,7 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
             name=self.d.model.name,
             online=self.d.access.online,
             reason=self.d.access.reason,
+            offline_since="" if self.d.access.online else self.d.access.since,
             context_window=self.d.model.context_window,
             admissible_limit=self.d.registry.admissible_limit(),
         )

@@ -102,7 +102,11 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
 
 @dataclass
 class ModelAccess:
-    """The operator's switch: offline turns new and queued requests into UNAVAILABLE."""
+    """The operator's switch: offline turns new and queued requests into UNAVAILABLE.
+
+    The control plane keeps it in its state database (``model_access``), so it survives restarts.
+    """
 
     online: bool = True
     reason: str = ""
+    since: str = ""  # UTC (tenants.UTC_FORMAT) it went online or offline; "" = never switched

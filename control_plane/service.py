@@ -28,11 +28,11 @@ from control_plane.model_info import ModelAccess, ModelInfo, load_model_info
 from control_plane.pipeline import SHUTTING_DOWN, EventSink, Pipeline, PipelineDeps
 from control_plane.registry import ROLES, Node, NodeRegistryServicer, Registry
 from control_plane.routing import NodeClients
-from control_plane.tenants import TENANTS_DB, TenantStore
+from control_plane.tenants import TENANTS_DB, TenantStore, utc_now, utc_seconds
 from kvfence import tls
 from kvfence.auth import load_node_token
 from kvfence.config import ClusterConfig
-from kvfence.errors import Unavailable
+from kvfence.errors import KvfenceError, Unavailable
 from kvfence.events import EventBus
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
@@ -82,10 +82,15 @@ class ControlPlane:
             self.node_token = load_node_token(cp.node_token_file, cp.state_dir)
             self.table = RequestTable()
             self.queue = AdmissionQueue(cp.admission_queue, cp.admission_queue_per_tenant)
-            self.access = ModelAccess()
+            self.access = self._saved_access()
             # Read from the switch at each scrape: nothing to keep in step with it.
             self.metrics.model_online.labels(model=self.model.name).set_function(
                 lambda: 1.0 if self.access.online else 0.0
+            )
+            # The time it went offline, not just that it is: KvfenceModelOffline's `for` starts
+            # over with every restart (the pod's series go stale), this does not.
+            self.metrics.model_offline_since.labels(model=self.model.name).set_function(
+                lambda: 0.0 if self.access.online else utc_seconds(self.access.since)
             )
             self.registry = Registry(
                 self.model,
@@ -183,6 +188,10 @@ class ControlPlane:
                     "model": self.model.name,
                 }
             )
+        if not self.access.online:
+            # As when it was taken offline: consumers of the events (and the alert on the gauge)
+            # see the same state after a restart as before it.
+            self._emit_access(self.access.reason)
         self._reaper = asyncio.create_task(self.registry.run_reaper(), name="kvfence-reaper")
         log.info(
             "control plane started",
@@ -227,16 +236,83 @@ class ControlPlane:
     # -- model access and nodes --------------------------------------------------------------------
 
     def set_access(self, online: bool, reason: str) -> None:
-        """The operator's switch; going offline fails queued requests at once."""
-        self.access.online = online
-        self.access.reason = "" if online else (reason or "taken offline by an operator")
+        """The operator's switch; going offline fails queued requests at once.
+
+        Saved in the state database before it returns (before the admin RPC answers), so a
+        restart keeps it. Raises KvfenceError when it could not be saved: going offline then
+        still holds in this process (a kill switch must work when the disk does not), going
+        online does not happen (a restart would take the model offline again).
+        """
+        access = self.access
+        # Said again (a new reason), the switch keeps the time it was first thrown.
+        since = access.since if online == access.online and access.since else utc_now()
+        effective = "" if online else (reason or "taken offline by an operator")
+        if not online:
+            access.online, access.reason, access.since = False, effective, since
+        unsaved: KvfenceError | None = None
+        try:
+            self.tenants.save_model_access(self.model.name, online, effective, since)
+        except KvfenceError as err:
+            log.error(
+                "model access not saved", model=self.model.name, online=online, error=str(err)
+            )
+            if online:
+                raise KvfenceError(
+                    f"model {self.model.name}: the switch was not changed, as it could not be "
+                    f"saved: {err.message}",
+                    reason=err.reason,
+                ) from None
+            unsaved = err
+        if online:
+            access.online, access.reason, access.since = True, "", since
         log.warning("model access changed", model=self.model.name, online=online, reason=reason)
-        self.events.emit("model_access", model=self.model.name, online=online, reason=reason)
+        self._emit_access(reason)
         if not online:
             self._interrupt_queued(
                 f"model {self.model.name} is offline: {self.access.reason}", "MODEL_OFFLINE"
             )
         self.queue.notify()
+        if unsaved is not None:
+            raise KvfenceError(
+                f"model {self.model.name} is offline, but only until this control plane stops: "
+                f"{unsaved.message}",
+                reason=unsaved.reason,
+            )
+
+    def _emit_access(self, reason: str) -> None:
+        self.events.emit(
+            "model_access",
+            model=self.model.name,
+            online=self.access.online,
+            reason=reason,
+            since=self.access.since,
+        )
+
+    def _saved_access(self) -> ModelAccess:
+        """The switch as the last control plane on this state directory left it. Switches are
+        saved by model name: one saved for another model (the directory served it before) is
+        not this model's, and is left for that model."""
+        access = ModelAccess()
+        for saved in self.tenants.model_access():
+            if saved.model == self.model.name:
+                access = ModelAccess(saved.online, saved.reason, saved.since)
+            elif not saved.online:
+                log.warning(
+                    "ignoring the kill switch saved for another model",
+                    model=self.model.name,
+                    switched_model=saved.model,
+                    reason=saved.reason,
+                    since=saved.since,
+                )
+        if not access.online:
+            log.warning(
+                "model offline since before this start: the kill switch stays on until "
+                "`kvfence model online`",
+                model=self.model.name,
+                reason=access.reason,
+                since=access.since,
+            )
+        return access
 
     def _interrupt_queued(self, message: str, reason: str = SHUTTING_DOWN) -> None:
         for run in self.table.in_state(RequestState.RECEIVED, RequestState.ADMITTED):

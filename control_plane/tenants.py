@@ -1,4 +1,5 @@
-"""Tenants, API keys and limits in a SQLite file under ``state_dir`` (WAL mode, survives restarts).
+"""Tenants, API keys and limits in a SQLite file under ``state_dir`` (WAL mode, survives restarts),
+and the operator's kill switch (``model_access``), which must survive restarts too.
 
 An API key is 256 random bits, shown once at creation; the store keeps only its SHA-256, so a copy
 of the database does not let anyone call the API. Every authentication reads the database, so a
@@ -13,6 +14,7 @@ refuses while a control plane runs on it.
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import fcntl
 import hashlib
@@ -54,7 +56,16 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked INTEGER NOT NULL DEFAULT 0,
     created_at TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS model_access (
+    model TEXT PRIMARY KEY,
+    online INTEGER NOT NULL CHECK (online IN (0, 1)),
+    reason TEXT NOT NULL DEFAULT '',
+    since TEXT NOT NULL
+);
 """
+# Tables of _SCHEMA that older releases did not create: a database (a backup) of one of those is
+# still a tenant database, and opening it in a TenantStore adds them.
+_ADDED_TABLES = frozenset({"model_access"})
 
 
 class AlreadyExists(KvfenceError):
@@ -93,12 +104,30 @@ class Tenant:
     keys: tuple[KeyInfo, ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class SavedAccess:
+    """One model's kill switch as saved; ``since``: when it last went online or offline (UTC)."""
+
+    model: str
+    online: bool
+    reason: str
+    since: str
+
+
 def hash_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+UTC_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # every time the database holds
+
+
+def utc_now() -> str:
+    return time.strftime(UTC_FORMAT, time.gmtime())
+
+
+def utc_seconds(text: str) -> float:
+    """Unix time of a :data:`UTC_FORMAT` time."""
+    return float(calendar.timegm(time.strptime(text, UTC_FORMAT)))
 
 
 def _check_limits(limits: TenantLimits) -> None:
@@ -157,6 +186,9 @@ class TenantStore:
                     os.chmod(p, 0o600)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
+            # A commit is on disk when it returns (WAL's usual NORMAL may lose the last ones to a
+            # power cut): an acknowledged kill switch or key revocation must not come undone.
+            self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
         except BaseException:
@@ -220,7 +252,7 @@ class TenantStore:
                         limits.max_concurrent_requests,
                         limits.max_tokens_per_request,
                         int(limits.scrub_on_free),
-                        _now(),
+                        utc_now(),
                     ),
                 )
                 api_key, key_id = self._insert_key(name)
@@ -274,7 +306,7 @@ class TenantStore:
         key_id = "key_" + secrets.token_hex(8)
         self._db.execute(
             "INSERT INTO api_keys VALUES (?, ?, ?, 0, ?)",
-            (key_id, name, hash_key(api_key), _now()),
+            (key_id, name, hash_key(api_key), utc_now()),
         )
         return api_key, key_id
 
@@ -294,6 +326,25 @@ class TenantStore:
             (hash_key(api_key),),
         ).fetchone()
         return None if row is None else self._tenant(row)
+
+    def save_model_access(self, model: str, online: bool, reason: str, since: str) -> None:
+        """Save ``model``'s kill switch: committed, on disk, when this returns. KvfenceError
+        (reason ``MODEL_ACCESS_NOT_SAVED``) when it cannot be."""
+        try:
+            self._db.execute(
+                "INSERT INTO model_access VALUES (?, ?, ?, ?) ON CONFLICT (model) DO UPDATE SET "
+                "online = excluded.online, reason = excluded.reason, since = excluded.since",
+                (model, int(online), reason, since),
+            )
+        except sqlite3.Error as err:
+            raise KvfenceError(
+                f"the state database did not take the change: {err}",
+                reason="MODEL_ACCESS_NOT_SAVED",
+            ) from None
+
+    def model_access(self) -> tuple[SavedAccess, ...]:
+        """Every model's saved switch (a state directory may have served other models)."""
+        return _model_access(self._db)
 
     def _tenant(self, row: tuple[str, int, int, int]) -> Tenant:
         name, max_conc, max_tok, scrub = row
@@ -349,8 +400,9 @@ def _check_integrity(db: sqlite3.Connection, what: str) -> None:
 
 def check_database(path: Path, name: str | None = None) -> tuple[int, int]:
     """Check that ``path`` is a sound kvfence tenant database: a SQLite file whose tables are
-    exactly those :class:`TenantStore` creates, passing ``integrity_check``. Returns (tenants,
-    API keys). Raises :class:`NotATenantDatabase` saying what is wrong.
+    exactly those :class:`TenantStore` creates (or an older release created: without
+    ``_ADDED_TABLES``), passing ``integrity_check``. Returns (tenants, API keys). Raises
+    :class:`NotATenantDatabase` saying what is wrong.
 
     It opens the file read-write (a WAL-flagged copy is converted to a self-contained one): pass
     a copy, not a file that must stay as it is. Messages call the file ``name`` (default: path).
@@ -364,11 +416,14 @@ def check_database(path: Path, name: str | None = None) -> tuple[int, int]:
         db.execute("PRAGMA journal_mode=DELETE")
         _check_integrity(db, name)
         schema, want = _schema(db), _expected_schema()
-        if schema != want:
+        missing = {table for _, _, table, _ in want - schema}
+        if not schema <= want or not missing <= _ADDED_TABLES:
             have = sorted(n for t, n, _, _ in schema if t == "table")
+            expected = sorted(n for t, n, _, _ in want if t == "table")
             raise NotATenantDatabase(
                 f"{name} is a SQLite database but not a kvfence tenant database (tables "
-                f"{', '.join(have) or 'none'}; expected api_keys, tenants as kvfence creates them)"
+                f"{', '.join(have) or 'none'}; expected {', '.join(expected)} as kvfence creates "
+                "them)"
             )
         tenants = db.execute("SELECT count(*) FROM tenants").fetchone()[0]
         keys = db.execute("SELECT count(*) FROM api_keys").fetchone()[0]
@@ -379,12 +434,35 @@ def check_database(path: Path, name: str | None = None) -> tuple[int, int]:
         db.close()
 
 
+def _model_access(db: sqlite3.Connection) -> tuple[SavedAccess, ...]:
+    rows = db.execute("SELECT model, online, reason, since FROM model_access ORDER BY model")
+    return tuple(SavedAccess(m, bool(o), r, s) for m, o, r, s in rows.fetchall())
+
+
+def read_model_access(path: Path) -> tuple[SavedAccess, ...] | None:
+    """The switches saved in the database file ``path`` (read-only; none in a database of an
+    older release); None when it cannot be read."""
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            return _model_access(db) if "model_access" in tables else ()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+
+
 @dataclass(frozen=True)
 class Restored:
     path: Path  # the restored database
     previous: Path | None  # where the database it replaced was kept (None: there was none)
     tenants: int
     keys: int
+    # The kill switches the restored database holds (a control plane starts with them), and those
+    # of the database it replaced (None: there was none, or it could not be read).
+    access: tuple[SavedAccess, ...] = ()
+    access_before: tuple[SavedAccess, ...] | None = None
 
 
 _SIDE_FILES = ("-wal", "-journal", "-shm")
@@ -404,6 +482,10 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
     the old -wal beside it. A database SQLite cannot checkpoint (damaged: the reason for many
     restores) moves aside with its -wal instead. The lock is held throughout, so no control plane
     starts meanwhile.
+
+    The kill switch is state like the rest: a control plane started on the restored database has
+    the model online or offline as it was at the backup (``Restored.access``), whatever the
+    replaced one had (``Restored.access_before``, for the operator to compare).
     """
     if not state_dir.is_dir():
         raise FileNotFoundError(f"state directory {state_dir} does not exist")
@@ -423,6 +505,7 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
             else:
                 shutil.copyfileobj(backup, dst)
         tenants, keys = check_database(staged, name)
+        access = read_model_access(staged) or ()
         with open(staged, "rb") as f:
             os.fsync(f.fileno())
         # The current database and its journal move aside together, under SQLite's names for a
@@ -432,8 +515,10 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         kept = _free_name(state_dir, f"{TENANTS_DB}.bak-{stamp}")
         previous = kept if db_path.exists() else None
+        before: tuple[SavedAccess, ...] | None = None
         if previous is not None and _fold_journal(db_path):
             os.link(db_path, kept)  # the old file, whole, under its kept name too
+            before = read_model_access(kept)
         else:
             for suffix in ("", "-wal", "-journal"):
                 current = Path(f"{db_path}{suffix}")
@@ -448,7 +533,7 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        return Restored(db_path, previous, tenants, keys)
+        return Restored(db_path, previous, tenants, keys, access, before)
     finally:
         for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):
             p.unlink(missing_ok=True)

@@ -197,6 +197,14 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        self.model_offline_since = Gauge(
+            "model_offline_since_timestamp_seconds",
+            "Unix time the model was taken offline, kept across control plane restarts; 0 while "
+            "it serves (control plane).",
+            ["model"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.events_dropped_total = Counter(
             "events_dropped_total",
             "Cluster events dropped because the buffer was full.",

@@ -257,8 +257,8 @@ def tenants_backup(
 ) -> None:
     """Back up the tenant database of a running control plane to a file.
 
-    A consistent snapshot of tenants, limits and API key hashes, checked and written owner-only
-    (0600); `kvfence tenants restore` puts it back.
+    A consistent snapshot of tenants, limits, API key hashes and the model's kill switch, checked
+    and written owner-only (0600); `kvfence tenants restore` puts it back.
     """
     from control_plane.tenants import NotATenantDatabase, check_database, create_private
 
@@ -334,7 +334,7 @@ def tenants_restore(
 
     Refused while a control plane runs on that directory, and for a file that is not a sound
     kvfence tenant database. The database it replaces is kept beside it as
-    tenants.sqlite3.bak-<time>.
+    tenants.sqlite3.bak-<time>. The model's kill switch comes back as it was at the backup.
     """
     from control_plane.tenants import NotATenantDatabase, StateDirInUse, restore
 
@@ -354,6 +354,20 @@ def tenants_restore(
         f"restored {done.tenants} tenants and {done.keys} API keys into {done.path} from "
         f"{'stdin' if str(backup) == '-' else backup}; {kept}"
     )
+    # The kill switch comes back as it was at the backup: say so where that changes it.
+    offline = {a.model: a for a in done.access if not a.online}
+    for a in offline.values():
+        typer.echo(
+            f"model {a.model} is offline in the restored database (since {a.since}: {a.reason}): "
+            "the control plane starts with it offline; `kvfence model online` when it should serve"
+        )
+    for a in done.access_before or ():
+        if not a.online and a.model not in offline:
+            typer.echo(
+                f"warning: model {a.model} was offline in the replaced database (since "
+                f"{a.since}: {a.reason}) and is online in the restored one: the control plane "
+                "starts serving it; `kvfence model offline` again if that is not over"
+            )
 
 
 # -- cluster ---------------------------------------------------------------------------------------
@@ -409,7 +423,9 @@ def _print_status(status: Any, as_json: bool) -> None:
     if as_json:
         _print_json(_dict(status))
         return
-    state = "online" if status.online else f"OFFLINE ({status.reason})"
+    # "OFFLINE (reason)" first, as before the time was kept: scripts may look for it.
+    since = f" since {status.offline_since}" if status.offline_since else ""
+    state = "online" if status.online else f"OFFLINE ({status.reason}){since}"
     typer.echo(
         f"model {status.name}: {state}; context window {status.context_window}, "
         f"admissible limit {status.admissible_limit}"
@@ -422,7 +438,8 @@ def model_status(
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
 ) -> None:
-    """Whether the model is online, and its context window and enforced limit."""
+    """Whether the model is online (offline: since when, and why), its context window and
+    enforced limit."""
     with _admin(target, admin_token, tls_ca) as admin:
         _print_status(admin.model_status(), as_json)
 
@@ -434,7 +451,11 @@ def model_offline(
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
 ) -> None:
-    """Take the model offline: new and queued requests fail with UNAVAILABLE at once."""
+    """Take the model offline: new and queued requests fail with UNAVAILABLE at once.
+
+    The control plane saves it before it answers: it stays offline across restarts until
+    `kvfence model online`.
+    """
     with _admin(target, admin_token, tls_ca) as admin:
         _print_status(admin.set_model_access(False, reason), as_json)
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from cp_fakes import EventRecorder, FakeNode, Script, make_model_info
 
+from control_plane.model_info import ModelInfo
 from control_plane.service import ControlPlane, Ports
 from control_plane.tenants import TenantLimits
 from kvfence.client import AsyncClient
@@ -109,6 +110,20 @@ async def make_cluster(
         assert (await cluster.add_node(node)).accepted
         cluster.prefill.append(node)
     return cluster
+
+
+async def start_on(state: Path, model_info: ModelInfo | None = None) -> Cluster:
+    """What make_cluster starts, on a state directory whose tenants exist already (a restart)."""
+    events = EventRecorder()
+    cp = ControlPlane(make_cfg(state), model_info=model_info or make_model_info(), events=events)
+    ports = await cp.start()
+    script = Script()
+    c = Cluster(cp, ports, script, events, [], [], api_key="")
+    for role, nodes in (("decode", c.decode), ("prefill", c.prefill)):
+        node = FakeNode(role, f"{role}-0", script, pool_tokens=4096)
+        assert (await c.add_node(node)).accepted
+        nodes.append(node)
+    return c
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 2.0) -> None:

@@ -27,8 +27,8 @@ import grpc
 import pytest
 import structlog
 import typer
-from cp_fakes import EventRecorder, FakeNode, Script, make_model_info
-from cp_harness import Cluster, make_cfg, make_cluster
+from cp_fakes import make_model_info
+from cp_harness import Cluster, make_cfg, make_cluster, start_on
 from typer.testing import CliRunner
 
 from control_plane.admin import AdminServicer
@@ -101,20 +101,6 @@ def open_backup(data: bytes, path: Path) -> sqlite3.Connection:
 
 def names(db: sqlite3.Connection) -> set[str]:
     return {n for (n,) in db.execute("SELECT name FROM tenants")}
-
-
-async def start_on(state: Path) -> Cluster:
-    """What make_cluster starts, on a state directory whose tenants exist already."""
-    events = EventRecorder()
-    cp = ControlPlane(make_cfg(state), model_info=make_model_info(), events=events)
-    ports = await cp.start()
-    script = Script()
-    c = Cluster(cp, ports, script, events, [], [], api_key="")
-    for role, nodes in (("decode", c.decode), ("prefill", c.prefill)):
-        node = FakeNode(role, f"{role}-0", script, pool_tokens=4096)
-        assert (await c.add_node(node)).accepted
-        nodes.append(node)
-    return c
 
 
 async def authenticates(cluster: Cluster, api_key: str) -> bool:

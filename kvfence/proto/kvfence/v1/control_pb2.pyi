@@ -204,18 +204,20 @@ class ModelStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "online", "reason", "context_window", "admissible_limit")
+    __slots__ = ("name", "online", "reason", "context_window", "admissible_limit", "offline_since")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     ADMISSIBLE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_SINCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     online: bool
     reason: str
     context_window: int
     admissible_limit: int
-    def __init__(self, name: _Optional[str] = ..., online: _Optional[bool] = ..., reason: _Optional[str] = ..., context_window: _Optional[int] = ..., admissible_limit: _Optional[int] = ...) -> None: ...
+    offline_since: str
+    def __init__(self, name: _Optional[str] = ..., online: _Optional[bool] = ..., reason: _Optional[str] = ..., context_window: _Optional[int] = ..., admissible_limit: _Optional[int] = ..., offline_since: _Optional[str] = ...) -> None: ...
 
 class SetModelAccessRequest(_message.Message):
     __slots__ = ("online", "reason")

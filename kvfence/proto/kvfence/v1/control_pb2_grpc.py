@@ -284,9 +284,10 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BackupTenants(self, request, context):
-        """A consistent snapshot of the tenant database (tenants, limits, API key hashes), taken with
-        SQLite's online backup API while the control plane serves: a self-contained SQLite file, in
-        chunks. The first chunk carries the size and SHA-256 of the whole file.
+        """A consistent snapshot of the tenant database (tenants, limits, API key hashes, the model's
+        kill switch), taken with SQLite's online backup API while the control plane serves: a
+        self-contained SQLite file, in chunks. The first chunk carries the size and SHA-256 of the
+        whole file.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
