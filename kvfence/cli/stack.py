@@ -314,6 +314,7 @@ def run_stack(
             flush=True,
         )
         print(f"  (logs in {logs}, credentials in {up_path}; Ctrl-C stops)", flush=True)
+        _say_if_offline(admin, admin_target, token_file)
         failed = False
         while not stopping:
             for name, p in procs:
@@ -378,3 +379,25 @@ def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _say_if_offline(admin: AdminClient, admin_target: str, token_file: Path) -> None:
+    """The kill switch is kept in the state directory: a stack started on one where the model was
+    taken offline serves nothing, and the generate command just printed would fail UNAVAILABLE.
+    Say so, and how to undo it, rather than let that look like a broken stack."""
+    from kvfence.errors import KvfenceError
+
+    try:
+        status = admin.model_status()
+    except KvfenceError:
+        return  # the stack is up; this is only advice
+    if status.online:
+        return
+    print(
+        f"kvfence up: model {status.name} is OFFLINE ({status.reason}) since "
+        f"{status.offline_since or 'before this start'}: the kill switch saved in this state "
+        "directory; every request gets UNAVAILABLE until\n"
+        f"  KVFENCE_ADMIN_TOKEN=$(cat {token_file}) kvfence model online --target {admin_target}",
+        file=sys.stderr,
+        flush=True,
+    )

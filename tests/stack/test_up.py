@@ -40,6 +40,46 @@ def test_up_serves_and_stops_cleanly(tmp_path):
     assert (logs / "cp.log.1").read_text() == "an earlier run's line\n"
 
 
+def test_up_says_how_to_undo_a_kill_switch_it_starts_with(tmp_path):
+    """The kill switch is kept in the state directory: `up` on one where the model was taken
+    offline printed "kvfence ready" and a generate command that failed UNAVAILABLE. It now says
+    the model is offline, why, and the command that undoes it, which works."""
+    import time
+
+    from kvfence.errors import Unavailable
+
+    stack = Stack(tmp_path / "s").start()
+    try:
+        with stack.admin() as admin:
+            admin.set_model_access(False, "incident 42")
+    finally:
+        stack.stop()
+    out = (tmp_path / "s" / "up.out").read_text()
+    assert "kvfence ready" in out and "OFFLINE" not in out  # control: it was online at start
+
+    stack = Stack(tmp_path / "s").start()
+    try:
+        deadline = time.monotonic() + 30
+        while "kill switch" not in (out := (tmp_path / "s" / "up.out").read_text()):
+            assert time.monotonic() < deadline, stack.output()
+            time.sleep(0.1)
+        assert "model tiny-llama is OFFLINE (incident 42) since 20" in out
+        with stack.client() as c, pytest.raises(Unavailable):
+            c.generate(prompt_ids=[1, 2], max_new_tokens=2)
+        (command,) = [line.strip() for line in out.splitlines() if "kvfence model online" in line]
+        venv_bin = os.path.dirname(sys.executable)
+        env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}"}
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path / "s", env=env, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        with stack.client() as c:
+            assert c.generate(prompt_ids=[1, 2], max_new_tokens=2, ignore_eos=True).token_ids
+    finally:
+        stack.stop()
+
+
 def test_node_with_other_model_is_refused(tmp_path):
     stack = Stack(tmp_path / "s").start()
     try:
