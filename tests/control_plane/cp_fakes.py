@@ -19,6 +19,7 @@ import grpc
 
 from control_plane.model_info import ByteTokenizer, ModelInfo
 from kvfence import PROTOCOL_VERSION, __version__
+from kvfence.auth import bearer_metadata
 from kvfence.errors import KvfenceError, Unauthenticated
 from kvfence.proto.kvfence.v1 import (
     common_pb2,
@@ -241,7 +242,7 @@ class FakeNode:
         await self.server.start()
 
     async def register(self, cp_port: int, node_token: str) -> control_pb2.RegisterResponse:
-        self._metadata = [("authorization", f"Bearer {node_token}")]
+        self._metadata = bearer_metadata(node_token)
         self.servicer.node_token = node_token  # and requires it, as a real node does
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{cp_port}")
         stub = control_pb2_grpc.NodeRegistryStub(self._channel)

@@ -15,6 +15,7 @@ from cp_fakes import EventRecorder, FakeNode, Script, make_model_info
 from control_plane.model_info import ModelInfo
 from control_plane.service import ControlPlane, Ports
 from control_plane.tenants import TenantLimits
+from kvfence.auth import bearer_metadata
 from kvfence.client import AsyncClient
 from kvfence.config import ClusterConfig, parse_config
 from kvfence.proto.kvfence.v1 import control_pb2_grpc
@@ -64,7 +65,7 @@ class Cluster:
         channel = grpc.aio.insecure_channel(self.admin_target)
         self._closers.append(lambda: channel.close(None))
         token = self.cp.admin_token if token is None else token
-        return control_pb2_grpc.AdminStub(channel), [("authorization", f"Bearer {token}")]
+        return control_pb2_grpc.AdminStub(channel), bearer_metadata(token)
 
     def node_calls(self) -> int:
         return sum(len(n.calls) for n in [*self.decode, *self.prefill])
