@@ -7,11 +7,14 @@ the request on every node that may hold something for it, whatever happened befo
 nodes keep their status code and ErrorInfo reason: DATA_LOSS from decode reaches the client as
 DATA_LOSS.
 
-A request that finds no node of a role registered (not draining: gone) is not failed at once while
-that role's last node left less than ``no_node_wait_s`` ago (``Registry.vacant_for``): in a rolling
-update its replacement registers within seconds. It waits in the admission queue (a place like any
-waiting request's, so the queue's caps hold), at most until then and always within its deadline,
-then fails UNAVAILABLE (NO_NODES) as before; once the window has passed, new requests fail at once.
+A request that finds no node of a role that takes requests (none registered, or every registered
+one draining) is not failed at once while that role's last such node started draining or left less
+than ``no_node_wait_s`` ago (``Registry.vacant_for``): in a rolling update its replacement registers
+within seconds. It waits in the admission queue (a place like any waiting request's, so the queue's
+caps hold), at most until then and always within its deadline, then fails UNAVAILABLE (NO_NODES,
+the message counting the nodes still draining); once the window has passed, new requests fail at
+once. Draining nodes are not waited for: they take nothing new, and a request that waited its whole
+deadline for one would fail NO_CAPACITY, telling the operator to add capacity rather than nodes.
 A new request waits before it is ADMITTED and is checked against the admissible limit again once
 nodes are there (a joining node may have a smaller pool); a queued one waits where it was queued.
 Requests that were running on a node that is lost are not retried (NODE_LOST): its KV went with it.
@@ -93,7 +96,8 @@ class PipelineDeps:
     scrub_on_free: bool = False
     draining: bool = False
     poll_s: float = 1.0
-    # How long after a role's last node left requests wait for one (module docstring); 0 = not.
+    # How long after a role's last node taking requests drained or left requests wait for one
+    # (module docstring); 0 = not.
     no_node_wait_s: float = 0.0
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -219,9 +223,9 @@ class Pipeline:
         return prompt
 
     async def _wait_for_nodes(self, run: Run, deadline: float) -> bool:
-        """Wait, holding a place in the admission queue, while a role has no node but lost its
-        last one recently (module docstring); NO_NODES when that wait is over or was not open.
-        True when the request waited."""
+        """Wait, holding a place in the admission queue, while a role has no node that takes
+        requests but had one recently (module docstring); NO_NODES when that wait is over or was
+        not open. True when the request waited."""
         give_up = _give_up(deadline)
         ticket = object()
         with contextlib.ExitStack() as queued:
@@ -237,8 +241,9 @@ class Pipeline:
                 self._check_serving()
 
     def _node_wait_left(self, roles: tuple[str, ...], give_up: float) -> float | None:
-        """None when every role has a registered node (draining or not); else the seconds the
-        request may still wait for one to register, or Unavailable (NO_NODES) when none."""
+        """None when every role has a node that takes requests (registered, not draining); else
+        the seconds the request may still wait for one to register, or Unavailable (NO_NODES)
+        when none."""
         now = asyncio.get_running_loop().time()
         left: float | None = None
         for role in roles:
@@ -248,7 +253,9 @@ class Pipeline:
             wait = min(self.d.no_node_wait_s - vacant, give_up - now)
             if wait <= 0:
                 gone = f" (none for {vacant:.1f} s)" if self.d.no_node_wait_s else ""
-                raise Unavailable(f"no {role} node is registered{gone}", reason=NO_NODES)
+                draining = len(self.d.registry.nodes(role))  # registered, so all draining
+                what = f"takes requests: {draining} draining" if draining else "is registered"
+                raise Unavailable(f"no {role} node {what}{gone}", reason=NO_NODES)
             left = wait if left is None else min(left, wait)
         return left
 
@@ -306,7 +313,8 @@ class Pipeline:
                 while True:
                     run.check()
                     self._check_serving()  # an operator's offline reaches queued requests here
-                    # No decode node at all: wait for one a while (module docstring), or fail.
+                    # No decode node taking requests (none, or all draining): wait for one a
+                    # while (module docstring), or fail, rather than wait out the deadline.
                     node_wait = self._node_wait_left((DECODE,), give_up)
                     if self.d.queue.may_try(ticket):
                         for node in decode_candidates(self.d.registry, pages, skip=set()):
@@ -410,9 +418,10 @@ class Pipeline:
             self._check_serving()
             candidates = prefill_candidates(self.d.registry, skip=full)
             if not candidates:
-                # Wait (within the deadline) for room, or, with no prefill node registered, for
-                # one to register (a node that refused connections, restarted) as long as the
-                # no-node window allows: then NO_NODES, and the decode pages held go back.
+                # Wait (within the deadline) for room, or, with no prefill node taking requests
+                # (none registered: one refused connections, restarted; or all draining), for one
+                # to register as long as the no-node window allows: then NO_NODES, and the decode
+                # pages held go back.
                 node_wait = self._node_wait_left((PREFILL,), give_up)
                 if loop.time() >= give_up:
                     raise ResourceExhausted(

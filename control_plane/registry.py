@@ -13,11 +13,15 @@ and its requests run on, but routing sends it no new one (``control_plane.routin
 one way: a later heartbeat without the flag does not undo it (only a new registration, a new
 process, does). Once drained the node stops heartbeating and is dropped as lost, with nothing on it.
 
-The registry also remembers since when a role has had no node at all (``vacant_for``): in a rolling
-update the replacement of a role's last node usually registers seconds after the old one is
-dropped (and every node registers again within a heartbeat of a control plane's restart), so the
-pipeline lets a request wait that long for one (``control_plane.no_node_wait_s``) instead of
-failing it NO_NODES at once.
+The registry also remembers since when a role has had no node that takes requests (``vacant_for``):
+none registered, or every registered one draining. That began when the role's last such node
+started draining or left; a draining node leaving later does not restart it, since requests have
+had nowhere to go since the drain. The replacement of a role's last node usually registers
+seconds after the old one starts draining (its Deployment starts it as the old pod terminates),
+and every node registers again within a heartbeat of a control plane's restart, so the pipeline
+lets a request wait that long for one (``control_plane.no_node_wait_s``) instead of failing it
+NO_NODES at once, or letting it wait out its deadline for a draining node and fail NO_CAPACITY as
+if the pool were merely full.
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.node_timeout_s = node_timeout_s
         self._nodes: dict[str, Node] = {}
-        # When each role last went without any node (monotonic); a new registry has none yet.
+        # When each role last went without a node that takes requests (monotonic): its last one
+        # started draining or left. A new registry has none yet.
         self._vacant_since: dict[str, float] = dict.fromkeys(ROLES, time.monotonic())
         self._on_joined = on_joined or (lambda n: None)
         self._on_lost = on_lost or (lambda n: None)
@@ -210,6 +215,11 @@ class Registry:
             return
         node.draining = True
         log.info("node draining", node_id=node.node_id, role=node.role)
+        # A node dropped meanwhile (a late refusal) was not among those taking requests.
+        if self._nodes.get(node.node_id) is node and not self.taking_requests(node.role):
+            self._vacant_since[node.role] = time.monotonic()
+            # Waiters for room on this role wake to start (or, with no wait, end) the no-node wait.
+            self._on_capacity()
 
     def reap(self) -> list[Node]:
         """Drop every node silent for longer than ``node_timeout_s``; returns them."""
@@ -226,7 +236,9 @@ class Registry:
     def _lose(self, node: Node, why: str) -> None:
         if self._nodes.get(node.node_id) is node:
             del self._nodes[node.node_id]
-            if not self.nodes(node.role):
+            # A draining node leaving ends nothing that took requests: the vacancy, if any, began
+            # when the role's last non-draining node drained.
+            if not node.draining and not self.taking_requests(node.role):
                 self._vacant_since[node.role] = time.monotonic()
         log.warning("node lost", node_id=node.node_id, role=node.role, why=why)
         self._on_lost(node)
@@ -247,10 +259,15 @@ class Registry:
         # list(): a copy made at once under the GIL; metrics read this from the scrape thread
         return [n for n in list(self._nodes.values()) if role is None or n.role == role]
 
+    def taking_requests(self, role: str) -> list[Node]:
+        """Registered nodes of ``role`` that routing may send a new request to (not draining)."""
+        return [n for n in self.nodes(role) if not n.draining]
+
     def vacant_for(self, role: str) -> float | None:
-        """Seconds since the last node of ``role`` left (or since the registry started, if none
-        ever registered); None while one is registered, draining or not."""
-        if self.nodes(role):
+        """Seconds since ``role`` last had a node that takes requests: since its last one started
+        draining or left (or since the registry started, if none ever registered). None while a
+        registered node of the role is not draining."""
+        if self.taking_requests(role):
             return None
         return time.monotonic() - self._vacant_since[role]
 

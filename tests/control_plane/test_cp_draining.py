@@ -155,8 +155,10 @@ async def test_with_every_node_of_a_role_draining_a_request_waits_for_a_new_one(
     tmp_path: Path, role: str
 ) -> None:
     """The only decode (or prefill) node drains: a new request is neither failed nor sent to it;
-    it waits (admitted, or holding its decode reservation) and finishes OK on the node that
-    joins. Control: the request was still waiting, unfailed, before the new node joined."""
+    it waits, unadmitted in the admission queue (within ``no_node_wait_s``, 10 s here; with no
+    prefill node taking requests it no longer reserves decode pages to hold meanwhile), and
+    finishes OK on the node that joins. Control: the request was still waiting, unfailed, before
+    the new node joined."""
     c = await make_cluster(tmp_path)
     try:
         old = (c.decode if role == "decode" else c.prefill)[0]
@@ -164,12 +166,12 @@ async def test_with_every_node_of_a_role_draining_a_request_waits_for_a_new_one(
         old.servicer.refuse = draining_error(role)
         await eventually(lambda: c.cp.registry.get(old.node_id).draining)
         call = asyncio.create_task(c.client().generate(prompt_ids=[10, 11], max_new_tokens=3))
-        waiting = RequestState.ADMITTED if role == "decode" else RequestState.PREFILLING
+        waiting = RequestState.RECEIVED
         await eventually(lambda: [r.record.state for r in c.cp.table] == [waiting])
         await asyncio.sleep(0.5)  # several heartbeats and queue polls
         assert not call.done()
         assert [r.record.state for r in c.cp.table] == [waiting]
-        assert old.methods() == []
+        assert old.methods() == [] and c.node_calls() == 0
 
         new = FakeNode(role, f"{role}-new", c.script)
         assert (await c.add_node(new)).accepted
@@ -199,7 +201,7 @@ async def test_draining_is_one_way_until_the_node_registers_again(cluster: Clust
 
 # -- a role's only node replaced (a rolling update) --------------------------------------------
 
-NO_NODE_WAIT_S = 2.0  # control_plane.no_node_wait_s in the rolling-update tests
+NO_NODE_WAIT_S = 3.0  # control_plane.no_node_wait_s in the rolling-update tests
 REPLACED_AFTER_S = 1.0  # the replacement registers this long after the old node was dropped
 
 
@@ -211,12 +213,13 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
     """A rolling update of a role's only node: it drains, stops, is dropped, and its replacement
     registers a second later. Request A arrives while it drains, B after it was dropped. Both
     used to fail UNAVAILABLE (NO_NODES) the moment it was dropped (A: at once if it was waiting
-    for decode pages; B: at once), with the replacement a second away. Now both wait for it
-    (``no_node_wait_s``) and finish OK there, the old node sent nothing.
+    for decode pages; B: at once), with the replacement a second away. Now both wait for it,
+    unadmitted (``no_node_wait_s``, counted from the drain: no node took requests since), and
+    finish OK there, the old node sent nothing.
 
     Controls: with no replacement A and B fail NO_NODES once the wait is over, neither at once
     nor at their deadline (A waiting for a prefill node used to hold its decode reservation until
-    its deadline). With ``no_node_wait_s: 0``: NO_NODES at once."""
+    its deadline). With ``no_node_wait_s: 0``: NO_NODES at once, A (the node draining) too."""
     wait = 0.0 if case == "wait 0" else NO_NODE_WAIT_S
     c = await make_cluster(tmp_path, no_node_wait_s=wait)
     loop = asyncio.get_running_loop()
@@ -225,10 +228,16 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
         old.draining = True
         old.servicer.refuse = draining_error(role)
         await eventually(lambda: c.cp.registry.get(old.node_id).draining)
-        a = asyncio.create_task(c.client(timeout=4).generate(prompt_ids=[10, 11], max_new_tokens=3))
-        a_waits = RequestState.ADMITTED if role == "decode" else RequestState.PREFILLING
-        await eventually(lambda: [r.record.state for r in c.cp.table] == [a_waits])
-        a_started = loop.time()
+        drained = loop.time()  # the no-node wait counts from here, not from the drop
+        a = asyncio.create_task(c.client(timeout=6).generate(prompt_ids=[10, 11], max_new_tokens=3))
+        if case == "wait 0":
+            with pytest.raises(Unavailable) as err:
+                await asyncio.wait_for(a, 2)
+            assert err.value.reason == "NO_NODES" and "1 draining" in err.value.message
+        else:
+            a_waits = RequestState.RECEIVED
+            await eventually(lambda: [r.record.state for r in c.cp.table] == [a_waits])
+            a_started = loop.time()
 
         await old.stop_heartbeats()  # drained: the process exits
         await eventually(lambda: c.cp.registry.get(old.node_id) is None, timeout=3)
@@ -239,17 +248,14 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
             with pytest.raises(Unavailable) as err:
                 await asyncio.wait_for(b, 2)
             assert err.value.reason == "NO_NODES" and loop.time() - dropped < 0.5
-            with pytest.raises(Unavailable) as err:
-                await asyncio.wait_for(a, 1)
-            assert err.value.reason == "NO_NODES"
             return
 
         await asyncio.sleep(REPLACED_AFTER_S)
         assert not a.done() and not b.done()  # waiting, not failed
         states = sorted(r.record.state for r in c.cp.table)
         assert states == sorted([a_waits, RequestState.RECEIVED])
-        # B holds an admission queue place while it waits (and so does A, waiting for pages).
-        assert c.cp.queue.waiting == (2 if role == "decode" else 1)
+        # Both hold an admission queue place while they wait, unadmitted.
+        assert c.cp.queue.waiting == 2
 
         if case == "replaced":
             new = FakeNode(role, f"{role}-new", c.script)
@@ -264,18 +270,18 @@ async def test_the_only_node_of_a_role_drains_and_its_replacement_registers_late
 
         with pytest.raises(Unavailable) as err:
             await asyncio.wait_for(b, 5)
-        b_failed = loop.time() - dropped
+        b_failed = loop.time() - drained
         assert err.value.reason == "NO_NODES", err.value
         assert f"no {role} node is registered" in err.value.message
         assert NO_NODE_WAIT_S - 0.3 < b_failed < NO_NODE_WAIT_S + 1.0, b_failed
-        # A too, though its own deadline (4 s from its start) is further off
+        # A too, though its own deadline (6 s from its start) is further off
         with pytest.raises(Unavailable) as err:
             await asyncio.wait_for(a, 1)
         assert err.value.reason == "NO_NODES"
-        assert loop.time() - dropped < NO_NODE_WAIT_S + 1.0
-        assert loop.time() - a_started < 3.5  # its deadline would have ended it at 3.9 s
+        assert loop.time() - drained < NO_NODE_WAIT_S + 1.0
+        assert loop.time() - a_started < 5.0  # its deadline would have ended it at 5.9 s
         assert not c.cp.table and c.cp.queue.waiting == 0
-        if role == "prefill":  # the decode pages A held are given back
-            assert [m for m in c.decode[0].methods() if m != "Reserve"] == ["Release"]
+        if role == "prefill":  # A never held decode pages while no prefill node took requests
+            assert c.decode[0].methods() == []
     finally:
         await c.close()

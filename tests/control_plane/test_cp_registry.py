@@ -239,21 +239,22 @@ async def test_the_nodes_gauge_leaves_out_draining_nodes(tmp_path: Path) -> None
 
 async def test_vacant_for_counts_from_when_a_roles_last_node_left(cluster: Cluster) -> None:
     """``Registry.vacant_for(role)`` (how long requests may still wait for a node) is None while
-    a node of the role is registered, draining or not, and counts from the moment the last one
-    left, not from an earlier loss of another; a registration ends it."""
+    a node of the role takes requests (registered, not draining), and counts from the moment the
+    last such one started draining or left, not from an earlier loss of another, nor from the
+    later departure of the draining one; a registration ends it."""
     registry = cluster.cp.registry
     assert registry.vacant_for("decode") is None and registry.vacant_for("prefill") is None
     other = FakeNode("decode", "decode-1", cluster.script)
     assert (await cluster.add_node(other)).accepted
-    registry.mark_draining(registry.get("decode-1"))
     registry.lose(registry.get("decode-0"), "test")
-    assert registry.vacant_for("decode") is None  # decode-1 is left, draining
+    assert registry.vacant_for("decode") is None  # decode-1 is left, taking requests
     await asyncio.sleep(0.3)
-    await other.stop_heartbeats()
-    registry.lose(registry.get("decode-1"), "test")
+    registry.mark_draining(registry.get("decode-1"))
     vacant = registry.vacant_for("decode")
     assert vacant is not None and 0 <= vacant < 0.2
     await asyncio.sleep(0.2)
+    await other.stop_heartbeats()
+    registry.lose(registry.get("decode-1"), "test")
     assert registry.vacant_for("decode") >= 0.2
     assert registry.vacant_for("prefill") is None  # control: the other role
     assert (await cluster.add_node(FakeNode("decode", "decode-2", cluster.script))).accepted
