@@ -168,7 +168,10 @@ class Pipeline:
             reason=err.reason,
             state_before=str(rec.history[-1][0]),
         )
-        if isinstance(err, IntegrityError):
+        if isinstance(err, IntegrityError) and err.reported_by is None:
+            # Only the control plane's own checks: a node counts those it made (the alert then
+            # names the service that saw the bad bytes, once); the request_failed event above
+            # and requests_total{status="DATA_LOSS"} still show every one.
             self.d.metrics.integrity_failures_total.labels(check=err.reason).inc()
 
     # -- admission (no node contact) ---------------------------------------------------------------

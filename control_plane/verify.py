@@ -63,6 +63,7 @@ def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
         metadata=base.metadata,
     )
     out.code = base.code
+    out.reported_by = node.node_id
     return out
 
 

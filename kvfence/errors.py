@@ -25,6 +25,9 @@ class KvfenceError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     default_reason = "INTERNAL"
+    # The node whose RPC failed with this error (the control plane's view); None when the check
+    # that raised it ran here. A failed check is counted where it ran, once.
+    reported_by: str | None = None
 
     def __init__(
         self, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None

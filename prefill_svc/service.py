@@ -225,7 +225,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.pool.end_ops(ids)  # never queued: no pass will end the pass's operation
                 raise
             job.add_done_callback(lambda _: self.pool.end_ops(ids))
-            first = await asyncio.wrap_future(job)
+            try:
+                first = await asyncio.wrap_future(job)
+            except IntegrityError as err:  # this node's own check (a page's generation)
+                self._report_integrity(req, err)
+                raise
             held = self.held.get(req.request_id)
             if held is None or held.call is not call:
                 raise Cancelled("released while prefilling")
@@ -233,6 +237,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             self.pool.end_ops(ids)
             self._publish_pages()
+
+    def _report_integrity(self, req: prefill_pb2.PrefillRequest, err: IntegrityError) -> None:
+        """As decode reports its checks: counted here, where the check ran (the control plane
+        counts only its own), an event and an error line."""
+        self.metrics.integrity_failures_total.labels(check=err.reason).inc()
+        self.bus.emit(
+            "integrity_violation",
+            check=err.reason,
+            stage="prefill",
+            request_id=req.request_id,
+            tenant_id=req.tenant_id,
+        )
+        log.error("integrity check failed", check=err.reason, stage="prefill", detail=err.message)
 
     async def _finish(
         self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int

@@ -41,6 +41,32 @@ async def test_data_loss_from_decode_keeps_code_and_reason(cluster: Cluster) -> 
     assert (failed["code"], failed["reason"]) == ("DATA_LOSS", "CHECKSUM_MISMATCH")
 
 
+def integrity_failures(cluster: Cluster, check: str) -> float:
+    labels = {"service": "control-plane", "check": check}
+    value = cluster.cp.metrics.registry.get_sample_value("kvfence_integrity_failures_total", labels)
+    return value or 0.0
+
+
+async def test_the_control_plane_counts_only_the_integrity_checks_it_made(
+    cluster: Cluster,
+) -> None:
+    """A check decode failed is decode's to count: counted here as well, KvfenceIntegrityCheckFailed
+    fired twice for one bad manifest and named the control plane, which never saw the bytes.
+    Control: a check of the control plane's own (prefill's first token against decode's) is
+    counted here. Both requests fail DATA_LOSS and both show in request_failed events."""
+    cluster.script.decode_error = IntegrityError("manifest MAC", reason="MAC")
+    with pytest.raises(IntegrityError):
+        await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=4)
+    assert integrity_failures(cluster, "MAC") == 0
+    cluster.script.decode_error = None
+    cluster.script.first_token_override = 99
+    with pytest.raises(IntegrityError):
+        await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=4)
+    assert integrity_failures(cluster, "FIRST_TOKEN_MISMATCH") == 1
+    failed = cluster.events.of("request_failed")
+    assert [f["reason"] for f in failed] == ["MAC", "FIRST_TOKEN_MISMATCH"]
+
+
 async def test_prefill_error_keeps_its_code_and_releases_decode(cluster: Cluster) -> None:
     cluster.script.prefill_error = InvalidArgument("bad prompt", reason="PREFILL_SAYS_NO")
     with pytest.raises(InvalidArgument) as err:

@@ -550,6 +550,46 @@ async def test_a_prompt_the_closed_engine_refuses_leaves_no_page_held(nodes):
     await dstub.Release(prefill_pb2.ReleaseRequest(request_id="after"))
 
 
+async def test_prefill_counts_and_reports_its_own_tag_check(nodes, monkeypatch):
+    """A page found at another generation in prefill's forward pass fails the call DATA_LOSS and
+    is counted, as an event and an error line, by prefill, where the check ran (the control
+    plane counts only its own checks). Control: the same call with the pages as they are."""
+    import structlog
+
+    from kvfence.kv.pool import PageRef
+
+    _, pre, dstub, pstub = nodes
+    prompt = list(range(3, 40))
+    _, ok = await reserve_and_prefill(dstub, pstub, "ok", prompt)
+    assert (await ok).manifest.token_count == len(prompt)
+
+    def count(check: str) -> float:
+        labels = {"service": "prefill", "check": check}
+        value = pre.metrics.registry.get_sample_value("kvfence_integrity_failures_total", labels)
+        return value or 0.0
+
+    assert count("PAGE_GENERATION") == 0
+    engine = pre.servicer.batcher.engine
+    real = engine.prefill_many
+
+    def stale_pages(prompts, pages):  # as if the pages changed owner before the pass read them
+        return real(prompts, [[PageRef(r.page_id, r.generation + 1) for r in p] for p in pages])
+
+    monkeypatch.setattr(engine, "prefill_many", stale_pages)
+    with structlog.testing.capture_logs() as logs:
+        _, bad = await reserve_and_prefill(dstub, pstub, "stale", prompt)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await bad
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert error_info(err.value).reason == "PAGE_GENERATION"
+    assert count("PAGE_GENERATION") == 1
+    (line,) = [e for e in logs if e["event"] == "integrity check failed"]
+    assert line["stage"] == "prefill" and line["check"] == "PAGE_GENERATION"
+    for request_id in ("ok", "stale"):
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id=request_id))
+        await dstub.Release(prefill_pb2.ReleaseRequest(request_id=request_id))
+
+
 async def test_decode_counts_every_way_a_stream_ends(nodes):
     """requests_total on decode counted only finished streams: a refused manifest or a stream
     the control plane cancelled never showed."""
