@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 system-deps:
-	@if [ ! -x /usr/sbin/mosquitto ] || ! command -v spin >/dev/null; then \
-		echo "installing mosquitto and spin with apt-get"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto spin >/dev/null; \
+	@if [ ! -x /usr/sbin/mosquitto ] || ! command -v spin >/dev/null || ! command -v openssl >/dev/null; then \
+		echo "installing mosquitto, spin and openssl with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto spin openssl >/dev/null; \
 	fi
 
 $(HELM):

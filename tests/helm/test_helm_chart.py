@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -86,9 +88,14 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
     return matches[0]
 
 
-def container(deployment: dict) -> dict:
-    (only,) = deployment["spec"]["template"]["spec"]["containers"]
-    return only
+def container(deployment: dict, name: str | None = None) -> dict:
+    """The pod's container ``name``, or its only one."""
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    if name is None:
+        (only,) = containers
+        return only
+    (named,) = [c for c in containers if c["name"] == name]
+    return named
 
 
 def hook_config(docs: list[dict]) -> str:
@@ -541,12 +548,13 @@ def conf_lines(docs: list[dict]) -> list[str]:
     return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
-def mounted_file(deployment: dict, path: str) -> tuple[str, str]:
-    """(Secret name, key) of the Secret item a pod's container sees at ``path``."""
+def mounted_file(deployment: dict, path: str, name: str | None = None) -> tuple[str, str]:
+    """(Secret name, key) of the Secret item a pod's container (``name``, or its only one) sees
+    at ``path``."""
     pod = deployment["spec"]["template"]["spec"]
     (mount,) = [
         m
-        for m in container(deployment)["volumeMounts"]
+        for m in container(deployment, name)["volumeMounts"]
         if Path(path).parent == Path(m["mountPath"])
     ]
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
@@ -573,7 +581,7 @@ def test_bundled_broker_requires_an_account_by_default(helm_home: Path) -> None:
     # The broker's password file is made at pod start by its own image's mosquitto_passwd.
     broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
     (init,) = broker["spec"]["template"]["spec"]["initContainers"]
-    assert init["image"] == container(broker)["image"]
+    assert init["image"] == container(broker, "mosquitto")["image"]
     assert "mosquitto_passwd -c -b" in init["command"][-1]
     assert {"name": "MQTT_USERNAME", "value": "kvfence"} in init["env"]
     for role in Role:
@@ -637,13 +645,47 @@ def test_external_broker_takes_an_existing_secret(helm_home: Path) -> None:
     assert node_config(docs, "decode", POD_ENV).events.mqtt_username is None
 
 
+def write_secret_volume(folder: Path, files: dict[str, bytes]) -> None:
+    """Lay out (or update) a Secret volume as the kubelet does: the files in a new folder,
+    `..data` a symlink to it, swapped in by a rename (atomic), and each name a symlink through
+    `..data`. An update changes no name's mtime: only contents tell."""
+    folder.mkdir(exist_ok=True)
+    fresh = Path(tempfile.mkdtemp(prefix="..kvfence_", dir=folder))
+    fresh.chmod(0o755)
+    for name, data in files.items():
+        (fresh / name).write_bytes(data)
+    link = folder / "..data_tmp"
+    link.symlink_to(fresh.name)
+    old = (folder / "..data").resolve() if (folder / "..data").is_symlink() else None
+    link.rename(folder / "..data")
+    for name in files:
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        shutil.rmtree(old)
+
+
+@dataclasses.dataclass
+class ChartBroker:
+    """The bundled broker running as the chart deploys it (see run_chart_broker)."""
+
+    port: int
+    root: Path  # the pod's volumes, a folder each (Secret ones laid out as the kubelet does)
+    process_name: str  # what the broker's process is called (its /proc/PID/comm)
+    process: subprocess.Popen[bytes]
+    local: Callable[[str], str]  # a path of the pod (or text naming some), on this machine
+
+
 @contextmanager
-def chart_broker(
-    docs: list[dict], user_secrets: dict[str, dict[str, str]] | None = None
-) -> Iterator[int]:
+def run_chart_broker(
+    docs: list[dict],
+    user_secrets: dict[str, dict[str, str]] | None = None,
+    process_name: str = "mosquitto",
+) -> Iterator[ChartBroker]:
     """Run the bundled broker as the chart deploys it: the pod's volumes laid out in a temporary
     folder (ConfigMap files, Secret items, emptyDir), the init container's script run with its
-    env, then Mosquitto with the rendered config, on a free local port. Yields the port.
+    env, then Mosquitto with the rendered config, on a free local port, as a process named
+    ``process_name`` (a name of its own lets a test signal this broker and no other).
     ``user_secrets``: {name: {key: base64}} of the Secrets the chart does not render (the
     existingSecret ones)."""
     deployment = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
@@ -656,15 +698,19 @@ def chart_broker(
         root.chmod(0o755)  # mosquitto, started as root, drops to its own user
         for volume in pod["volumes"]:
             where = root / volume["name"]
-            where.mkdir()
             if "configMap" in volume:
+                where.mkdir()
                 for key, text in data.items():
                     (where / key).write_text(text)
             elif "secret" in volume:
-                for item in volume["secret"]["items"]:
-                    value = secrets[volume["secret"]["secretName"]][item["key"]]
-                    (where / item["path"]).write_bytes(base64.b64decode(value))
-        mounts = [*container(deployment)["volumeMounts"]]
+                named = secrets[volume["secret"]["secretName"]]
+                items = volume["secret"]["items"]
+                write_secret_volume(
+                    where, {i["path"]: base64.b64decode(named[i["key"]]) for i in items}
+                )
+            else:
+                where.mkdir()
+        mounts = [m for c in pod["containers"] for m in c["volumeMounts"]]
         for init in pod.get("initContainers", []):
             mounts += init["volumeMounts"]
 
@@ -681,24 +727,37 @@ def chart_broker(
         for made in (root / "auth").glob("*") if (root / "auth").exists() else ():
             hand_to_broker(made)
         port = free_port()
-        args = container(deployment)["command"]
+        broker = container(deployment, "mosquitto")
+        args = broker["command"]
         assert args[:2] == ["mosquitto", "-c"]
         conf = Path(local(args[2]))
         conf.write_text(
             local(conf.read_text()).replace(
-                f"listener {pod['containers'][0]['ports'][0]['containerPort']}",
-                f"listener {port} 127.0.0.1",
+                f"listener {broker['ports'][0]['containerPort']}", f"listener {port} 127.0.0.1"
             )
         )
-        broker = subprocess.Popen(
-            [MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        (root / "bin").mkdir()
+        (root / "bin" / process_name).symlink_to(MOSQUITTO)  # the kernel names it after the link
+        process = subprocess.Popen(
+            [str(root / "bin" / process_name), "-c", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             wait_for_port("127.0.0.1", port)
-            yield port
+            yield ChartBroker(port, root, process_name, process, local)
         finally:
-            broker.kill()
-            broker.wait(timeout=5)
+            process.kill()
+            process.wait(timeout=5)
+
+
+@contextmanager
+def chart_broker(
+    docs: list[dict], user_secrets: dict[str, dict[str, str]] | None = None
+) -> Iterator[int]:
+    """run_chart_broker's port."""
+    with run_chart_broker(docs, user_secrets) as broker:
+        yield broker.port
 
 
 def chart_account(docs: list[dict], key: str) -> MqttCredentials:
@@ -868,7 +927,7 @@ def test_bundled_broker_tls_render(helm_home: Path, tmp_path: Path) -> None:
     assert "allow_anonymous false" in lines and "password_file /mosquitto/auth/passwd" in lines
     broker = find(docs, "Deployment", f"{FULLNAME}-mosquitto")
     for name in ("ca.crt", "tls.crt", "tls.key"):
-        assert mounted_file(broker, f"/mosquitto/tls/{name}") == ("mqtt-cert", name)
+        assert mounted_file(broker, f"/mosquitto/tls/{name}", "mosquitto") == ("mqtt-cert", name)
     for role in Role:
         cfg = node_config(docs, role, POD_ENV)
         assert str(cfg.events.mqtt_tls_ca_file) == MQTT_TLS_CA

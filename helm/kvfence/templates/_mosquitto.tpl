@@ -12,7 +12,8 @@ it (checksum/config): Mosquitto reads both at start only.
 # (mqtt.auth), besides the NetworkPolicy (networkPolicy.mqttFrom) on who may connect at all.
 mosquitto.conf: |
   listener {{ int $m.port }}
-  {{- /* mqtt.tls: the port speaks TLS only, with the files of mqtt.tls.existingSecret */}}
+  {{- /* mqtt.tls: the port speaks TLS only, with the files of mqtt.tls.existingSecret (the
+         certificate reloader in mosquitto.yaml watches the same three) */}}
   {{- if $m.tls.enabled }}
   cafile /mosquitto/tls/ca.crt
   certfile /mosquitto/tls/tls.crt
