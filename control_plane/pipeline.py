@@ -310,7 +310,7 @@ class Pipeline:
         give_up = _give_up(deadline)
         started = loop.time()
         in_queue = False
-        ticket = object()  # this request's place in the first-come-first-served queue
+        ticket = object()  # this request's place in the admission queue
         with contextlib.ExitStack() as queued:
             try:
                 while True:
