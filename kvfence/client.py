@@ -7,6 +7,9 @@
         for chunk in c.stream(prompt_ids=[5, 6, 7], max_new_tokens=8):
             print(chunk.text, end="")
 
+Against a TLS endpoint pass ``tls_ca`` (the CA that signed its certificate), and ``tls_server_name``
+when that certificate does not name the host of ``target`` (through a port-forward: 127.0.0.1).
+
 Failures raise the typed errors of :mod:`kvfence.errors` (``InvalidArgument``, ``Unavailable``,
 ``IntegrityError`` ...), rebuilt from the gRPC status with its ErrorInfo reason. This interface is
 stable: tests and operators depend on it.
@@ -32,7 +35,7 @@ from kvfence.proto.kvfence.v1 import (
     control_pb2_grpc,
 )
 from kvfence.server import CHANNEL_OPTIONS
-from kvfence.tls import read_pem
+from kvfence.tls import TlsError, read_pem
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,29 @@ def _credentials(tls_ca: Path | str | bytes | None) -> grpc.ChannelCredentials |
     return grpc.ssl_channel_credentials(root_certificates=ca)
 
 
-def _sync_channel(target: str, tls_ca: Path | str | bytes | None) -> grpc.Channel:
+def _options(
+    tls_ca: Path | str | bytes | None, tls_server_name: str | None
+) -> list[tuple[str, Any]]:
+    """Channel options; with ``tls_server_name`` the server's certificate must name that instead of
+    the host of the target (also sent as SNI): through a port-forward, or a Service whose name the
+    certificate does not carry. TlsError without ``tls_ca`` (no TLS, no certificate to check)."""
+    if tls_server_name is None:
+        return CHANNEL_OPTIONS
+    if not tls_server_name.strip():
+        raise TlsError("the TLS server name is empty")
+    if tls_ca is None:
+        raise TlsError("a TLS server name needs the CA of a TLS endpoint (tls_ca)")
+    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
+
+
+def _sync_channel(
+    target: str, tls_ca: Path | str | bytes | None, tls_server_name: str | None = None
+) -> grpc.Channel:
+    options = _options(tls_ca, tls_server_name)
     creds = _credentials(tls_ca)
     if creds is None:
-        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, creds, options=options)
 
 
 class Client:
@@ -169,12 +190,13 @@ class Client:
         api_key: str,
         *,
         tls_ca: Path | str | bytes | None = None,
+        tls_server_name: str | None = None,
         timeout: float | None = None,
     ):
         self.target = target
         self.timeout = timeout
         self._metadata = bearer_metadata(api_key)
-        self._channel = _sync_channel(target, tls_ca)
+        self._channel = _sync_channel(target, tls_ca, tls_server_name)
         self._stub = client_pb2_grpc.GenerationStub(self._channel)
 
     def stream(
@@ -263,16 +285,18 @@ class AsyncClient:
         api_key: str,
         *,
         tls_ca: Path | str | bytes | None = None,
+        tls_server_name: str | None = None,
         timeout: float | None = None,
     ):
         self.target = target
         self.timeout = timeout
         self._metadata = bearer_metadata(api_key)
+        options = _options(tls_ca, tls_server_name)
         creds = _credentials(tls_ca)
         if creds is None:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
         self._stub = client_pb2_grpc.GenerationStub(self._channel)
 
     async def stream(
@@ -368,12 +392,13 @@ class AdminClient:
         admin_token: str,
         *,
         tls_ca: Path | str | bytes | None = None,
+        tls_server_name: str | None = None,
         timeout: float | None = 10.0,
     ):
         self.target = target
         self.timeout = timeout
         self._metadata = bearer_metadata(admin_token)
-        self._channel = _sync_channel(target, tls_ca)
+        self._channel = _sync_channel(target, tls_ca, tls_server_name)
         self._stub = control_pb2_grpc.AdminStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:

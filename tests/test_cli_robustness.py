@@ -9,11 +9,14 @@ slow test runs the real ``kvfence up`` twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import signal
 import socket
+import ssl
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,16 +33,18 @@ from cp_harness import make_cfg, make_cluster
 from test_tls import make_ca, make_leaf
 
 from control_plane.service import ControlPlane
+from control_plane.tenants import TenantLimits
 from kvfence import client as client_mod
 from kvfence.cli import admin as admin_cli
 from kvfence.cli import check as check_cli
 from kvfence.cli import events as events_cli
 from kvfence.cli import generate as generate_cli
 from kvfence.cli import stack as stack_cli
-from kvfence.client import AdminClient, build_request
+from kvfence.client import AdminClient, AsyncClient, Client, build_request
 from kvfence.config import TlsConfig
-from kvfence.errors import Unauthenticated
+from kvfence.errors import Unauthenticated, Unavailable
 from kvfence.events import EVENT_KINDS
+from kvfence.tls import TlsError
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -226,17 +231,35 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_ca(d, "ca")
     make_ca(d, "other-ca")
     make_leaf(d, "server", "ca", "serverAuth")
+    # names a host only (not 127.0.0.1): reached through a port-forward, or by another name
+    make_leaf(d, "named", "ca", "serverAuth", san=f"DNS:{CP_NAME}")
     return d
+
+
+CP_NAME = "kvfence-cp.example"
+
+
+async def start_tls_cp(state: Path, pki: Path, leaf: str) -> Any:
+    """An in-process control plane serving ``pki/leaf`` (signed by ``pki/ca.pem``); no nodes."""
+    tls = TlsConfig(public_cert=pki / f"{leaf}.pem", public_key=pki / f"{leaf}.key")
+    cfg = make_cfg(state).model_copy(update={"tls": tls})
+    cp = ControlPlane(cfg, model_info=make_model_info(), events=EventRecorder())
+    cp.ports = await cp.start()  # type: ignore[attr-defined]
+    return cp
 
 
 @pytest.fixture
 async def tls_cp(tmp_path: Path, pki: Path, quiet_logs: None) -> AsyncIterator[ControlPlane]:
     """An in-process control plane serving TLS (certificate from ``pki/ca.pem``); no nodes."""
-    cfg = make_cfg(tmp_path).model_copy(
-        update={"tls": TlsConfig(public_cert=pki / "server.pem", public_key=pki / "server.key")}
-    )
-    cp = ControlPlane(cfg, model_info=make_model_info(), events=EventRecorder())
-    cp.ports = await cp.start()  # type: ignore[attr-defined]
+    cp = await start_tls_cp(tmp_path, pki, "server")
+    yield cp
+    await cp.stop(grace=0.5)
+
+
+@pytest.fixture
+async def named_cp(tmp_path: Path, pki: Path, quiet_logs: None) -> AsyncIterator[ControlPlane]:
+    """Like ``tls_cp``, with a certificate that names CP_NAME only, not 127.0.0.1."""
+    cp = await start_tls_cp(tmp_path, pki, "named")
     yield cp
     await cp.stop(grace=0.5)
 
@@ -291,6 +314,156 @@ async def test_generate_tls_ca_file_errors_are_one_line(tls_cp: Any, pki: Path) 
     # control: the right CA gets through TLS to the control plane, which refuses the key "k"
     result = await run_cli(*base, "--tls-ca", str(pki / "ca.pem"), "--timeout", "10")
     assert_one_line_error(result, 2, "UNAUTHENTICATED")
+
+
+# -- --tls-server-name: a certificate that does not name the host connected to (port-forward) ----
+
+
+async def run_cli_env(env: dict[str, str], *args: str) -> Any:
+    return await asyncio.to_thread(CliRunner().invoke, make_app(), list(args), env=env)
+
+
+async def test_admin_tls_server_name(named_cp: Any, pki: Path, tmp_path: Path) -> None:
+    """Connecting to 127.0.0.1, the CA alone is refused (the certificate names CP_NAME only);
+    --tls-server-name CP_NAME (or its env var) gets through, on every command; a wrong name is
+    refused; the name without --tls-ca is a usage error."""
+    auth = ["--target", f"127.0.0.1:{named_cp.ports.admin}", "--admin-token", named_cp.admin_token]
+    ca = ["--tls-ca", str(pki / "ca.pem")]
+    named = [*ca, "--tls-server-name", CP_NAME]
+    # negative: the CA is right, but the certificate does not name 127.0.0.1
+    result = await run_cli("tenants", "list", *auth, *ca)
+    assert_one_line_error(
+        result, 1, "cannot reach the admin API", "does not name 127.0.0.1", "--tls-server-name"
+    )
+    assert result.output.strip().count("\n") == 0
+    # positive control: the same CA, checked for the name the certificate carries
+    result = await run_cli("tenants", "create", "acme", "--json", *auth, *named)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tenant"] == "acme"
+    for cmd in (["tenants", "list"], ["nodes"], ["model", "status"], ["requests"]):
+        result = await run_cli(*cmd, "--json", *auth, *named)
+        assert result.exit_code == 0, (cmd, result.output)
+    result = await run_cli("tenants", "create-key", "acme", *auth, *named)
+    assert result.exit_code == 0, result.output
+    result = await run_cli("tenants", "set-limits", "acme", "--max-tokens", "8", *auth, *named)
+    assert result.exit_code == 0 and "max tokens 8" in result.stdout
+    result = await run_cli("model", "offline", *auth, *named)
+    assert result.exit_code == 0 and "OFFLINE" in result.stdout
+    result = await run_cli("model", "online", *auth, *named)
+    assert result.exit_code == 0 and "online" in result.stdout
+    result = await run_cli("abort", "req-missing", *auth, *named)
+    assert_one_line_error(result, 1, "NOT_FOUND")  # reached the control plane
+    out = tmp_path / "tenants.backup"
+    result = await run_cli("tenants", "backup", str(out), *auth, *named)
+    assert result.exit_code == 0 and "backed up 1 tenants" in result.stdout, result.output
+    # the env var does the same
+    env = {"KVFENCE_ADMIN_TLS_SERVER_NAME": CP_NAME}
+    result = await run_cli_env(env, "tenants", "list", "--json", *auth, *ca)
+    assert result.exit_code == 0 and json.loads(result.stdout)[0]["name"] == "acme"
+    # negative: a name the certificate does not carry
+    result = await run_cli("tenants", "list", *auth, *ca, "--tls-server-name", "wrong.example")
+    assert_one_line_error(result, 1, "cannot reach the admin API", "does not name wrong.example")
+    # usage errors: without --tls-ca (there is no TLS), or empty
+    result = await run_cli("tenants", "list", *auth, "--tls-server-name", CP_NAME)
+    assert_one_line_error(result, 2, "--tls-server-name", "needs --tls-ca")
+    result = await run_cli_env(env, "tenants", "list", *auth)
+    assert_one_line_error(result, 2, "KVFENCE_ADMIN_TLS_SERVER_NAME", "needs --tls-ca")
+    result = await run_cli("tenants", "list", *auth, *ca, "--tls-server-name", " ")
+    assert_one_line_error(result, 2, "--tls-server-name is empty")
+
+
+async def test_check_config_and_generate_tls_server_name(named_cp: Any, pki: Path) -> None:
+    ca = ["--tls-ca", str(pki / "ca.pem")]
+    named = [*ca, "--tls-server-name", CP_NAME]
+    live = ["check-config", "--target", f"127.0.0.1:{named_cp.ports.admin}"]
+    live += ["--admin-token", named_cp.admin_token]
+    result = await run_cli(*live, *ca)
+    assert_one_line_error(result, 2, "UNAVAILABLE", "does not name 127.0.0.1")
+    # control: through TLS to the control plane, which answers: no node has registered yet
+    result = await run_cli(*live, *named)
+    assert_one_line_error(result, 2, "no node is registered")
+    result = await run_cli(*live, "--tls-server-name", CP_NAME)
+    assert_one_line_error(result, 2, "check-config: --tls-server-name", "needs --tls-ca")
+    gen = [*GEN, "--target", f"127.0.0.1:{named_cp.ports.public}", "--prompt-ids", "1"]
+    gen += ["--timeout", "10"]
+    result = await run_cli(*gen, *ca)
+    assert_one_line_error(result, 2, "UNAVAILABLE", "does not name 127.0.0.1")
+    # control: the control plane answers, and refuses the key "k"
+    result = await run_cli(*gen, *named)
+    assert_one_line_error(result, 2, "UNAUTHENTICATED")
+    result = await run_cli_env({"KVFENCE_TLS_SERVER_NAME": CP_NAME}, *gen, *ca)
+    assert_one_line_error(result, 2, "UNAUTHENTICATED")
+    result = await run_cli(*gen, "--tls-server-name", CP_NAME)
+    assert_one_line_error(result, 2, "KVFENCE_TLS_SERVER_NAME", "needs --tls-ca")
+
+
+async def test_clients_take_a_tls_server_name(named_cp: Any, pki: Path) -> None:
+    """The library: AsyncClient (grpc.aio), Client and AdminClient check the certificate for
+    ``tls_server_name`` instead of the host connected to."""
+    _, api_key, _ = named_cp.tenants.create_tenant("acme", TenantLimits())
+    public = f"127.0.0.1:{named_cp.ports.public}"
+    ca = pki / "ca.pem"
+    async with AsyncClient(public, api_key, tls_ca=ca, tls_server_name=CP_NAME, timeout=5) as c:
+        assert [m.name for m in await c.list_models()] == ["test-model"]
+    for name in (None, "wrong.example"):  # negative: 127.0.0.1, or a name it does not carry
+        async with AsyncClient(public, api_key, tls_ca=ca, tls_server_name=name, timeout=5) as c:
+            with pytest.raises(Unavailable, match="Hostname Verification"):
+                await c.list_models()
+
+    def blocking() -> None:
+        with Client(public, api_key, tls_ca=ca, tls_server_name=CP_NAME, timeout=5) as c:
+            assert [m.name for m in c.list_models()] == ["test-model"]
+        with Client(public, api_key, tls_ca=ca, timeout=5) as c, pytest.raises(Unavailable):
+            c.list_models()
+        admin = f"127.0.0.1:{named_cp.ports.admin}"
+        with AdminClient(admin, named_cp.admin_token, tls_ca=ca, tls_server_name=CP_NAME) as a:
+            assert [t.name for t in a.list_tenants()] == ["acme"]
+
+    await asyncio.to_thread(blocking)
+    with pytest.raises(TlsError, match="needs the CA"):
+        AdminClient("127.0.0.1:1", "t", tls_server_name=CP_NAME)
+    with pytest.raises(TlsError, match="empty"):
+        Client("127.0.0.1:1", "k", tls_ca=ca, tls_server_name="")
+
+
+def test_tls_server_name_is_sent_as_sni(pki: Path) -> None:
+    """The name is also the SNI of the handshake (what a TLS proxy or ingress routes by): a TLS
+    listener records the names clients send; without the option a client to 127.0.0.1 sends none."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki / "named.pem", pki / "named.key")
+    ctx.set_alpn_protocols(["h2"])
+    names: list[str | None] = []
+    ctx.sni_callback = lambda _sock, name, _ctx: names.append(name)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5)
+            with contextlib.suppress(OSError), ctx.wrap_socket(conn, server_side=True):
+                pass  # handshake done, then hang up: the client's call fails, as expected
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        for name in (CP_NAME, None):
+            target = f"127.0.0.1:{port}"
+            admin = AdminClient(target, "t", tls_ca=pki / "ca.pem", tls_server_name=name, timeout=5)
+            with admin, pytest.raises(Unavailable):
+                admin.list_tenants()
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+    assert CP_NAME in names
+    assert set(names) - {CP_NAME} <= {None}  # never 127.0.0.1, nor another name
+    assert names[-1] is None  # control: without the option, no name is sent
 
 
 # -- tenants: limits in range, create-key ---------------------------------------------------------

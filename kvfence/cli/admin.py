@@ -3,10 +3,12 @@ the tenant database's backup (over the API) and restore (offline, on the state d
 
 Every command takes ``--target`` (admin HOST:PORT, env KVFENCE_ADMIN_TARGET),
 ``--admin-token`` (env KVFENCE_ADMIN_TOKEN; else ``.kvfence/admin_token`` when the default state
-dir is here) and ``--tls-ca`` (the CA of a control plane that serves TLS). Listings render as rich
-tables, or as JSON with ``--json``. An unreachable target, a refused token or an unusable CA file
-is reported in one line on stderr with exit status 1; an out-of-range option is a usage error
-(exit status 2).
+dir is here), ``--tls-ca`` (the CA of a control plane that serves TLS) and with it
+``--tls-server-name`` (env KVFENCE_ADMIN_TLS_SERVER_NAME: the name the control plane's certificate
+carries, when it does not name the host of ``--target``; through a port-forward). Listings render
+as rich tables, or as JSON with ``--json``. An unreachable target, a refused token or an unusable
+CA file is reported in one line on stderr with exit status 1; an out-of-range option, or
+``--tls-server-name`` without ``--tls-ca``, is a usage error (exit status 2).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from kvfence.client import AdminClient
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2
 DEFAULT_TOKEN_FILE = Path(".kvfence") / "admin_token"
 
 TARGET = typer.Option(
@@ -36,6 +39,13 @@ TARGET = typer.Option(
 )
 TOKEN = typer.Option(None, "--admin-token", envvar="KVFENCE_ADMIN_TOKEN", help="Admin token.")
 TLS_CA = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint.")
+TLS_SERVER_NAME = typer.Option(
+    None,
+    "--tls-server-name",
+    envvar="KVFENCE_ADMIN_TLS_SERVER_NAME",
+    help="TLS: the name the control plane's certificate carries, when it is not the host of "
+    "--target (through a port-forward: the control plane's Service name).",
+)
 JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
 LIMIT_MAX = 2**31 - 1  # uint32 on the wire; the tenant store keeps them below 2^31
 
@@ -60,26 +70,65 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 # -- plumbing --------------------------------------------------------------------------------------
 
 
-def _fail(message: str) -> typer.Exit:
+def _fail(message: str, code: int = EXIT_ERROR) -> typer.Exit:
     typer.echo(message, err=True)
-    return typer.Exit(EXIT_ERROR)
+    return typer.Exit(code)
+
+
+def check_tls_server_name(
+    tls_ca: str | None, tls_server_name: str | None, envvar: str = "KVFENCE_ADMIN_TLS_SERVER_NAME"
+) -> str | None:
+    """Why ``--tls-server-name`` (or ``envvar``) cannot be used with this ``--tls-ca`` (None: it
+    can)."""
+    if tls_server_name is None:
+        return None
+    if not tls_server_name.strip():
+        return "--tls-server-name is empty"
+    if tls_ca is None:
+        return (
+            f"--tls-server-name (or {envvar}) needs --tls-ca: it is the name a TLS endpoint's "
+            "certificate carries, and without --tls-ca there is no TLS"
+        )
+    return None
+
+
+def tls_hint(target: str, message: str, tls_ca: str | None, tls_server_name: str | None) -> str:
+    """What to do about a TLS connection refused because the certificate names another host."""
+    if tls_ca is None or not any(
+        s in message for s in ("Hostname Verification", "is not in peer certificate")
+    ):
+        return ""
+    if tls_server_name is not None:
+        return f" (the certificate does not name {tls_server_name}, the --tls-server-name given)"
+    host = target.rsplit(":", 1)[0].strip("[]")
+    return (
+        f" (the certificate does not name {host}: pass the name it carries with "
+        "--tls-server-name, e.g. through a port-forward)"
+    )
 
 
 @contextmanager
-def _admin(target: str, token: str | None, tls_ca: str | None = None) -> Iterator[AdminClient]:
-    """An AdminClient; any error becomes one line on stderr and exit status 1."""
+def _admin(
+    target: str, token: str | None, tls_ca: str | None = None, tls_server_name: str | None = None
+) -> Iterator[AdminClient]:
+    """An AdminClient; any error becomes one line on stderr and exit status 1 (2 for usage)."""
     import grpc
 
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
     from kvfence.tls import TlsError
 
+    bad_name = check_tls_server_name(tls_ca, tls_server_name)
+    if bad_name is not None:
+        raise _fail(bad_name, EXIT_USAGE)
     if token is None and DEFAULT_TOKEN_FILE.exists():
         token = DEFAULT_TOKEN_FILE.read_text().strip()
     if not token:
         raise _fail("no admin token: pass --admin-token or set KVFENCE_ADMIN_TOKEN")
     try:
-        client = AdminClient(target, token, tls_ca=tls_ca, timeout=10.0)
+        client = AdminClient(
+            target, token, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout=10.0
+        )
     except TlsError as err:
         raise _fail(f"--tls-ca: {err}") from None
     try:
@@ -87,7 +136,8 @@ def _admin(target: str, token: str | None, tls_ca: str | None = None) -> Iterato
             yield client
     except KvfenceError as err:
         if err.code == grpc.StatusCode.UNAVAILABLE:
-            raise _fail(f"cannot reach the admin API at {target}: {err.message}") from None
+            hint = tls_hint(target, err.message, tls_ca, tls_server_name)
+            raise _fail(f"cannot reach the admin API at {target}: {err.message}{hint}") from None
         if err.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise _fail(f"admin token refused by {target}: {err.message}") from None
         raise _fail(f"{err.code.name}: {err.message}") from None
@@ -135,9 +185,10 @@ def tenants_create(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Create a tenant and print its API key (shown only this once)."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         resp = admin.create_tenant(
             name,
             max_concurrent_requests=max_concurrent,
@@ -156,9 +207,10 @@ def tenants_list(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """List tenants with their limits and keys."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         tenants = admin.list_tenants()
     if as_json:
         _print_json([_dict(t) for t in tenants])
@@ -185,9 +237,10 @@ def tenants_create_key(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Issue another API key for a tenant (rotation) and print it (shown only this once)."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         resp = admin.create_key(name)
     if as_json:
         _print_json({"tenant": name, "api_key": resp.api_key, "key_id": resp.key_id})
@@ -201,9 +254,10 @@ def tenants_revoke_key(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Revoke an API key; requests with it are refused from now on."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         admin.revoke_key(key_id)
     typer.echo(f"key {key_id} revoked")
 
@@ -221,9 +275,10 @@ def tenants_set_limits(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Change a tenant's limits; options not given keep their current value."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         current = {t.name: t for t in admin.list_tenants()}.get(name)
         if current is None:
             raise _fail(f"NOT_FOUND: tenant {name!r} does not exist")
@@ -254,6 +309,7 @@ def tenants_backup(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Back up the tenant database of a running control plane to a file.
 
@@ -268,7 +324,7 @@ def tenants_backup(
         raise _fail(f"cannot write {out_file}: no directory {out_file.parent}")
     if out_file.exists() and not force:
         raise _fail(f"{out_file} exists; pass --force to overwrite it")
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         data = admin.backup_tenants(timeout=timeout)
     # Written beside OUT_FILE and moved into place: never a half-written backup under its name,
     # never readable by others, not even for a moment.
@@ -378,10 +434,11 @@ def nodes(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Registered nodes, their pools and heartbeats, whether each is draining (shutting down:
     sent no new requests), the kvfence release each runs, and the enforced limit."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         resp = admin.list_nodes()
     if as_json:
         _print_json(_dict(resp))
@@ -437,10 +494,11 @@ def model_status(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Whether the model is online (offline: since when, and why), its context window and
     enforced limit."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         _print_status(admin.model_status(), as_json)
 
 
@@ -450,13 +508,14 @@ def model_offline(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Take the model offline: new and queued requests fail with UNAVAILABLE at once.
 
     The control plane saves it before it answers: it stays offline across restarts until
     `kvfence model online`.
     """
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         _print_status(admin.set_model_access(False, reason), as_json)
 
 
@@ -465,9 +524,10 @@ def model_online(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Put the model back online."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         _print_status(admin.set_model_access(True), as_json)
 
 
@@ -476,9 +536,10 @@ def requests(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Requests in flight, with their state and nodes."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         infos = admin.list_requests()
     if as_json:
         _print_json([_dict(r) for r in infos])
@@ -503,8 +564,9 @@ def abort(
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,
+    tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Abort a request in flight: CANCELLED for the client, released on every node."""
-    with _admin(target, admin_token, tls_ca) as admin:
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         aborted = admin.abort_request(request_id)
     typer.echo(f"request {request_id} {'aborted' if aborted else 'was already ending'}")

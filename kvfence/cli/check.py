@@ -2,7 +2,8 @@
 
 ``--static FILE`` checks a config file without a cluster (CI, the Helm pre-install hook). The live
 mode (``--target HOST:PORT --admin-token TOKEN``, and ``--tls-ca FILE`` when the control plane
-serves TLS) asks a running cluster for the pools its nodes actually hold and renders the same
+serves TLS, with ``--tls-server-name NAME`` when its certificate does not name HOST) asks a running
+cluster for the pools its nodes actually hold and renders the same
 :class:`~kvfence.config_check.CheckReport`.
 
 Exit codes: 0 the check passed, 1 it failed, 2 the check could not run (bad config, bad usage).
@@ -41,13 +42,22 @@ def check_config(
     tls_ca: str | None = typer.Option(
         None, "--tls-ca", help="CA bundle for a TLS endpoint (live check)."
     ),
+    tls_server_name: str | None = typer.Option(
+        None,
+        "--tls-server-name",
+        envvar="KVFENCE_ADMIN_TLS_SERVER_NAME",
+        help="TLS: the name the control plane's certificate carries, when it is not the host of "
+        "--target (through a port-forward: the control plane's Service name).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check that every KV pool holds the model's context window (exit 1 when not)."""
     if static is not None and target is not None:
         _die("use either --static FILE or --target HOST:PORT, not both")
     report = (
-        _static_report(static) if static is not None else _live_report(target, admin_token, tls_ca)
+        _static_report(static)
+        if static is not None
+        else _live_report(target, admin_token, tls_ca, tls_server_name)
     )
     if as_json:
         typer.echo(report.to_json())
@@ -63,7 +73,9 @@ def _static_report(path: Path) -> CheckReport:
         _die(f"check-config: {err}")
 
 
-def _live_report(target: str | None, admin_token: str | None, tls_ca: str | None) -> CheckReport:
+def _live_report(
+    target: str | None, admin_token: str | None, tls_ca: str | None, tls_server_name: str | None
+) -> CheckReport:
     """Pools as the running nodes report them, through the admin API at ``target``."""
     if not target or not admin_token:
         _die(
@@ -71,13 +83,19 @@ def _live_report(target: str | None, admin_token: str | None, tls_ca: str | None
             "(the admin port) and --admin-token TOKEN (or KVFENCE_ADMIN_TOKEN); "
             "to check a config file use --static FILE"
         )
+    from kvfence.cli.admin import check_tls_server_name, tls_hint
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
     from kvfence.kv.pool import PagePool
     from kvfence.tls import TlsError
 
+    bad_name = check_tls_server_name(tls_ca, tls_server_name)
+    if bad_name is not None:
+        _die(f"check-config: {bad_name}")
     try:
-        admin_client = AdminClient(target, admin_token, tls_ca=tls_ca)
+        admin_client = AdminClient(
+            target, admin_token, tls_ca=tls_ca, tls_server_name=tls_server_name
+        )
     except TlsError as err:
         _die(f"check-config: --tls-ca: {err}")
     try:
@@ -86,7 +104,8 @@ def _live_report(target: str | None, admin_token: str | None, tls_ca: str | None
             status = admin.model_status()
             nodes = {n.node_id: n for n in admin.list_nodes().nodes}
     except KvfenceError as err:
-        _die(f"check-config: {target}: {err.code.name}: {err.message}")
+        hint = tls_hint(target, err.message, tls_ca, tls_server_name)
+        _die(f"check-config: {target}: {err.code.name}: {err.message}{hint}")
     if not resp.pools:
         _die(f"check-config: no node is registered at {target}")
     layout = next(iter(nodes.values())).layout  # every registered node has the model's layout

@@ -2,7 +2,10 @@
 
 Text goes to stdout as it arrives; ``--json`` prints one object with the token ids, text, finish
 reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2; so
-does bad input (an out-of-range number or token id, an unusable ``--tls-ca`` file), in one line.
+does bad input (an out-of-range number or token id, an unusable ``--tls-ca`` file,
+``--tls-server-name`` without ``--tls-ca``), in one line. ``--tls-server-name`` (env
+KVFENCE_TLS_SERVER_NAME) is the name the certificate carries when it does not name the host of
+``--target`` (through a port-forward).
 """
 
 from __future__ import annotations
@@ -53,19 +56,34 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
+    tls_server_name: str | None = typer.Option(
+        None,
+        "--tls-server-name",
+        envvar="KVFENCE_TLS_SERVER_NAME",
+        help="TLS: the name the control plane's certificate carries, when it is not the host of "
+        "--target (through a port-forward: the control plane's Service name).",
+    ),
     timeout: float | None = typer.Option(None, "--timeout", help="Deadline in seconds."),
 ) -> None:
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
+    from kvfence.cli.admin import check_tls_server_name, tls_hint
     from kvfence.client import Client, GenerationAccumulator
     from kvfence.errors import KvfenceError
     from kvfence.tls import TlsError
 
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of PROMPT or --prompt-ids")
+    bad_name = check_tls_server_name(tls_ca, tls_server_name, "KVFENCE_TLS_SERVER_NAME")
+    if bad_name is not None:
+        typer.echo(bad_name, err=True)
+        raise typer.Exit(EXIT_FAILED)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     acc = GenerationAccumulator()
     try:
-        with Client(target, api_key, tls_ca=tls_ca, timeout=timeout) as client:
+        client = Client(
+            target, api_key, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout=timeout
+        )
+        with client:
             for chunk in client.stream(
                 prompt,
                 prompt_ids=ids,
@@ -83,7 +101,8 @@ def generate(
     except KvfenceError as err:
         if not as_json and acc.text:
             sys.stdout.write("\n")
-        typer.echo(f"{err.code.name}: {err.message}", err=True)
+        hint = tls_hint(target, err.message, tls_ca, tls_server_name)
+        typer.echo(f"{err.code.name}: {err.message}{hint}", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     except TlsError as err:
         typer.echo(f"--tls-ca: {err}", err=True)

@@ -5,7 +5,8 @@ pods: same image, user and container settings, the control plane's admin token S
 Service as target. The script tests run the rendered command, its mounts mapped to temporary
 folders: against a fake `kvfence` (it keeps exactly `keep` newest backups; a failed backup fails
 the run and deletes nothing, the negative control of the good run) and against a real control
-plane with the real CLI (the file is a tenant database; a refused token fails the run).
+plane with the real CLI (the file is a tenant database; a refused token fails the run; over TLS
+the certificate need name only the host the nodes reach the control plane by).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -126,6 +130,7 @@ def test_the_backup_cronjob(helm_home: Path) -> None:
     env = env_of(c)
     assert env["BACKUP_KEEP"] == "7" and env["BACKUP_TIMEOUT_S"] == "120"
     assert "ADMIN_TLS_CA" not in env and "KVFENCE_ADMIN_TOKEN" not in env
+    assert "ADMIN_TLS_SERVER_NAME" not in env
     admin = find(docs, "Service", f"{FULLNAME}-admin")
     (port,) = admin["spec"]["ports"]
     assert env["KVFENCE_ADMIN_TARGET"] == f"{FULLNAME}-admin.serving.svc:{port['port']}"
@@ -170,12 +175,17 @@ def test_backup_values_reach_the_cronjob(helm_home: Path) -> None:
 
 def test_backup_over_tls_verifies_with_the_nodes_ca(helm_home: Path) -> None:
     """With tls.enabled the admin port serves the public certificate, which the nodes verify
-    against the internal CA: the job does the same, and gets that CA only, no key."""
+    against the internal CA, as a certificate for the host of control_plane.address: the job does
+    the same (so the certificate need not name the admin Service it connects to), and gets that CA
+    only, no key."""
     docs = render(helm_home, sets=[*BACKUP, *TLS])
     env = env_of(job_container(docs))
     assert env["ADMIN_TLS_CA"] == "/etc/kvfence/tls/ca.crt"
     config = yaml.safe_load(find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"])
     assert config["tls"]["internal_ca"] == env["ADMIN_TLS_CA"]
+    nodes_host = config["control_plane"]["address"].rsplit(":", 1)[0]
+    assert env["ADMIN_TLS_SERVER_NAME"] == nodes_host == f"{FULLNAME}-control-plane.serving.svc"
+    assert not env["KVFENCE_ADMIN_TARGET"].startswith(nodes_host + ":")  # another name: the admin
     tls = volume(job_pod(docs)["spec"], "tls-ca")["secret"]
     assert tls["secretName"] == f"{FULLNAME}-tls"
     assert tls["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
@@ -377,41 +387,94 @@ def test_the_job_passes_the_tls_ca(helm_home: Path, tmp_path: Path) -> None:
     proc = run_job(docs, tmp_path, job_bin(tmp_path), FAKE_KVFENCE="ok")
     assert proc.returncode == 0, proc.stderr
     args = (tmp_path / "fake.args").read_text().split()
-    assert args[-2:] == ["--tls-ca", str(tmp_path / "tls-ca" / "ca.crt")]
+    assert args[-4:] == [
+        "--tls-ca",
+        str(tmp_path / "tls-ca" / "ca.crt"),
+        "--tls-server-name",
+        f"{FULLNAME}-control-plane.serving.svc",
+    ]
 
 
-async def test_the_job_against_a_real_control_plane(helm_home: Path, tmp_path: Path) -> None:
-    """The rendered script with the real `kvfence` CLI against an in-process control plane: a
-    refused token fails the run and writes nothing (negative control); the right one writes an
-    owner-only tenant database holding the control plane's tenants."""
+CP_HOST = f"{FULLNAME}-control-plane.serving.svc"
+
+
+@asynccontextmanager
+async def control_plane(state: Path, tls: dict[str, str] | None = None) -> AsyncIterator[Any]:
+    """An in-process control plane (admin port on 127.0.0.1) with the tenant acme; no nodes."""
     from control_plane.model_info import ByteTokenizer, ModelInfo
     from control_plane.service import ControlPlane
     from control_plane.tenants import TenantLimits
     from kvfence.config import parse_config
     from kvfence.proto.kvfence.v1 import common_pb2
 
-    cfg = parse_config(
-        {
-            "model": {"name": "test-model"},
-            "control_plane": {
-                "listen": "127.0.0.1:0",
-                "admin_listen": "127.0.0.1:0",
-                "state_dir": str(tmp_path / "state"),
-            },
+    raw: dict[str, Any] = {
+        "model": {"name": "test-model"},
+        "control_plane": {
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "state_dir": str(state),
         },
-        environ={},
-    )
+    }
+    if tls is not None:
+        raw["tls"] = tls
+    cfg = parse_config(raw, environ={})
     layout = common_pb2.KvLayout(
         page_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=32
     )
     info = ModelInfo("test-model", 256, "sha256:test-model", layout, 384, ByteTokenizer())
     cp = ControlPlane(cfg, model_info=info)
-    ports = await cp.start()
+    cp.ports = await cp.start()
     try:
         cp.tenants.create_tenant("acme", TenantLimits())
+        yield cp
+    finally:
+        await cp.stop(0.1)
+
+
+async def test_the_job_over_tls_against_a_real_control_plane(
+    helm_home: Path, tmp_path: Path
+) -> None:
+    """The rendered TLS script with the real `kvfence` CLI against a control plane whose
+    certificate names only the host the nodes reach it by (not the admin Service, not the
+    127.0.0.1 it is reached at here): the backup is taken. Negative control: the same run
+    without the server name is refused by the certificate check and writes nothing."""
+    from test_tls import make_ca, make_leaf
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_ca(pki, "ca")
+    make_leaf(pki, "public", "ca", "serverAuth", san=f"DNS:{CP_HOST}")
+    tls = {"public_cert": str(pki / "public.pem"), "public_key": str(pki / "public.key")}
+    (tmp_path / "tls-ca").mkdir()
+    (tmp_path / "tls-ca" / "ca.crt").write_bytes((pki / "ca.pem").read_bytes())
+    async with control_plane(tmp_path / "state", tls) as cp:
+        docs = render(helm_home, sets=[*BACKUP, *TLS])
+        bin_dir = job_bin(tmp_path, Path(sys.executable).parent / "kvfence")
+        target = f"127.0.0.1:{cp.ports.admin}"
+
+        def run(**env: str) -> subprocess.CompletedProcess[str]:
+            token = cp.admin_token + "\n"
+            return run_job(docs, tmp_path, bin_dir, token, KVFENCE_ADMIN_TARGET=target, **env)
+
+        refused = await asyncio.to_thread(run, ADMIN_TLS_SERVER_NAME="")
+        assert refused.returncode != 0
+        assert "does not name 127.0.0.1" in refused.stderr and "FAILED" in refused.stderr
+        assert backups(tmp_path / "backups") == []
+        done = await asyncio.to_thread(run)
+        assert done.returncode == 0, done.stderr
+        (name,) = backups(tmp_path / "backups")
+        with sqlite3.connect(tmp_path / "backups" / name) as db:
+            assert db.execute("SELECT name FROM tenants").fetchall() == [("acme",)]
+
+
+async def test_the_job_against_a_real_control_plane(helm_home: Path, tmp_path: Path) -> None:
+    """The rendered script with the real `kvfence` CLI against an in-process control plane: a
+    refused token fails the run and writes nothing (negative control); the right one writes an
+    owner-only tenant database holding the control plane's tenants."""
+    async with control_plane(tmp_path / "state") as cp:
         docs = render(helm_home, sets=BACKUP)
         bin_dir = job_bin(tmp_path, Path(sys.executable).parent / "kvfence")
-        target = f"127.0.0.1:{ports.admin}"
+        target = f"127.0.0.1:{cp.ports.admin}"
 
         def run(token: str) -> subprocess.CompletedProcess[str]:
             return run_job(docs, tmp_path, bin_dir, token, KVFENCE_ADMIN_TARGET=target)
@@ -427,5 +490,3 @@ async def test_the_job_against_a_real_control_plane(helm_home: Path, tmp_path: P
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         with sqlite3.connect(path) as db:
             assert db.execute("SELECT name FROM tenants").fetchall() == [("acme",)]
-    finally:
-        await cp.stop(0.1)

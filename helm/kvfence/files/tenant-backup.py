@@ -3,9 +3,11 @@
 `kvfence tenants backup` writes BACKUP_DIR/tenants-<UTC time>.backup: a consistent snapshot over
 the admin API at KVFENCE_ADMIN_TARGET, with the token of ADMIN_TOKEN_FILE (passed in the
 environment, not on a command line that ps shows), verifying the endpoint's certificate against
-ADMIN_TLS_CA when that is set. Then every file of that name pattern but the newest BACKUP_KEEP is
-deleted; other files in BACKUP_DIR are left alone. A failed backup deletes nothing and exits
-non-zero, so the Job fails (alert on that); so does a backup whose old files could not be deleted.
+ADMIN_TLS_CA when that is set, and that it names ADMIN_TLS_SERVER_NAME (`--tls-server-name`: the
+name the nodes reach the control plane by, not the admin Service's) when that is set too. Then
+every file of that name pattern but the newest BACKUP_KEEP is deleted; other files in BACKUP_DIR
+are left alone. A failed backup deletes nothing and exits non-zero, so the Job fails (alert on
+that); so does a backup whose old files could not be deleted.
 
 Python, not sh: the kvfence image has Python and the kvfence CLI, nothing else is promised.
 templates/tenant-backup.yaml renders it into the CronJob; tests/helm/test_chart_backup.py runs it.
@@ -45,6 +47,8 @@ def main() -> int:
     cmd += ["--timeout", os.environ.get("BACKUP_TIMEOUT_S", "120")]
     if os.environ.get("ADMIN_TLS_CA"):
         cmd += ["--tls-ca", os.environ["ADMIN_TLS_CA"]]
+        if os.environ.get("ADMIN_TLS_SERVER_NAME"):
+            cmd += ["--tls-server-name", os.environ["ADMIN_TLS_SERVER_NAME"]]
     status = subprocess.run(cmd, env={**os.environ, "KVFENCE_ADMIN_TOKEN": token}).returncode
     if status != 0 or not out.is_file():
         log(f"FAILED (kvfence exit status {status}): no new backup; no old one deleted")
