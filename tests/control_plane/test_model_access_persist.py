@@ -112,6 +112,7 @@ async def test_the_kill_switch_survives_restarts_until_it_is_undone(
             target=c.admin_target,
             admin_token=c.cp.admin_token,
             tls_ca=None,
+            tls_server_name=None,
         )
         shown = [
             line for line in capsys.readouterr().out.splitlines() if "model test-model" in line
