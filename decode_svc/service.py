@@ -65,7 +65,7 @@ from kvfence.metrics import Metrics, publish_pool
 from kvfence.node import NodeRuntime, NodeTokenCheck, sampling_from_proto
 from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from kvfence.server import abort, take_ready
-from kvfence.transfer import InboundState, InboundTransfer, KvReceiver
+from kvfence.transfer import INTEGRITY_REASONS, InboundState, InboundTransfer, KvReceiver
 from prefill_svc.service import node_stats
 
 from .batcher import ActiveSeq, DecodeBatcher
@@ -435,6 +435,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """KvReceiver's reporter: bad hellos and failed transfers become events and metrics."""
         if kind == "integrity_violation":
             self.metrics.integrity_failures_total.labels(check=payload.get("check", "")).inc()
+        elif kind == "transfer_failed" and payload.get("reason") in INTEGRITY_REASONS:
+            # A batch this node refused (a page outside the reservation, one sent twice, a broken
+            # protocol): its check, so its count; prefill and the control plane count none.
+            self.metrics.integrity_failures_total.labels(check=payload["reason"]).inc()
         what = payload.get("check", payload.get("reason", ""))
         bounded = payload.get("stage") == "ucx_hello" and what != "RESERVATION_RELEASED"
         if bounded and not self._hello_events.allow((kind, what)):

@@ -19,6 +19,26 @@ ERROR_DOMAIN = "kvfence.dev"
 # UNAVAILABLE, and nothing was taken for the request, so the control plane tries another node.
 NODE_DRAINING = "NODE_DRAINING"
 
+# Every check whose failure a service counts in kvfence_integrity_failures_total{check}: the
+# reasons of the IntegrityErrors the KV path raises (manifest, tag, stream checks) and the
+# transfer's (kvfence.transfer.INTEGRITY_REASONS). Each service exports every one at 0 from its
+# start, so that a check's first failure is an increase from 0: a series born at 1 is no increase
+# to Prometheus's increase(), and KvfenceIntegrityCheckFailed would miss it. A test keeps this in
+# step with the code.
+INTEGRITY_CHECKS = frozenset(
+    {
+        # kvfence.manifest: decode's checks of a transfer manifest
+        "RESERVATION", "MAC", "COUNT", "COVERAGE", "GENERATION", "CHECKSUM", "MODEL", "LAYOUT",
+        # a page at another generation in a forward pass or decode step
+        "PAGE_GENERATION",
+        # the control plane's checks of prefill's answer and decode's stream
+        "MANIFEST_MISMATCH", "FINISH_REASON", "FIRST_TOKEN_MISMATCH", "TOO_MANY_TOKENS",
+        "STREAM_ORDER", "UNVERIFIED",
+        # the UCX transfer: a wrong hello, a wrong batch, a broken protocol
+        "UNKNOWN_RESERVATION", "BAD_AUTHENTICATOR", "REPLAY", "DUPLICATE_PAGE", "PROTOCOL",
+    }
+)  # fmt: skip
+
 
 class KvfenceError(Exception):
     """Base of every kvfence error; subclasses fix the gRPC status code."""

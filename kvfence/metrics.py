@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvfence import PROTOCOL_VERSION, __version__
+from kvfence.errors import INTEGRITY_CHECKS
 
 NAMESPACE = "kvfence"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -93,6 +94,8 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        for check in INTEGRITY_CHECKS:  # at 0 from the start (kvfence.errors.INTEGRITY_CHECKS)
+            self.integrity_failures_total.labels(check=check)
         self.transfer_bytes_total = Counter(
             "transfer_bytes_total",
             "KV bytes moved from prefill to decode.",

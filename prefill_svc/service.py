@@ -343,6 +343,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 detail=detail,
                 decode_node=res.decode_node_id,
             )
+            if err.reason in INTEGRITY_REASONS and not err.refused:
+                # This node's check (decode answered outside the protocol); one decode refused
+                # was decode's check, and decode counted it.
+                self.metrics.integrity_failures_total.labels(check=err.reason).inc()
             raise transfer_status(err) from None
         nbytes = len(outbound) * page_bytes
         self.metrics.transfer_bytes_total.inc(nbytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,45 @@ def test_serve_binds_the_host_it_is_given(host: str) -> None:
         assert b"kvfence_pages" in body  # reachable either way from this machine
     finally:
         m.stop()
+
+
+# Raised as IntegrityError but never counted in kvfence_integrity_failures_total: the CLI's check
+# of a downloaded backup and a damaged tenant database are not KV checks.
+NOT_KV_CHECKS = {"BACKUP_MISMATCH", "TENANT_DATABASE_DAMAGED"}
+
+
+def integrity_reasons_in_code() -> set[str]:
+    """The literal reasons of every ``IntegrityError(...)`` in the services' code."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for package in ("kvfence", "control_plane", "prefill_svc", "decode_svc", "kernels"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                func = getattr(node, "func", None)
+                name = getattr(func, "id", getattr(func, "attr", None))
+                if not isinstance(node, ast.Call) or name != "IntegrityError":
+                    continue
+                reason = next((k.value for k in node.keywords if k.arg == "reason"), None)
+                if isinstance(reason, ast.Constant):
+                    found.add(reason.value)
+    return found
+
+
+def test_every_integrity_check_is_exported_at_zero_from_the_start() -> None:
+    """A check's series born at its first failure is born at 1, which Prometheus's increase()
+    reads as no increase: KvfenceIntegrityCheckFailed missed the first forged manifest on a pod.
+    Every check the code can fail is exported at 0 from the start, by every service."""
+    from kvfence.errors import INTEGRITY_CHECKS
+    from kvfence.transfer import INTEGRITY_REASONS
+
+    in_code = integrity_reasons_in_code()
+    assert {"MAC", "CHECKSUM", "FIRST_TOKEN_MISMATCH", "PAGE_GENERATION"} <= in_code  # it finds
+    assert in_code - NOT_KV_CHECKS <= INTEGRITY_CHECKS
+    assert INTEGRITY_REASONS <= INTEGRITY_CHECKS  # the transfer's, raised from a variable
+    for service in ("control-plane", "prefill", "decode"):
+        registry = Metrics(service).registry
+        for check in INTEGRITY_CHECKS:
+            labels = {"service": service, "check": check}
+            assert registry.get_sample_value("kvfence_integrity_failures_total", labels) == 0

@@ -1046,3 +1046,29 @@ async def test_late_hellos_are_not_bounded_like_forged_ones(tmp_path):
         assert len(late) == n and len(forged) == HELLO_EVENTS_BURST
     finally:
         await dec.stop(grace=0)
+
+
+async def test_a_batch_decode_refuses_is_counted_once_by_decode(tmp_path):
+    """A page sent twice (or outside the reservation) fails the transfer DATA_LOSS; decode made
+    that check, so decode counts it (reported as transfer_failed, which it did not count: prefill
+    and the control plane, which count only their own checks, did not either, and the alert on
+    kvfence_integrity_failures_total never fired). Control: a sound transfer counts nothing."""
+    dec = await start_decode(tmp_path)
+
+    def counted(check: str) -> float | None:
+        labels = {"service": "decode", "check": check}
+        return dec.metrics.registry.get_sample_value("kvfence_integrity_failures_total", labels)
+
+    try:
+        pool, rx = dec.rt.pool, dec.receiver
+        assert counted("DUPLICATE_PAGE") == 0  # exported from the start, at 0
+        good = rx.expect("res-ok", "req-ok", b"k" * 32, pool.allocate(2, "res-ok"))
+        await send(rx, good, make_source(pool, 2))
+        bad = rx.expect("res-dup", "req-dup", b"k" * 32, pool.allocate(2, "res-dup"))
+        with pytest.raises(TransferError) as err:
+            await send(rx, bad, make_source(pool, 2), indices=[0, 0])
+        assert err.value.reason == "DUPLICATE_PAGE" and err.value.refused
+        assert await eventually(lambda: counted("DUPLICATE_PAGE") == 1)
+        assert sum(counted(c) or 0 for c in ("COVERAGE", "PROTOCOL", "CHECKSUM")) == 0
+    finally:
+        await dec.stop(grace=0)

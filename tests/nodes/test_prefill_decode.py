@@ -590,6 +590,37 @@ async def test_prefill_counts_and_reports_its_own_tag_check(nodes, monkeypatch):
         await dstub.Release(prefill_pb2.ReleaseRequest(request_id=request_id))
 
 
+@pytest.mark.parametrize(
+    ("refused", "counted"), [(False, 1), (True, 0)], ids=["prefill-saw-it", "decode-refused"]
+)
+async def test_prefill_counts_a_broken_transfer_only_when_it_made_the_check(
+    nodes, monkeypatch, refused, counted
+):
+    """A transfer whose answer broke the protocol is prefill's check: counted by prefill. One
+    decode refused is decode's check, counted there (tests/test_transfer.py), not here as well.
+    Either way the call fails DATA_LOSS with the transfer's reason."""
+    import prefill_svc.service as prefill_service
+    from kvfence.transfer import TransferError
+
+    _, pre, dstub, pstub = nodes
+
+    async def broken(*args, **kwargs):
+        raise TransferError("an answer that is not an object", reason="PROTOCOL", refused=refused)
+
+    monkeypatch.setattr(prefill_service, "send_pages", broken)
+    _, call = await reserve_and_prefill(dstub, pstub, "broken", list(range(3, 20)))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert error_info(err.value).reason == "PROTOCOL"
+    labels = {"service": "prefill", "check": "PROTOCOL"}
+    assert pre.metrics.registry.get_sample_value("kvfence_integrity_failures_total", labels) == (
+        counted
+    )
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="broken"))
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="broken"))
+
+
 async def test_decode_counts_every_way_a_stream_ends(nodes):
     """requests_total on decode counted only finished streams: a refused manifest or a stream
     the control plane cancelled never showed."""
