@@ -248,7 +248,8 @@ class ControlPlane:
         since = access.since if online == access.online and access.since else utc_now()
         effective = "" if online else (reason or "taken offline by an operator")
         if not online:
-            access.online, access.reason, access.since = False, effective, since
+            # online last: a scrape (another thread) that sees it offline reads its time too.
+            access.since, access.reason, access.online = since, effective, False
         unsaved: KvfenceError | None = None
         try:
             self.tenants.save_model_access(self.model.name, online, effective, since)

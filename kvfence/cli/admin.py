@@ -415,7 +415,8 @@ def tenants_restore(
     for a in offline.values():
         typer.echo(
             f"model {a.model} is offline in the restored database (since {a.since}: {a.reason}): "
-            "the control plane starts with it offline; `kvfence model online` when it should serve"
+            f"a control plane serving {a.model} starts with it offline; `kvfence model online` "
+            "there when it should serve (one serving another model ignores it)"
         )
     for a in done.access_before or ():
         if not a.online and a.model not in offline:
