@@ -356,6 +356,29 @@ def test_the_job_keeps_exactly_the_newest_backups(helm_home: Path, tmp_path: Pat
     assert "deleted the old backup" in proc.stderr and "3 backups kept" in proc.stderr
 
 
+def test_a_killed_runs_temporary_file_is_deleted_by_the_next_run(
+    helm_home: Path, tmp_path: Path
+) -> None:
+    """A run killed on its deadline leaves the CLI's temporary file (it holds key hashes): the
+    next run deletes it once it is an hour old. Control: a fresh one (a run in progress, started
+    by hand) and files of other names are left alone."""
+    docs = render(helm_home, sets=BACKUP)
+    folder = tmp_path / "backups"
+    folder.mkdir()
+    stale = folder / ".tenants-20240101T030000Z.backup.41.tmp"
+    fresh = folder / ".tenants-20240102T030000Z.backup.42.tmp"
+    other = folder / ".something.tmp"
+    for path in (stale, fresh, other):
+        path.write_text("partial")
+    hour_ago = time.time() - 3700
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(other, (hour_ago, hour_ago))
+    proc = run_job(docs, tmp_path, job_bin(tmp_path), FAKE_KVFENCE="ok")
+    assert proc.returncode == 0, proc.stderr
+    assert not stale.exists() and fresh.exists() and other.exists()
+    assert f"deleted {stale.name}" in proc.stderr
+
+
 def test_a_new_backup_is_kept_whatever_the_old_names_say(helm_home: Path, tmp_path: Path) -> None:
     """A backup named after the new one (a clock set back since) does not push it out."""
     docs = render(helm_home, sets=[*BACKUP, "controlPlane.backup.keep=1"])

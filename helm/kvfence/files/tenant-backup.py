@@ -25,6 +25,11 @@ from pathlib import Path
 # What this job writes; names sort by time. A file named otherwise (a hand-made backup) is never
 # counted or deleted.
 BACKUP_NAME = re.compile(r"tenants-\d{8}T\d{6}Z\.backup")
+# The file `kvfence tenants backup` writes before it renames it (".NAME.PID.tmp"). A run killed
+# on its deadline leaves one; runs never overlap (concurrencyPolicy: Forbid), so one older than
+# STALE_TMP_S is no live run's.
+TMP_NAME = re.compile(r"\.tenants-\d{8}T\d{6}Z\.backup\.\d+\.tmp")
+STALE_TMP_S = 3600.0
 
 
 def log(message: str) -> None:
@@ -42,6 +47,10 @@ def main() -> int:
     except OSError as err:
         log(f"FAILED: cannot read the admin token: {err}")
         return 1
+    for p in out_dir.iterdir():
+        if TMP_NAME.fullmatch(p.name) and time.time() - p.stat().st_mtime > STALE_TMP_S:
+            p.unlink(missing_ok=True)
+            log(f"deleted {p.name}, left by a run that was killed")
     out = out_dir / time.strftime("tenants-%Y%m%dT%H%M%SZ.backup", time.gmtime())
     cmd = ["kvfence", "tenants", "backup", str(out)]
     cmd += ["--timeout", os.environ.get("BACKUP_TIMEOUT_S", "120")]
