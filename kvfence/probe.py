@@ -388,9 +388,11 @@ class IsolationProbe:
         *,
         options: ProbeOptions | None = None,
         tls_ca: Path | str | None = None,
+        tls_server_name: str | None = None,
         progress: ProgressSink | None = None,
     ):
         self.target = target
+        self.tls_server_name = tls_server_name
         self.keys = (tenant_a_key, tenant_b_key)
         self.opts = options or ProbeOptions()
         self.tls_ca = tls_ca
@@ -410,8 +412,16 @@ class IsolationProbe:
 
     def _clients(self) -> tuple[Client, Client]:
         try:
-            a = Client(self.target, self.keys[0], tls_ca=self.tls_ca, timeout=self.opts.timeout)
-            b = Client(self.target, self.keys[1], tls_ca=self.tls_ca, timeout=self.opts.timeout)
+            a, b = (
+                Client(
+                    self.target,
+                    key,
+                    tls_ca=self.tls_ca,
+                    tls_server_name=self.tls_server_name,
+                    timeout=self.opts.timeout,
+                )
+                for key in self.keys
+            )
         except (OSError, ValueError) as err:  # TlsError is a ValueError or OSError subclass
             raise ProbeSetupError(_one_line(str(err))) from None
         return a, b
@@ -837,11 +847,18 @@ def run_isolation_probe(
     *,
     options: ProbeOptions | None = None,
     tls_ca: Path | str | None = None,
+    tls_server_name: str | None = None,
     progress: ProgressSink | None = None,
 ) -> ProbeReport:
     """Run the probe once; see :class:`IsolationProbe`."""
     return IsolationProbe(
-        target, tenant_a_key, tenant_b_key, options=options, tls_ca=tls_ca, progress=progress
+        target,
+        tenant_a_key,
+        tenant_b_key,
+        options=options,
+        tls_ca=tls_ca,
+        tls_server_name=tls_server_name,
+        progress=progress,
     ).run()
 
 

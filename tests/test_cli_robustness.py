@@ -39,6 +39,7 @@ from kvfence.cli import admin as admin_cli
 from kvfence.cli import check as check_cli
 from kvfence.cli import events as events_cli
 from kvfence.cli import generate as generate_cli
+from kvfence.cli import probe as probe_cli
 from kvfence.cli import stack as stack_cli
 from kvfence.client import AdminClient, AsyncClient, Client, build_request
 from kvfence.config import TlsConfig
@@ -55,7 +56,7 @@ def make_app() -> typer.Typer:
     groups = {name: typer.Typer() for name in ("serve", "tenants", "model", "probe")}
     for name, group in groups.items():
         app.add_typer(group, name=name)
-    for module in (stack_cli, generate_cli, admin_cli, events_cli, check_cli):
+    for module in (stack_cli, generate_cli, admin_cli, events_cli, check_cli, probe_cli):
         module.register(app, groups)
     return app
 
@@ -394,6 +395,24 @@ async def test_check_config_and_generate_tls_server_name(named_cp: Any, pki: Pat
     result = await run_cli_env({"KVFENCE_TLS_SERVER_NAME": CP_NAME}, *gen, *ca)
     assert_one_line_error(result, 2, "UNAUTHENTICATED")
     result = await run_cli(*gen, "--tls-server-name", CP_NAME)
+    assert_one_line_error(result, 2, "KVFENCE_TLS_SERVER_NAME", "needs --tls-ca")
+
+
+async def test_probe_isolation_tls_server_name(named_cp: Any, pki: Path) -> None:
+    """The probe through a port-forward: the certificate names the control plane, not 127.0.0.1.
+    Without --tls-server-name the probe cannot set up (a hostname error, exit 2); with it, it
+    reaches the control plane and finds its model (this one has no node: it stops there)."""
+    _, key_a, _ = named_cp.tenants.create_tenant("a", TenantLimits())
+    _, key_b, _ = named_cp.tenants.create_tenant("b", TenantLimits())
+    probe = ["probe", "isolation", "--target", f"127.0.0.1:{named_cp.ports.public}"]
+    probe += ["--tenant-a-key", key_a, "--tenant-b-key", key_b, "--timeout", "5"]
+    probe += ["--requests", "1", "--concurrency", "1", "--tls-ca", str(pki / "ca.pem")]
+    result = await run_cli(*probe)
+    assert result.exit_code == 2 and "Hostname Verification" in result.output, result.output
+    result = await run_cli(*probe, "--tls-server-name", CP_NAME)
+    assert "Hostname Verification" not in result.output, result.output
+    assert "NO_NODES" in result.output or "no decode node" in result.output, result.output
+    result = await run_cli(*probe[:-2], "--tls-server-name", CP_NAME)
     assert_one_line_error(result, 2, "KVFENCE_TLS_SERVER_NAME", "needs --tls-ca")
 
 

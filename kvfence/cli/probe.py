@@ -58,6 +58,13 @@ def isolation(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, help="Per-request deadline, s."),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
+    tls_server_name: str | None = typer.Option(
+        None,
+        "--tls-server-name",
+        envvar="KVFENCE_TLS_SERVER_NAME",
+        help="TLS: the name the control plane's certificate carries, when it is not the host of "
+        "--target (through a port-forward: the control plane's Service name).",
+    ),
     fail_on_divergence: bool = typer.Option(
         False,
         "--fail-on-divergence",
@@ -69,9 +76,16 @@ def isolation(
     requests rejected before any token?"""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from kvfence.cli.admin import check_tls_server_name
     from kvfence.probe import EXIT_ERROR, ProbeOptions, ProbeSetupError, run_isolation_probe
 
     err_console = Console(stderr=True)
+    bad_name = check_tls_server_name(
+        None if tls_ca is None else str(tls_ca), tls_server_name, "KVFENCE_TLS_SERVER_NAME"
+    )
+    if bad_name is not None:
+        typer.echo(f"kvfence probe isolation: {bad_name}", err=True)
+        raise typer.Exit(EXIT_ERROR)
     options = ProbeOptions(
         requests=requests,
         concurrency=concurrency,
@@ -96,6 +110,7 @@ def isolation(
                 tenant_b_key,
                 options=options,
                 tls_ca=tls_ca,
+                tls_server_name=tls_server_name,
                 progress=_RichProgress(progress),
             )
     except ProbeSetupError as err:

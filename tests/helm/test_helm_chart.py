@@ -1007,6 +1007,28 @@ def test_notes_follow_events_over_tls(helm_home: Path) -> None:
     )
 
 
+def test_notes_reach_the_admin_api_over_tls(helm_home: Path) -> None:
+    """With tls.enabled the admin port serves the public certificate, which names the control
+    plane's Service, not the port-forward's 127.0.0.1: the NOTES' admin commands take the CA and
+    that name. Control: without TLS they take neither."""
+    args = ["install", RELEASE, str(CHART), "--namespace", "serving", "--dry-run=client"]
+    plain = helm(*args, tmp=helm_home)
+    assert plain.returncode == 0, plain.stderr
+    notes = plain.stdout.split("NOTES:", 1)[1]
+    assert "--tls-ca" not in notes and "KVFENCE_ADMIN_TLS_SERVER_NAME" not in notes
+    tls = ["--set", "tls.enabled=true", "--set", "tls.existingSecret=kvfence-tls"]
+    proc = helm(*args, *tls, tmp=helm_home)
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "get secret kvfence-tls" in notes and "{.data.ca\\.crt}" in notes
+    assert f"export KVFENCE_ADMIN_TLS_SERVER_NAME={FULLNAME}-control-plane.serving.svc" in notes
+    starts = ("kvfence tenants create", "kvfence check-config")
+    commands = [line for line in notes.splitlines() if line.strip().startswith(starts)]
+    assert len(commands) == 2
+    for line in commands:
+        assert line.endswith("--tls-ca kvfence-ca.crt"), line
+
+
 @pytest.fixture(scope="module")
 def mqtt_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from test_tls import make_ca, make_leaf
