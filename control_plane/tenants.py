@@ -10,6 +10,30 @@ One control plane per state directory: the store holds an exclusive ``flock`` on
 ``<state_dir>/tenants.sqlite3.lock`` for as long as it is open, so a second control plane on the
 same directory fails to start, and :func:`restore` (offline: it replaces the database file)
 refuses while a control plane runs on it.
+
+The schema is versioned in ``PRAGMA user_version`` (:data:`SCHEMA_VERSION`), so that backups
+survive upgrades *and rollbacks*: an operator who rolls back a release must still be able to back
+up the live database and restore a backup the later release took, and a later release must open
+and restore what an earlier one wrote. Versions:
+
+- 0: a database from before versioning (releases before this one): ``tenants`` and ``api_keys``.
+- 1 (this release): ``model_access`` added (the kill switch).
+
+:class:`TenantStore` sets ``user_version`` to :data:`SCHEMA_VERSION` when it creates or upgrades a
+database, never lowers it (a database a later release wrote opens and works, with a warning), and
+:func:`check_database` accepts any database holding every table and column this release reads
+(:data:`_SCHEMA`, compared column by column), whatever else it holds. That works only while every
+later release keeps to this rule:
+
+    **Schema changes are additive only, and bump user_version.** Add tables; add columns only with
+    ``ALTER TABLE ... ADD COLUMN`` and a default (NOT NULL only with a non-NULL default), so that
+    an older release's INSERTs, which name their columns, still work; never rename, drop or retype
+    a table or column an older release reads, and add no trigger or constraint that refuses what
+    an older release writes. Then increment :data:`SCHEMA_VERSION`, list it above, and upgrade in
+    :class:`TenantStore` (``_SCHEMA``'s ``CREATE ... IF NOT EXISTS`` and the added columns).
+
+What a later release adds is kept by an older one (a restore copies the file whole; a backup is a
+page copy) but not used: e.g. a setting that release introduced has no effect after a rollback.
 """
 
 from __future__ import annotations
@@ -36,6 +60,9 @@ from typing import BinaryIO
 import grpc
 
 from kvfence.errors import IntegrityError, InvalidArgument, KvfenceError, NotFound
+from kvfence.logging import get_logger
+
+log = get_logger("tenants")
 
 TENANTS_DB = "tenants.sqlite3"  # the database's file name in the state directory
 KEY_PREFIX = "kvf_"
@@ -66,6 +93,9 @@ CREATE TABLE IF NOT EXISTS model_access (
 # Tables of _SCHEMA that older releases did not create: a database (a backup) of one of those is
 # still a tenant database, and opening it in a TenantStore adds them.
 _ADDED_TABLES = frozenset({"model_access"})
+# The schema version this release writes in PRAGMA user_version (see the module's docstring for
+# the versions and the rule every later release must follow: additive changes only).
+SCHEMA_VERSION = 1
 
 
 class AlreadyExists(KvfenceError):
@@ -190,10 +220,42 @@ class TenantStore:
             # power cut): an acknowledged kill switch or key revocation must not come undone.
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
+            # The schema version the database says it has (0: from before versioning); never
+            # lowered. A later release's database opens and works: what it added is not used.
+            self.schema_version = self._upgrade()
+            if self.schema_version > SCHEMA_VERSION:
+                log.warning(
+                    newer_schema_note(self.schema_version, "the tenant database"),
+                    path=str(path),
+                    schema_version=self.schema_version,
+                    release_schema_version=SCHEMA_VERSION,
+                )
         except BaseException:
             self._unlock()
             raise
+
+    def _upgrade(self) -> int:
+        """Create the tables of this release's schema that the database lacks (a new database, or
+        one of an older release) and raise its user_version to :data:`SCHEMA_VERSION`, in one
+        transaction; returns the version it had. NotATenantDatabase, changing nothing, when a
+        table this release reads lacks a column it reads."""
+        found = _user_version(self._db)
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
+            problems = _schema_problems(self._db)
+            if problems:
+                raise NotATenantDatabase(_not_tenant_db(str(self.path), self._db, problems, found))
+            if found < SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+        return found
 
     def close(self) -> None:
         self._db.close()
@@ -246,7 +308,8 @@ class TenantStore:
         try:
             with self._tx():
                 self._db.execute(
-                    "INSERT INTO tenants VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO tenants (name, max_concurrent_requests, max_tokens_per_request, "
+                    "scrub_on_free, created_at) VALUES (?, ?, ?, ?, ?)",
                     (
                         name,
                         limits.max_concurrent_requests,
@@ -305,7 +368,8 @@ class TenantStore:
         api_key = KEY_PREFIX + secrets.token_urlsafe(32)  # 32 bytes = 256 bits
         key_id = "key_" + secrets.token_hex(8)
         self._db.execute(
-            "INSERT INTO api_keys VALUES (?, ?, ?, 0, ?)",
+            "INSERT INTO api_keys (key_id, tenant, key_sha256, revoked, created_at) "
+            "VALUES (?, ?, ?, 0, ?)",
             (key_id, name, hash_key(api_key), utc_now()),
         )
         return api_key, key_id
@@ -332,7 +396,8 @@ class TenantStore:
         (reason ``MODEL_ACCESS_NOT_SAVED``) when it cannot be."""
         try:
             self._db.execute(
-                "INSERT INTO model_access VALUES (?, ?, ?, ?) ON CONFLICT (model) DO UPDATE SET "
+                "INSERT INTO model_access (model, online, reason, since) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (model) DO UPDATE SET "
                 "online = excluded.online, reason = excluded.reason, since = excluded.since",
                 (model, int(online), reason, since),
             )
@@ -376,18 +441,74 @@ class TenantStore:
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def _schema(db: sqlite3.Connection) -> set[tuple[str, str, str, str]]:
-    rows = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
-    return {(t, n, tbl, " ".join((sql or "").split())) for t, n, tbl, sql in rows}
+def _user_version(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA user_version").fetchone()[0])
 
 
-def _expected_schema() -> set[tuple[str, str, str, str]]:
+def _columns(db: sqlite3.Connection) -> dict[str, dict[str, str]]:
+    """Each table's columns and their declared types (upper case), from PRAGMA table_info."""
+    tables = [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {
+        table: {
+            row[1]: str(row[2]).upper()
+            for row in db.execute("SELECT * FROM pragma_table_info(?)", (table,))
+        }
+        for table in tables
+    }
+
+
+def _required_columns() -> dict[str, dict[str, str]]:
+    """What this release reads: every table of ``_SCHEMA`` with every column, by type."""
     db = sqlite3.connect(":memory:")
     try:
         db.executescript(_SCHEMA)
-        return _schema(db)
+        return _columns(db)
     finally:
         db.close()
+
+
+def _schema_problems(db: sqlite3.Connection) -> list[str]:
+    """Why ``db`` is not a tenant database this release can use (empty: it is). It must have
+    every table and column this release reads, as it declares them; anything else it holds (a
+    later release's tables, columns and indexes) is allowed. A table of ``_ADDED_TABLES`` may be
+    missing (an older release's database; a TenantStore adds it)."""
+    have = _columns(db)
+    problems = []
+    for table, want in _required_columns().items():
+        if table not in have:
+            if table not in _ADDED_TABLES:
+                problems.append(f"no table {table}")
+            continue
+        for column, kind in want.items():
+            if column not in have[table]:
+                problems.append(f"table {table} has no column {column}")
+            elif have[table][column] != kind:
+                problems.append(
+                    f"column {table}.{column} is {have[table][column] or 'untyped'}, not {kind}"
+                )
+    return problems
+
+
+def _not_tenant_db(name: str, db: sqlite3.Connection, problems: list[str], version: int) -> str:
+    tables = sorted(n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+    newer = (
+        f"; it says schema {version}, newer than this release's {SCHEMA_VERSION}, but a later "
+        "kvfence only ever adds tables and columns"
+        if version > SCHEMA_VERSION
+        else ""
+    )
+    return (
+        f"{name} is a SQLite database but not a kvfence tenant database ({'; '.join(problems)}; "
+        f"tables {', '.join(tables) or 'none'}{newer})"
+    )
+
+
+def newer_schema_note(version: int, what: str) -> str:
+    """What to tell an operator about a database (``what``) a later release wrote."""
+    return (
+        f"{what} was written by a newer kvfence (schema {version}, this release knows "
+        f"{SCHEMA_VERSION}): tables/columns it added are kept but not used by this release"
+    )
 
 
 def _check_integrity(db: sqlite3.Connection, what: str) -> None:
@@ -398,10 +519,26 @@ def _check_integrity(db: sqlite3.Connection, what: str) -> None:
         raise NotATenantDatabase(f"{what} has API keys of tenants that do not exist")
 
 
-def check_database(path: Path, name: str | None = None) -> tuple[int, int]:
-    """Check that ``path`` is a sound kvfence tenant database: a SQLite file whose tables are
-    exactly those :class:`TenantStore` creates (or an older release created: without
-    ``_ADDED_TABLES``), passing ``integrity_check``. Returns (tenants, API keys). Raises
+@dataclass(frozen=True)
+class TenantDatabase:
+    """What :func:`check_database` found in a sound tenant database."""
+
+    tenants: int
+    keys: int
+    schema_version: int  # its PRAGMA user_version: 0 before versioning, see SCHEMA_VERSION
+
+    @property
+    def newer(self) -> bool:
+        """Written by a later release: what it added is kept, not used by this one."""
+        return self.schema_version > SCHEMA_VERSION
+
+
+def check_database(path: Path, name: str | None = None) -> TenantDatabase:
+    """Check that ``path`` is a sound kvfence tenant database: a SQLite file passing
+    ``integrity_check`` that has every table and column this release reads (``_SCHEMA``,
+    compared column by column; the tables of ``_ADDED_TABLES`` may be missing: an older
+    release's database). Whatever else it holds is allowed: the tables, columns and indexes a
+    later release added, and a newer ``user_version`` (``TenantDatabase.newer``). Raises
     :class:`NotATenantDatabase` saying what is wrong.
 
     It opens the file read-write (a WAL-flagged copy is converted to a self-contained one): pass
@@ -415,19 +552,13 @@ def check_database(path: Path, name: str | None = None) -> tuple[int, int]:
     try:
         db.execute("PRAGMA journal_mode=DELETE")
         _check_integrity(db, name)
-        schema, want = _schema(db), _expected_schema()
-        missing = {table for _, _, table, _ in want - schema}
-        if not schema <= want or not missing <= _ADDED_TABLES:
-            have = sorted(n for t, n, _, _ in schema if t == "table")
-            expected = sorted(n for t, n, _, _ in want if t == "table")
-            raise NotATenantDatabase(
-                f"{name} is a SQLite database but not a kvfence tenant database (tables "
-                f"{', '.join(have) or 'none'}; expected {', '.join(expected)} as kvfence creates "
-                "them)"
-            )
+        version = _user_version(db)
+        problems = _schema_problems(db)
+        if problems:
+            raise NotATenantDatabase(_not_tenant_db(name, db, problems, version))
         tenants = db.execute("SELECT count(*) FROM tenants").fetchone()[0]
         keys = db.execute("SELECT count(*) FROM api_keys").fetchone()[0]
-        return int(tenants), int(keys)
+        return TenantDatabase(int(tenants), int(keys), version)
     except sqlite3.DatabaseError as err:
         raise NotATenantDatabase(f"{name} is not a usable SQLite database: {err}") from None
     finally:
@@ -463,6 +594,13 @@ class Restored:
     # of the database it replaced (None: there was none, or it could not be read).
     access: tuple[SavedAccess, ...] = ()
     access_before: tuple[SavedAccess, ...] | None = None
+    # The restored database's schema version (PRAGMA user_version, kept as it was): above
+    # SCHEMA_VERSION when a later release wrote it (``newer``).
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def newer(self) -> bool:
+        return self.schema_version > SCHEMA_VERSION
 
 
 _SIDE_FILES = ("-wal", "-journal", "-shm")
@@ -473,15 +611,16 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
     (stdin) called ``name`` in messages (offline: no control plane may run on ``state_dir``;
     :class:`StateDirInUse` otherwise).
 
-    The backup is copied next to the database and checked there (:func:`check_database`); only
-    then is it swapped in. The current database is kept as ``tenants.sqlite3.bak-<UTC time>``:
-    its -wal (a control plane that died leaves committed changes there) is first checkpointed
-    into it, so that it is one whole file, which is linked to the kept name before the copy is
-    renamed over the live one: killed at any point, the live name holds a whole database, the old
-    or the new, never none (a control plane would start on an empty one) and never the new with
-    the old -wal beside it. A database SQLite cannot checkpoint (damaged: the reason for many
-    restores) moves aside with its -wal instead. The lock is held throughout, so no control plane
-    starts meanwhile.
+    The backup is copied next to the database and checked there (:func:`check_database`: one an
+    older or a later release took is accepted, ``Restored.newer`` for the latter); only then is it
+    swapped in, as it is (its schema version too). The current database is kept as
+    ``tenants.sqlite3.bak-<UTC time>``: its -wal (a control plane that died leaves committed changes
+    there) is first checkpointed into it, so that it is one whole file, which is linked to the kept
+    name before the copy is renamed over the live one: killed at any point, the live name holds a
+    whole database, the old or the new, never none (a control plane would start on an empty one) and
+    never the new with the old -wal beside it. A database SQLite cannot checkpoint (damaged: the
+    reason for many restores) moves aside with its -wal instead. The lock is held throughout, so no
+    control plane starts meanwhile.
 
     The kill switch is state like the rest: a control plane started on the restored database has
     the model online or offline as it was at the backup (``Restored.access``), whatever the
@@ -504,7 +643,7 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
                     shutil.copyfileobj(src, dst)
             else:
                 shutil.copyfileobj(backup, dst)
-        tenants, keys = check_database(staged, name)
+        checked = check_database(staged, name)
         access = read_model_access(staged) or ()
         with open(staged, "rb") as f:
             os.fsync(f.fileno())
@@ -533,7 +672,15 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        return Restored(db_path, previous, tenants, keys, access, before)
+        return Restored(
+            db_path,
+            previous,
+            checked.tenants,
+            checked.keys,
+            access,
+            before,
+            checked.schema_version,
+        )
     finally:
         for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):
             p.unlink(missing_ok=True)

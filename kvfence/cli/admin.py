@@ -316,7 +316,12 @@ def tenants_backup(
     A consistent snapshot of tenants, limits, API key hashes and the model's kill switch, checked
     and written owner-only (0600); `kvfence tenants restore` puts it back.
     """
-    from control_plane.tenants import NotATenantDatabase, check_database, create_private
+    from control_plane.tenants import (
+        NotATenantDatabase,
+        check_database,
+        create_private,
+        newer_schema_note,
+    )
 
     if out_file.is_dir():
         raise _fail(f"{out_file} is a directory")
@@ -338,7 +343,7 @@ def tenants_backup(
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        tenants, keys = check_database(tmp, "the backup")
+        checked = check_database(tmp, "the backup")
         if force:
             os.replace(tmp, out_file)
         else:
@@ -352,9 +357,11 @@ def tenants_backup(
     finally:
         tmp.unlink(missing_ok=True)
     typer.echo(
-        f"backed up {tenants} tenants and {keys} API keys to {out_file} ({len(data)} bytes, "
-        "owner-only: it holds API key hashes)"
+        f"backed up {checked.tenants} tenants and {checked.keys} API keys to {out_file} "
+        f"({len(data)} bytes, owner-only: it holds API key hashes)"
     )
+    if checked.newer:  # this CLI is older than the control plane's database (a rollback?)
+        typer.echo(f"note: {newer_schema_note(checked.schema_version, 'the tenant database')}")
 
 
 def _link_new(tmp: Path, out_file: Path) -> None:
@@ -392,7 +399,12 @@ def tenants_restore(
     kvfence tenant database. The database it replaces is kept beside it as
     tenants.sqlite3.bak-<time>. The model's kill switch comes back as it was at the backup.
     """
-    from control_plane.tenants import NotATenantDatabase, StateDirInUse, restore
+    from control_plane.tenants import (
+        NotATenantDatabase,
+        StateDirInUse,
+        newer_schema_note,
+        restore,
+    )
 
     try:
         if str(backup) == "-":  # e.g. through `kubectl exec -i`, into a pod without tar
@@ -410,6 +422,11 @@ def tenants_restore(
         f"restored {done.tenants} tenants and {done.keys} API keys into {done.path} from "
         f"{'stdin' if str(backup) == '-' else backup}; {kept}"
     )
+    if done.newer:  # a backup a later release took, restored after a rollback
+        typer.echo(
+            f"warning: {newer_schema_note(done.schema_version, 'the backup')}: settings that "
+            "release added have no effect here; check `kvfence model status` once it runs"
+        )
     # The kill switch comes back as it was at the backup: say so where that changes it.
     offline = {a.model: a for a in done.access if not a.online}
     for a in offline.values():

@@ -1,0 +1,367 @@
+"""The tenant database's schema is forward-compatible: a rollback does not break backups.
+
+A later release may only add to the schema (tables; columns with defaults; indexes) and bumps
+``PRAGMA user_version``. This release, rolled back to, must go on working on what that release
+wrote: back up the live database, restore a backup that release took (saying it came from a newer
+schema), and serve, create tenants and keys and authenticate on it, without lowering its version.
+What is not a kvfence tenant database (tables or columns this release reads are missing or
+retyped) is still refused. The version is set on a new database and on one from before versioning.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import structlog
+from cp_harness import make_cluster, start_on
+from test_cp_backup import (
+    _quiet_logs,  # noqa: F401  (autouse: the CLI's output without logs)
+    assert_refused,
+    authenticates,
+    invoke,
+    run_cli,
+)
+from test_model_access_persist import old_database
+
+from control_plane.tenants import (
+    SCHEMA_VERSION,
+    TENANTS_DB,
+    NotATenantDatabase,
+    SavedAccess,
+    TenantLimits,
+    TenantStore,
+    check_database,
+    read_model_access,
+)
+
+FUTURE = SCHEMA_VERSION + 1
+NEWER = f"written by a newer kvfence (schema {FUTURE}, this release knows {SCHEMA_VERSION})"
+KEPT = "tables/columns it added are kept but not used by this release"
+
+
+def future_database(state: Path) -> str:
+    """A tenant database as this release makes it, then changed as a later release would (the
+    additive rule): a column with a default on each table, NOT NULL among them, a new table
+    referring to tenants, an index, a higher user_version. Returns tenant acme's key."""
+    store = TenantStore(state / TENANTS_DB)
+    _, api_key, _ = store.create_tenant("acme", TenantLimits(max_tokens_per_request=64))
+    store.save_model_access("test-model", True, "", "2030-01-01T00:00:00Z")
+    store.close()
+    db = sqlite3.connect(state / TENANTS_DB, isolation_level=None)
+    db.executescript(
+        f"""
+        ALTER TABLE tenants ADD COLUMN region TEXT NOT NULL DEFAULT 'eu-west';
+        ALTER TABLE api_keys ADD COLUMN scopes TEXT NOT NULL DEFAULT 'generate';
+        ALTER TABLE model_access ADD COLUMN drain_s INTEGER NOT NULL DEFAULT 30;
+        CREATE TABLE future_thing (
+            id INTEGER PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants(name),
+            note TEXT NOT NULL
+        );
+        INSERT INTO future_thing (tenant, note) VALUES ('acme', 'kept');
+        CREATE INDEX tenants_by_region ON tenants (region);
+        PRAGMA user_version = {FUTURE};
+        PRAGMA journal_mode = DELETE;
+        """
+    )
+    db.close()
+    return api_key
+
+
+def user_version(path: Path) -> int:
+    db = sqlite3.connect(path)
+    try:
+        return int(db.execute("PRAGMA user_version").fetchone()[0])
+    finally:
+        db.close()
+
+
+def assert_future_kept(path: Path) -> None:
+    """What the later release added is still there, as it left it."""
+    db = sqlite3.connect(path)
+    try:
+        assert db.execute("SELECT tenant, note FROM future_thing").fetchall() == [("acme", "kept")]
+        assert db.execute("SELECT region FROM tenants WHERE name = 'acme'").fetchone() == (
+            "eu-west",
+        )
+        assert db.execute("PRAGMA user_version").fetchone() == (FUTURE,)
+    finally:
+        db.close()
+
+
+def newer_warnings(logs: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [e for e in logs if "newer kvfence" in str(e["event"])]
+
+
+# -- a later release's database --------------------------------------------------------------------
+
+
+def test_check_database_accepts_a_later_releases_database(tmp_path: Path) -> None:
+    future_database(tmp_path)
+    checked = check_database(tmp_path / TENANTS_DB)
+    assert (checked.tenants, checked.keys, checked.schema_version) == (1, 1, FUTURE)
+    assert checked.newer
+    # control: this release's own database is not "newer"
+    store = TenantStore(tmp_path / "current" / TENANTS_DB)
+    store.create_tenant("acme", TenantLimits())
+    store.close()
+    checked = check_database(tmp_path / "current" / TENANTS_DB)
+    assert (checked.tenants, checked.keys, checked.schema_version) == (1, 1, SCHEMA_VERSION)
+    assert not checked.newer
+
+
+async def test_backup_over_a_live_control_plane_on_a_later_releases_database(
+    tmp_path: Path,
+) -> None:
+    """Rolled back: the live database is the later release's; `tenants backup` takes it whole,
+    says so, and the later release's additions are in the backup."""
+    state = tmp_path / "state"
+    api_key = future_database(state)
+    c = await start_on(state)
+    try:
+        assert await authenticates(c, api_key)
+        out = tmp_path / "tenants.backup"
+        result = await run_cli(
+            "tenants", "backup", str(out),
+            "--target", c.admin_target, "--admin-token", c.cp.admin_token,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "backed up 1 tenants and 1 API keys" in result.output, result.output
+        assert f"note: the tenant database was {NEWER}: {KEPT}" in result.output, result.output
+    finally:
+        await c.close()
+    assert_future_kept(out)
+    assert_future_kept(state / TENANTS_DB)  # and the live one is not downgraded either
+
+
+async def test_restore_of_a_later_releases_backup_says_so_and_serves(tmp_path: Path) -> None:
+    future = tmp_path / "future"
+    api_key = future_database(future)
+    (tmp_path / "future.backup").write_bytes((future / TENANTS_DB).read_bytes())
+    state = tmp_path / "state"
+    c = await make_cluster(state)  # this release's database, with another acme key
+    (tmp_path / "current.backup").write_bytes(c.cp.tenants.snapshot())
+    await c.close()
+
+    result = await run_cli(
+        "tenants", "restore", "--state-dir", str(state), str(tmp_path / "future.backup")
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("restored 1 tenants and 1 API keys"), result.output
+    assert f"warning: the backup was {NEWER}: {KEPT}" in result.output, result.output
+    assert "kvfence model status" in result.output
+    assert_future_kept(state / TENANTS_DB)
+    c = await start_on(state)
+    try:
+        assert await authenticates(c, api_key)
+        assert c.cp.tenants.get("acme").limits == TenantLimits(max_tokens_per_request=64)
+    finally:
+        await c.close()
+    assert_future_kept(state / TENANTS_DB)
+
+    # control: a backup of this release's database restores without that warning
+    result = await run_cli(
+        "tenants", "restore", "--state-dir", str(state), str(tmp_path / "current.backup")
+    )
+    assert result.exit_code == 0, result.output
+    assert "newer kvfence" not in result.output, result.output
+    assert user_version(state / TENANTS_DB) == SCHEMA_VERSION
+
+
+def test_a_tenant_store_on_a_later_releases_database_works_and_keeps_its_version(
+    tmp_path: Path,
+) -> None:
+    """Creates tenants and keys (the later release's NOT NULL columns take their defaults),
+    authenticates, revokes, changes limits and the kill switch; warns once, naming both
+    versions; leaves user_version and the later release's data as they were."""
+    acme_key = future_database(tmp_path)
+    with structlog.testing.capture_logs() as logs:
+        store = TenantStore(tmp_path / TENANTS_DB)
+    try:
+        [warning] = newer_warnings(logs)
+        assert warning["log_level"] == "warning"
+        assert warning["event"] == f"the tenant database was {NEWER}: {KEPT}"
+        assert (warning["schema_version"], warning["release_schema_version"]) == (
+            FUTURE,
+            SCHEMA_VERSION,
+        )
+        assert store.schema_version == FUTURE
+
+        tenant, initech_key, initech_id = store.create_tenant("initech", TenantLimits(2, 32, True))
+        assert tenant.limits == TenantLimits(2, 32, True)
+        rotated_key, _ = store.create_key("acme")
+        for key, name in ((acme_key, "acme"), (initech_key, "initech"), (rotated_key, "acme")):
+            found = store.authenticate(key)
+            assert found is not None and found.name == name
+        store.revoke_key(initech_id)
+        assert store.authenticate(initech_key) is None
+        assert store.set_limits("acme", TenantLimits(1, 8)).limits == TenantLimits(1, 8)
+        store.save_model_access("test-model", False, "incident", "2030-01-02T00:00:00Z")
+        assert store.model_access() == (
+            SavedAccess("test-model", False, "incident", "2030-01-02T00:00:00Z"),
+        )
+        assert [t.name for t in store.list()] == ["acme", "initech"]
+    finally:
+        store.close()
+
+    db = sqlite3.connect(tmp_path / TENANTS_DB)
+    try:
+        assert db.execute("SELECT name, region FROM tenants ORDER BY name").fetchall() == [
+            ("acme", "eu-west"),
+            ("initech", "eu-west"),
+        ]
+        assert {s for (s,) in db.execute("SELECT scopes FROM api_keys")} == {"generate"}
+        assert db.execute("SELECT drain_s FROM model_access").fetchall() == [(30,)]
+    finally:
+        db.close()
+    assert_future_kept(tmp_path / TENANTS_DB)
+    assert read_model_access(tmp_path / TENANTS_DB) == (
+        SavedAccess("test-model", False, "incident", "2030-01-02T00:00:00Z"),
+    )
+
+    # control: this release's own database opens without the warning
+    with structlog.testing.capture_logs() as logs:
+        TenantStore(tmp_path / "current" / TENANTS_DB).close()
+    assert newer_warnings(logs) == []
+
+
+# -- the schema version ----------------------------------------------------------------------------
+
+
+def test_user_version_is_set_on_a_new_database_and_on_one_from_before_versioning(
+    tmp_path: Path,
+) -> None:
+    new = tmp_path / "new" / TENANTS_DB
+    TenantStore(new).close()
+    assert user_version(new) == SCHEMA_VERSION
+
+    old = tmp_path / "old"
+    old.mkdir()
+    api_key = old_database(old)
+    assert user_version(old / TENANTS_DB) == 0  # as a release before versioning left it
+    assert check_database(old / TENANTS_DB).schema_version == 0  # still a tenant database
+    with structlog.testing.capture_logs() as logs:
+        store = TenantStore(old / TENANTS_DB)
+    try:
+        assert store.schema_version == 0
+        found = store.authenticate(api_key)
+        assert found is not None and found.name == "acme"
+        assert store.model_access() == ()  # the table it lacked is added
+    finally:
+        store.close()
+    assert newer_warnings(logs) == []
+    assert user_version(old / TENANTS_DB) == SCHEMA_VERSION
+    TenantStore(old / TENANTS_DB).close()  # and opened again, it stays there
+    assert user_version(old / TENANTS_DB) == SCHEMA_VERSION
+
+
+# -- still refused: not a kvfence tenant database --------------------------------------------------
+
+
+def without_api_keys(db: sqlite3.Connection) -> None:
+    db.execute("DROP TABLE api_keys")
+
+
+def rebuild_tenants(db: sqlite3.Connection, columns: str, copied: str) -> None:
+    db.execute("PRAGMA foreign_keys = OFF")
+    db.execute(f"CREATE TABLE tenants_new ({columns})")
+    db.execute(f"INSERT INTO tenants_new SELECT {copied} FROM tenants")
+    db.execute("DROP TABLE tenants")
+    db.execute("ALTER TABLE tenants_new RENAME TO tenants")
+
+
+def tenants_without_scrub_on_free(db: sqlite3.Connection) -> None:
+    """``tenants`` lacking a column this release reads (a later release that broke the rule)."""
+    rebuild_tenants(
+        db,
+        "name TEXT PRIMARY KEY, max_concurrent_requests INTEGER NOT NULL DEFAULT 0, "
+        "max_tokens_per_request INTEGER NOT NULL DEFAULT 0, created_at TEXT NOT NULL, "
+        "region TEXT NOT NULL DEFAULT 'eu-west'",
+        "name, max_concurrent_requests, max_tokens_per_request, created_at, 'eu-west'",
+    )
+
+
+def tenants_with_a_retyped_column(db: sqlite3.Connection) -> None:
+    rebuild_tenants(
+        db,
+        "name TEXT PRIMARY KEY, max_concurrent_requests TEXT NOT NULL DEFAULT '', "
+        "max_tokens_per_request INTEGER NOT NULL DEFAULT 0, "
+        "scrub_on_free INTEGER NOT NULL DEFAULT 0, created_at TEXT NOT NULL",
+        "name, 'lots', max_tokens_per_request, scrub_on_free, created_at",
+    )
+
+
+BROKEN: list[tuple[Callable[[sqlite3.Connection], None], str]] = [
+    (without_api_keys, "no table api_keys"),
+    (tenants_without_scrub_on_free, "table tenants has no column scrub_on_free"),
+    (tenants_with_a_retyped_column, "column tenants.max_concurrent_requests is TEXT, not INTEGER"),
+]
+
+
+def broken_database(
+    state: Path, damage: Callable[[sqlite3.Connection], None], version: int
+) -> None:
+    """One from before versioning (no model_access), damaged, with ``version``."""
+    state.mkdir(parents=True)
+    old_database(state)
+    db = sqlite3.connect(state / TENANTS_DB, isolation_level=None)
+    damage(db)
+    db.execute(f"PRAGMA user_version = {version}")
+    db.close()
+
+
+@pytest.mark.parametrize("version", [0, FUTURE], ids=["unversioned", "newer"])
+@pytest.mark.parametrize(("damage", "problem"), BROKEN, ids=[b[0].__name__ for b in BROKEN])
+def test_what_lacks_a_table_or_column_this_release_reads_is_refused(
+    tmp_path: Path, damage: Callable[[sqlite3.Connection], None], problem: str, version: int
+) -> None:
+    """As today (a newer user_version does not excuse it): check_database, `tenants restore`
+    (changing nothing), and a TenantStore where it cannot add what is missing (a column; it adds
+    a missing table, as it always did), which then changes nothing and lets go of the directory.
+    Controls: the same database before the damage is accepted."""
+    bad = tmp_path / "bad"
+    broken_database(bad, damage, version)
+    with pytest.raises(NotATenantDatabase) as err:
+        check_database(bad / TENANTS_DB, "the backup")
+    message = str(err.value)
+    assert message.startswith("the backup is a SQLite database but not a kvfence tenant database")
+    assert problem in message
+    assert (f"it says schema {FUTURE}" in message) == (version == FUTURE)
+
+    state = tmp_path / "state"
+    store = TenantStore(state / TENANTS_DB)
+    store.create_tenant("acme", TenantLimits())
+    store.close()
+    before = (state / TENANTS_DB).read_bytes()
+    result = invoke("tenants", "restore", "--state-dir", str(state), str(bad / TENANTS_DB))
+    assert_refused(result, "refusing to restore", "not a kvfence tenant database", problem)
+    assert (state / TENANTS_DB).read_bytes() == before
+    assert not list(state.glob(f"{TENANTS_DB}.bak-*"))
+
+    if damage is not without_api_keys:
+        copy = tmp_path / "copy"
+        copy.mkdir()
+        shutil.copy(bad / TENANTS_DB, copy / TENANTS_DB)
+        with pytest.raises(NotATenantDatabase, match=problem):
+            TenantStore(copy / TENANTS_DB)
+        db = sqlite3.connect(copy / TENANTS_DB)  # nothing added, the version not raised
+        assert (
+            db.execute("SELECT name FROM sqlite_master WHERE name = 'model_access'").fetchall()
+            == []
+        )
+        assert db.execute("PRAGMA user_version").fetchone() == (version,)
+        db.close()
+        TenantStore(tmp_path / "other" / TENANTS_DB).close()  # control: a sound one opens ...
+        (copy / TENANTS_DB).unlink()
+        TenantStore(copy / TENANTS_DB).close()  # ... and the lock was let go
+
+    good = tmp_path / "good"  # control: undamaged, the same database is accepted
+    good.mkdir()
+    old_database(good)
+    assert check_database(good / TENANTS_DB).tenants == 1
+    result = invoke("tenants", "restore", "--state-dir", str(state), str(good / TENANTS_DB))
+    assert result.exit_code == 0, result.output
