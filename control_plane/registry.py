@@ -196,6 +196,16 @@ class Registry:
         node = self._nodes.get(req.node_id)
         if node is None:
             return control_pb2.HeartbeatResponse(known=False)
+        if req.instance_id and node.instance_id and req.instance_id != node.instance_id:
+            # The process this node_id named before its replacement registered (a pod replaced
+            # while the old one still drains): its load and its draining flag are not the
+            # replacement's. Marking the replacement draining took it out of routing for good.
+            log.warning(
+                "heartbeat from a replaced process ignored",
+                node_id=node.node_id,
+                draining=req.draining,
+            )
+            return control_pb2.HeartbeatResponse(known=False, superseded=True)
         grew = req.free_pages > node.free_estimate
         node.free_pages = req.free_pages
         node.quarantined_pages = req.quarantined_pages

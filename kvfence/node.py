@@ -142,6 +142,8 @@ class NodeAgent:
         self.register_request.kvfence_version = __version__
         self.load = load
         self.interval_s = interval_s
+        # Another process registered with this node_id since (HeartbeatResponse.superseded).
+        self.superseded = False
         self._channel = (
             grpc.aio.insecure_channel(control_plane, options=CHANNEL_OPTIONS)
             if credentials is None
@@ -188,7 +190,7 @@ class NodeAgent:
         self._task = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
-        while True:
+        while not self.superseded:
             await asyncio.sleep(self.interval_s)
             await self.heartbeat()
 
@@ -201,6 +203,19 @@ class NodeAgent:
             resp = await self._stub.Heartbeat(
                 req, timeout=max(self.interval_s, 1.0), metadata=self._metadata()
             )
+            if resp.superseded:
+                # Another process registered with this node_id: it is this node now. Joining
+                # again would make the control plane drop that one, and so on, turn by turn.
+                self.superseded = True
+                if self.on_forgotten is not None:
+                    self.on_forgotten()
+                log.error(
+                    "another process registered as this node; this one takes no more work and "
+                    "stops heartbeating: stop it",
+                    node_id=self.register_request.node_id,
+                    draining=req.draining,
+                )
+                return
             if not resp.known:
                 if self.on_forgotten is not None:
                     self.on_forgotten()

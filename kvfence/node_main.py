@@ -207,6 +207,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
                 quarantined_pages=s.quarantined,
                 queue_length=getattr(servicer, "queue_length", 0),
                 draining=servicer.draining,
+                instance_id=instance_id,
             )
 
         token = node_token_path(cfg.control_plane.node_token_file, cfg.control_plane.state_dir)

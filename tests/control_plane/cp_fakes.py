@@ -270,7 +270,10 @@ class FakeNode:
         while True:
             await stub.Heartbeat(
                 control_pb2.HeartbeatRequest(
-                    node_id=self.node_id, free_pages=self.free_pages, draining=self.draining
+                    node_id=self.node_id,
+                    free_pages=self.free_pages,
+                    draining=self.draining,
+                    instance_id=self.instance_id,
                 ),
                 metadata=self._metadata,
             )

@@ -199,6 +199,33 @@ async def test_draining_is_one_way_until_the_node_registers_again(cluster: Clust
     assert not registry.get("decode-0").draining
 
 
+async def test_a_replaced_process_draining_does_not_drain_its_replacement(
+    cluster: Cluster,
+) -> None:
+    """A pod replaced while the old one drains: the replacement registers with the same node id
+    (a new process), then the old process's heartbeat says draining. It used to be taken for the
+    replacement's, which left routing for good (a chaos run: a decode node lost until restarted).
+    The old process is told it is superseded. Control: the replacement's own draining heartbeat
+    still drains it."""
+    registry = cluster.cp.registry
+    old = cluster.decode[0]
+    new = FakeNode("decode", "decode-0", cluster.script)
+    new.instance_id = "fake-process-2"
+    assert (await cluster.add_node(new)).accepted
+    assert registry.get("decode-0").grpc_address == f"127.0.0.1:{new.port}"
+    old.draining = True  # its heartbeats go on, every 50 ms
+    beat = control_pb2.HeartbeatRequest(
+        node_id="decode-0", draining=True, instance_id="fake-process-1"
+    )
+    resp = registry.heartbeat(beat)
+    assert resp.superseded and not resp.known
+    await asyncio.sleep(0.3)
+    assert not registry.get("decode-0").draining
+    assert registry.get("decode-0").grpc_address == f"127.0.0.1:{new.port}"
+    new.draining = True
+    await eventually(lambda: registry.get("decode-0").draining)
+
+
 # -- a role's only node replaced (a rolling update) --------------------------------------------
 
 NO_NODE_WAIT_S = 3.0  # control_plane.no_node_wait_s in the rolling-update tests

@@ -271,3 +271,51 @@ async def test_a_new_control_plane_counts_its_roles_vacant_from_its_start(tmp_pa
         assert c.cp.registry.vacant_for("prefill") is None
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize("old_draining", [True, False], ids=["old-draining", "old-serving"])
+async def test_a_superseded_node_releases_and_does_not_register_again(
+    cluster: Cluster, tmp_path: Path, old_draining: bool
+) -> None:
+    """Two processes with one node id (the old one still draining when its replacement came,
+    or, misconfigured, still serving): the old one's heartbeat is answered superseded, and its
+    agent releases what it holds and stops heartbeating, instead of registering again, which
+    would make the control plane drop the replacement (then the replacement would, and so on).
+    Control: the replacement's heartbeats are answered as usual."""
+    from kvfence.node import NodeAgent
+
+    token = tmp_path / "node_token"
+    token.write_text(cluster.cp.node_token)
+    forgotten: list[str] = []
+
+    def agent(instance: str, port: int) -> NodeAgent:
+        request = control_pb2.RegisterRequest(
+            node_id="decode-9", role="decode", grpc_address=f"127.0.0.1:{port}",
+            ucx_address="127.0.0.1:1", model_fingerprint=FINGERPRINT, layout=make_layout(),
+            pool_tokens=1024, total_pages=64, instance_id=instance,
+        )  # fmt: skip
+
+        def load() -> control_pb2.HeartbeatRequest:
+            draining = old_draining or instance == "process-new"
+            return control_pb2.HeartbeatRequest(
+                node_id="decode-9", free_pages=64, draining=draining, instance_id=instance
+            )
+
+        return NodeAgent(
+            cluster.target, request, load, 0.05, token_path=token,
+            on_forgotten=lambda: forgotten.append(instance),
+        )  # fmt: skip
+
+    old, new = agent("process-old", 1), agent("process-new", 2)
+    try:
+        await old.register()
+        await new.register()
+        await old.heartbeat()
+        assert cluster.cp.registry.get("decode-9").instance_id == "process-new"
+        assert forgotten == ["process-old"] and old.superseded  # its heartbeat loop ends
+        await new.heartbeat()  # control: the replacement's own (draining) heartbeat counts
+        assert not new.superseded and cluster.cp.registry.get("decode-9").draining
+        assert forgotten == ["process-old"]
+    finally:
+        await old.stop()
+        await new.stop()

@@ -44,24 +44,28 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "free_pages", "quarantined_pages", "queue_length", "draining")
+    __slots__ = ("node_id", "free_pages", "quarantined_pages", "queue_length", "draining", "instance_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     free_pages: int
     quarantined_pages: int
     queue_length: int
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., queue_length: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., free_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., queue_length: _Optional[int] = ..., draining: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "superseded")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    superseded: bool
+    def __init__(self, known: _Optional[bool] = ..., superseded: _Optional[bool] = ...) -> None: ...
 
 class TenantLimits(_message.Message):
     __slots__ = ("max_concurrent_requests", "max_tokens_per_request", "scrub_on_free")
