@@ -202,9 +202,19 @@ class ControlPlane:
         )
         return Ports(self._public.port, self._admin.port)
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float = 5.0, refuse_s: float = 0.0) -> None:
         """Drain: stop taking requests, fail queued ones, give running ones ``grace`` seconds,
-        then fail the rest; every request releases what it holds before the listeners close."""
+        then fail the rest; every request releases what it holds before the listeners close.
+
+        The listeners close no sooner than ``refuse_s`` after draining began (serve passes
+        control_plane.shutdown_refuse_s), however soon the running requests end: meanwhile new
+        requests reach the handler and fail UNAVAILABLE, reason SHUTTING_DOWN (retry
+        elsewhere). Closing them at once has grpc cancel the calls it has accepted but not yet
+        handed to a handler (CANCELLED, no ErrorInfo: grpc/grpc#41785, whatever the grace of
+        ``server.stop``), and a load balancer still sends new connections for a moment after
+        health goes NOT_SERVING."""
+        loop = asyncio.get_running_loop()
+        close_at = loop.time() + refuse_s
         self.deps.draining = True
         servers = [s for s in (self._public, self._admin) if s is not None]
         for server in servers:  # load balancers drain first
@@ -221,7 +231,11 @@ class ControlPlane:
             await asyncio.wait(tasks, timeout=10)
         if self.deps.background:
             await asyncio.wait(set(self.deps.background), timeout=5)
+        if (left := close_at - loop.time()) > 0:
+            log.info("refusing new requests before closing the listeners", seconds=round(left, 3))
+            await asyncio.sleep(left)
         for server in servers:
+            # Requests refused in the window may still be answering: they end within the grace.
             await server.stop(grace=1.0)
         if self._reaper is not None:
             self._reaper.cancel()
@@ -401,5 +415,5 @@ async def serve(cfg: ClusterConfig, stop_event: asyncio.Event, **kwargs: Any) ->
     try:
         await stop_event.wait()
     finally:
-        await cp.stop(cfg.control_plane.shutdown_grace_s)
+        await cp.stop(cfg.control_plane.shutdown_grace_s, cfg.control_plane.shutdown_refuse_s)
         cp.metrics.stop()

@@ -236,6 +236,14 @@ class ControlPlaneConfig(_Strict):
     # How long a stopping control plane lets running requests finish before it fails them
     # (SHUTTING_DOWN); the chart's terminationGracePeriodSeconds must exceed it.
     shutdown_grace_s: float = Field(default=25.0, ge=0)
+    # How long a stopping control plane keeps its listeners open after it starts refusing
+    # requests (health NOT_SERVING; new ones fail UNAVAILABLE, SHUTTING_DOWN, to be retried
+    # elsewhere), however soon its running ones end: closing them at once has grpc cancel the
+    # calls it accepted but had not handed to a handler yet (CANCELLED, which clients take for
+    # their own doing), and a load balancer needs a moment to stop sending new connections.
+    # It runs alongside shutdown_grace_s, not after it; 0 = close as soon as nothing runs. The
+    # chart's terminationGracePeriodSeconds must exceed it too.
+    shutdown_refuse_s: float = Field(default=1.0, ge=0)
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
     # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).

@@ -267,3 +267,22 @@ def test_default_deadline_may_not_exceed_max_deadline() -> None:
     # control: within the cap it parses
     cfg = parse_config({"control_plane": {"default_deadline_s": 60, "max_deadline_s": 600}}, {})
     assert cfg.control_plane.max_deadline_s == 600
+
+
+def test_shutdown_refuse_window_is_a_non_negative_duration() -> None:
+    """control_plane.shutdown_refuse_s: how long a stopping control plane keeps its listeners
+    open refusing requests (SHUTTING_DOWN) before it closes them; negative is refused, 0 (close
+    as soon as nothing runs) and the env override are accepted, default 1 s."""
+    for bad in (-1, -0.5):
+        with pytest.raises(ConfigError) as err:
+            parse_config({"control_plane": {"shutdown_refuse_s": bad}}, environ={})
+        assert "control_plane.shutdown_refuse_s" in str(err.value)
+        assert "greater than or equal to 0" in str(err.value)
+    with pytest.raises(ConfigError, match=r"greater than .* \(from KVFENCE__CONTROL_PLANE__SHUT"):
+        parse_config({}, environ={"KVFENCE__CONTROL_PLANE__SHUTDOWN_REFUSE_S": "-2"})
+    # control: the default, 0, and a value from the environment (as the chart sets it)
+    assert parse_config({}, environ={}).control_plane.shutdown_refuse_s == 1.0
+    zero = parse_config({"control_plane": {"shutdown_refuse_s": 0}}, environ={})
+    assert zero.control_plane.shutdown_refuse_s == 0
+    env = {"KVFENCE__CONTROL_PLANE__SHUTDOWN_REFUSE_S": "2.5"}
+    assert parse_config({}, environ=env).control_plane.shutdown_refuse_s == 2.5

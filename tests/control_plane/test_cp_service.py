@@ -35,7 +35,7 @@ async def test_serve_stops_with_the_configured_grace(
     seen: list[float] = []
     real_stop = service.ControlPlane.stop
 
-    async def stop(self: service.ControlPlane, grace: float = 5.0) -> None:
+    async def stop(self: service.ControlPlane, grace: float = 5.0, refuse_s: float = 0.0) -> None:
         seen.append(grace)
         await real_stop(self, 0)
 

@@ -1192,6 +1192,32 @@ def test_the_control_plane_pod_outlasts_its_shutdown_grace(helm_home: Path) -> N
     assert rc != 0 and "must exceed controlPlane.shutdownGraceS 25" in err
 
 
+def test_the_control_plane_pod_outlasts_its_refuse_window(helm_home: Path, tmp_path: Path) -> None:
+    """On SIGTERM the control plane keeps its listeners open, refusing new requests
+    SHUTTING_DOWN, for shutdownRefuseS (alongside shutdownGraceS): the values reach its config
+    (default 1 s), a window longer than the grace moves the pod's grace period with it, one the
+    pod would not outlast fails the render, and a negative one is refused (control: the
+    defaults keep 35 s)."""
+
+    def grace_and_refuse(docs: list[dict]) -> tuple[int, float]:
+        pod = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
+        cfg = node_config(docs, "control-plane", POD_ENV)
+        return pod["terminationGracePeriodSeconds"], cfg.control_plane.shutdown_refuse_s
+
+    assert grace_and_refuse(render(helm_home)) == (35, 1.0)
+    assert grace_and_refuse(render(helm_home, sets=["controlPlane.shutdownRefuseS=0"])) == (35, 0)
+    longer = render(helm_home, sets=["controlPlane.shutdownRefuseS=40"])
+    assert grace_and_refuse(longer) == (50, 40.0)
+    fractional = tmp_path / "refuse.yaml"
+    fractional.write_text("controlPlane: {shutdownRefuseS: 2.5, shutdownGraceS: 0}\n")
+    assert grace_and_refuse(render(helm_home, [fractional])) == (13, 2.5)
+    sets = ["controlPlane.shutdownRefuseS=30", "controlPlane.terminationGracePeriodSeconds=28"]
+    rc, _, err = template(helm_home, sets=sets)
+    assert rc != 0 and "must exceed controlPlane.shutdownRefuseS 30" in err
+    rc, _, err = template(helm_home, sets=["controlPlane.shutdownRefuseS=-1"])
+    assert rc != 0 and "shutdownRefuseS" in err
+
+
 # --- Secrets in the pods' checksum ----------------------------------------------------------------
 
 # Every Secret the chart renders by default, with given values: a generated one is drawn anew at

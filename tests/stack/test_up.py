@@ -155,6 +155,7 @@ def test_up_gives_the_control_plane_a_grace_under_its_own_kill_timeout(tmp_path)
     cleanly, and the nodes' default drain the same. Control: a base config's own value is
     kept."""
     from kvfence.cli.stack import STOP_GRACE_S, build_up_config
+    from kvfence.config import parse_config
 
     opts = dict(
         model=None, context_window=None, prefill_pool_tokens=256, decode_pool_tokens=256,
@@ -162,6 +163,10 @@ def test_up_gives_the_control_plane_a_grace_under_its_own_kill_timeout(tmp_path)
     )  # fmt: skip
     cfg = build_up_config({}, **opts)
     assert cfg["control_plane"]["shutdown_grace_s"] < STOP_GRACE_S
+    # its listeners stay open refusing requests for shutdown_refuse_s (alongside the grace, not
+    # after it), then give what still answers 1 s: all of it before `up` kills it
+    cp = parse_config(cfg, environ={}).control_plane
+    assert max(cp.shutdown_grace_s, cp.shutdown_refuse_s) + 1 < STOP_GRACE_S
     own = build_up_config({"control_plane": {"shutdown_grace_s": 1.5}}, **opts)
     assert own["control_plane"]["shutdown_grace_s"] == 1.5
     # the nodes' drain on SIGTERM (25 s by default) too, plus the 1 s they give calls after it
