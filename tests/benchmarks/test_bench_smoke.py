@@ -95,6 +95,16 @@ def test_admission_quick(tmp_path):
     assert isinstance(result["goal"]["met"], bool)
 
 
+def test_fairness_quick(tmp_path):
+    result = run_quick("fairness", tmp_path)
+    assert result["burst"] == 12 and result["rounds"] == 2
+    for key in ("b_idle", "b_during_burst", "burst_span", "a_latency"):
+        assert_latency(result[key])
+    assert result["a_latency"]["n"] == 24 and result["b_during_burst"]["n"] == 2
+    assert len(result["b_over_span"]) == 2 and isinstance(result["b_over_span_median"], float)
+    assert result["goal"]["b_over_span_max"] == 0.25 and isinstance(result["goal"]["met"], bool)
+
+
 def test_transfer_quick(tmp_path):
     result = run_quick("transfer", tmp_path)
     methods = {"kvfence", "raw_ucxx", "raw_ucxx_new_endpoint", "grpc_stream", "memcpy"}
