@@ -526,15 +526,23 @@ class KvReceiver:
         return t
 
     def cancel(self, reservation_id: str) -> InboundTransfer | None:
-        """Stop a transfer: abort its endpoint so every posted receive is cancelled."""
+        """Stop a transfer: abort its endpoint so every posted receive is cancelled.
+
+        Only a transfer still receiving has its endpoint aborted. One that completed has no
+        receive posted into its pages any more, but its handler may not have let go of the
+        endpoint yet (it is sending, or has just sent, the final answer): prefill, which already
+        read that answer, has given the endpoint back to its pool and may be running its next
+        transfer on it. Aborting it then failed that other, innocent transfer with
+        UCXXCanceledError, on a healthy decode that logged nothing about it."""
         t = self.transfers.get(reservation_id)
         if t is None:
             return None
+        receiving = t.state == InboundState.RECEIVING
         if t.state in (InboundState.EXPECTING, InboundState.RECEIVING):
             t.state = InboundState.CANCELLED
             t.error = "cancelled"
             t.done.set()
-        if t.ep is not None:
+        if receiving and t.ep is not None:
             with contextlib.suppress(Exception):
                 t.ep.abort()
         return t

@@ -267,6 +267,86 @@ async def test_cancel_mid_transfer_settles_posted_receives_before_free():
         await rx.stop()
 
 
+async def test_releasing_a_completed_transfer_leaves_the_pooled_endpoint_to_the_next(monkeypatch):
+    """Release (``cancel``) of a reservation whose transfer completed, while decode's handler
+    still holds the endpoint after its final answer (a busy decode resumes it late), must not
+    abort that endpoint: prefill already read the answer and gave the endpoint back to its pool,
+    and its next transfer runs on it. Aborting it failed that transfer with UCXXCanceledError on
+    a healthy decode (chaos run, /tmp/ucxcancel). Control: a transfer still receiving is stopped,
+    its endpoint aborted."""
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    eps = EndpointPool()
+    original = rx._answer
+    resume = asyncio.Event()
+    final_sent = asyncio.Event()
+
+    async def slow_to_resume(ep, answer, frame):
+        await original(ep, answer, frame)
+        if "received" in answer and not resume.is_set():
+            final_sent.set()
+            await resume.wait()  # the handler has not come back from its final answer yet
+
+    monkeypatch.setattr(rx, "_answer", slow_to_resume)
+    try:
+        refs = pool.allocate(2, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        await send(rx, t, make_source(pool, 2), endpoints=eps)
+        await asyncio.wait_for(final_sent.wait(), 5)
+        assert t.state == InboundState.COMPLETE and t.ep is not None
+        assert eps.idle("127.0.0.1", rx.port) == 1  # prefill gave the endpoint back
+        rx.cancel("res-1")  # the control plane's Release, as the request ends
+        resume.set()
+        pool.release("res-1")
+        rx.forget("res-1")
+        await asyncio.sleep(0.2)  # time for prefill to see an abort, were there one
+        # the next transfer runs on the same endpoint, as if the release had not happened
+        refs = pool.allocate(2, "res-2")
+        t2 = rx.expect("res-2", "req-2", b"k" * 32, refs)
+        sources = make_source(pool, 2, fill=20.0)
+        await send(rx, t2, sources, endpoints=eps)
+        assert t2.state == InboundState.COMPLETE and holds(pool, refs, sources)
+        assert (eps.opened, eps.reused, eps.discarded) == (1, 1, 0)
+        assert rx.connections == 1 and rx.transfers_served == 2
+        pool.release("res-2")
+        rx.forget("res-2")
+
+        # control: a transfer that is still receiving is stopped, its endpoint aborted
+        refs = pool.allocate(2, "res-3")
+        t3 = rx.expect("res-3", "req-3", b"k" * 32, refs)
+        pages = [OutboundPage(i, page_buffer(s)) for i, s in enumerate(make_source(pool, 2))]
+        sending = asyncio.ensure_future(
+            send_pages(
+                rx.address,
+                reservation_id="res-3",
+                request_id="req-3",
+                secret=b"k" * 32,
+                pages=pages,
+                page_bytes=pool.page_bytes,
+                max_batch_bytes=2 * pool.page_bytes,
+                batch_timeout_s=5.0,
+                endpoints=eps,
+                stall_after_hello_s=1.0,  # decode took the warm hello; its pages are late
+            )
+        )
+        assert await eventually(lambda: t3.state == InboundState.RECEIVING)
+        rx.cancel("res-3")
+        with pytest.raises(TransferError):
+            await sending
+        assert t3.state == InboundState.CANCELLED
+        assert (eps.reused, eps.discarded) == (2, 1)
+        assert await eventually(lambda: rx.open_endpoints == 0)
+        assert pool.outstanding_ops("res-3") == 0
+        pool.release("res-3")
+        rx.forget("res-3")
+        assert events == []
+        pool.check_integrity()
+    finally:
+        resume.set()
+        await eps.close()
+        await rx.stop()
+
+
 # ---- protocol v4: on a warm endpoint the hello carries the first batch ---------------------------
 
 
