@@ -105,6 +105,8 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.node_timeout_s = node_timeout_s
         self._nodes: dict[str, Node] = {}
+        # node_id -> the replaced process last warned about (its heartbeats go on every beat).
+        self._superseded_warned: dict[str, str] = {}
         # When each role last went without a node that takes requests (monotonic): its last one
         # started draining or left. A new registry has none yet.
         self._vacant_since: dict[str, float] = dict.fromkeys(ROLES, time.monotonic())
@@ -200,11 +202,13 @@ class Registry:
             # The process this node_id named before its replacement registered (a pod replaced
             # while the old one still drains): its load and its draining flag are not the
             # replacement's. Marking the replacement draining took it out of routing for good.
-            log.warning(
-                "heartbeat from a replaced process ignored",
-                node_id=node.node_id,
-                draining=req.draining,
-            )
+            if self._superseded_warned.get(node.node_id) != req.instance_id:  # once, not per beat
+                self._superseded_warned[node.node_id] = req.instance_id
+                log.warning(
+                    "heartbeat from a replaced process ignored",
+                    node_id=node.node_id,
+                    draining=req.draining,
+                )
             return control_pb2.HeartbeatResponse(known=False, superseded=True)
         grew = req.free_pages > node.free_estimate
         node.free_pages = req.free_pages

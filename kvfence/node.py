@@ -165,6 +165,10 @@ class NodeAgent:
         """Register, retrying while the control plane is not up yet; raise when refused."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
+            if self.load().draining:
+                # A node shutting down must not join again: registered after its replacement
+                # (a retry that outlasted a control plane restart), it would supersede that one.
+                raise RegistrationRefused("this node is draining: it does not register again")
             try:
                 resp = await self._stub.Register(
                     self.register_request, timeout=5, metadata=self._metadata()
@@ -190,7 +194,7 @@ class NodeAgent:
         self._task = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
-        while not self.superseded:
+        while True:
             await asyncio.sleep(self.interval_s)
             await self.heartbeat()
 
@@ -205,17 +209,21 @@ class NodeAgent:
             )
             if resp.superseded:
                 # Another process registered with this node_id: it is this node now. Joining
-                # again would make the control plane drop that one, and so on, turn by turn.
-                self.superseded = True
-                if self.on_forgotten is not None:
-                    self.on_forgotten()
-                log.error(
-                    "another process registered as this node; this one takes no more work and "
-                    "stops heartbeating: stop it",
-                    node_id=self.register_request.node_id,
-                    draining=req.draining,
-                )
+                # again would make the control plane drop that one, and so on, turn by turn. The
+                # heartbeats go on: once that process has gone (answered unknown, not
+                # superseded), this one, unless draining, registers again.
+                if not self.superseded:
+                    self.superseded = True
+                    if self.on_forgotten is not None:
+                        self.on_forgotten()
+                    log.error(
+                        "another process registered as this node; this one takes no work while "
+                        "that one is registered: stop one of them",
+                        node_id=self.register_request.node_id,
+                        draining=req.draining,
+                    )
                 return
+            self.superseded = False
             if not resp.known:
                 if self.on_forgotten is not None:
                     self.on_forgotten()

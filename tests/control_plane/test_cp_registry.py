@@ -287,6 +287,7 @@ async def test_a_superseded_node_releases_and_does_not_register_again(
     token = tmp_path / "node_token"
     token.write_text(cluster.cp.node_token)
     forgotten: list[str] = []
+    draining = {"process-old": False, "process-new": False}
 
     def agent(instance: str, port: int) -> NodeAgent:
         request = control_pb2.RegisterRequest(
@@ -296,9 +297,8 @@ async def test_a_superseded_node_releases_and_does_not_register_again(
         )  # fmt: skip
 
         def load() -> control_pb2.HeartbeatRequest:
-            draining = old_draining or instance == "process-new"
             return control_pb2.HeartbeatRequest(
-                node_id="decode-9", free_pages=64, draining=draining, instance_id=instance
+                node_id="decode-9", free_pages=64, draining=draining[instance], instance_id=instance
             )
 
         return NodeAgent(
@@ -310,12 +310,61 @@ async def test_a_superseded_node_releases_and_does_not_register_again(
     try:
         await old.register()
         await new.register()
+        draining["process-old"] = old_draining  # (a draining node does not register)
         await old.heartbeat()
         assert cluster.cp.registry.get("decode-9").instance_id == "process-new"
         assert forgotten == ["process-old"] and old.superseded  # its heartbeat loop ends
+        draining["process-new"] = True
         await new.heartbeat()  # control: the replacement's own (draining) heartbeat counts
         assert not new.superseded and cluster.cp.registry.get("decode-9").draining
+        await old.heartbeat()  # superseded again: nothing more to release
         assert forgotten == ["process-old"]
+        # The replacement goes (drained, dropped): the old process, unless it drains itself,
+        # takes the node id back at its next heartbeat instead of staying out for good.
+        registry = cluster.cp.registry
+        registry._lose(registry.get("decode-9"), "drained")  # type: ignore[arg-type]
+        old.start_heartbeats()  # its heartbeat loop, every 50 ms, goes on while superseded
+
+        def rejoined() -> bool:
+            node = registry.get("decode-9")
+            return node is not None and node.instance_id == "process-old"
+
+        if old_draining:
+            await asyncio.sleep(0.3)
+            assert registry.get("decode-9") is None
+        else:
+            await eventually(rejoined)
+            assert not old.superseded
     finally:
         await old.stop()
         await new.stop()
+
+
+async def test_a_draining_node_does_not_register_again(cluster: Cluster, tmp_path: Path) -> None:
+    """A node forgotten while the control plane restarts retries its registration; if it starts
+    draining meanwhile it must stop, or it can register after its replacement and supersede it.
+    Control: the same agent, not draining, registers."""
+    from kvfence.node import NodeAgent, RegistrationRefused
+
+    token = tmp_path / "node_token"
+    token.write_text(cluster.cp.node_token)
+    draining = [True]
+    request = control_pb2.RegisterRequest(
+        node_id="decode-8", role="decode", grpc_address="127.0.0.1:3", ucx_address="127.0.0.1:1",
+        model_fingerprint=FINGERPRINT, layout=make_layout(), pool_tokens=1024, total_pages=64,
+        instance_id="process-1",
+    )  # fmt: skip
+    agent = NodeAgent(
+        cluster.target, request,
+        lambda: control_pb2.HeartbeatRequest(node_id="decode-8", draining=draining[0]),
+        0.05, token_path=token,
+    )  # fmt: skip
+    try:
+        with pytest.raises(RegistrationRefused, match="draining"):
+            await agent.register()
+        assert cluster.cp.registry.get("decode-8") is None
+        draining[0] = False
+        await agent.register()
+        assert cluster.cp.registry.get("decode-8") is not None
+    finally:
+        await agent.stop()
