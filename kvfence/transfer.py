@@ -146,6 +146,9 @@ RELEASED_REMEMBERED = 8192
 # Decode logs connections it closed unserved (KvReceiver._reject) at most once per this many
 # seconds: a flood must not become a flood of log lines.
 REJECT_LOG_INTERVAL_S = 10.0
+# How long a sender whose batch decode refused waits for the pages it already sent to be taken
+# (decode drains them into scratch) before it aborts the endpoint.
+REFUSED_SENDS_S = 1.0
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 # Reasons that mean the bytes or the protocol were wrong (not merely slow or lost): DATA_LOSS.
@@ -796,7 +799,11 @@ class KvReceiver:
                     raise TransferError(f"page index {i} sent twice", reason="DUPLICATE_PAGE")
                 seen.add(i)
             if len(indices) > pages_per_batch(self.max_batch_bytes, page_bytes):
-                raise TransferError("batch over max_batch_bytes", reason="PROTOCOL")
+                # Not an integrity failure: prefill's transfer.max_batch_bytes is over decode's
+                # (a rollout that raises it, half done), which no bytes or forgery explain.
+                raise TransferError(
+                    "batch over decode's transfer.max_batch_bytes", reason="BATCH_TOO_LARGE"
+                )
             strays.clear()  # received now, or the endpoint aborted
             await self._receive_pages(ep, t, batch, indices)
             t.received.extend(indices)
@@ -1224,9 +1231,9 @@ async def _await_answer(
 ) -> dict[str, Any]:
     """Decode's answer (``reply``, posted) to ``sends`` (posted); the caller settles them all.
 
-    The answer wins: a refusal can arrive while sends are still pending (decode posts no receive
-    for a refused hello or a bad batch, and a rendezvous send waits for one), and a send that
-    fails because decode ended the endpoint after answering must not hide its reason.
+    The answer wins: a refusal can arrive while sends are still pending (a rendezvous send waits
+    for a receive, and decode posts only scratch ones, after refusing), and a send that fails
+    because decode ended the endpoint after answering must not hide its reason.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -1251,6 +1258,12 @@ async def _await_answer(
             raise TransferError("transfer batch timed out", "TIMEOUT", timeout=True)
         await _settle(ep, ops)  # a send failed: abort; the answer, if any, is not coming now
     answer = reply.result()  # decode's verdict, or the endpoint's error
+    if not answer.get("ok") and not all(s.done() for s in sends):
+        # Refused with sends pending (rendezvous pages, sent behind a header decode refused):
+        # decode receives those into scratch (KvReceiver._linger) and so lets them go. Give it
+        # a moment before the caller aborts the endpoint, which otherwise could cut them off
+        # half-matched on either side.
+        await asyncio.wait(sends, timeout=min(max(deadline - loop.time(), 0.0), REFUSED_SENDS_S))
     _check_reply(answer)
     # decode acknowledged: it received every page, so the sends complete (or have completed)
     left = max(deadline - loop.time(), 0.0)

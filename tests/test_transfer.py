@@ -183,7 +183,8 @@ async def test_a_batch_over_decodes_max_batch_bytes_is_refused():
         with pytest.raises(TransferError):
             await send(rx, t, make_source(pool, 2), max_batch_bytes=2 * pool.page_bytes)
         await asyncio.wait_for(t.done.wait(), 5)
-        assert t.state == InboundState.FAILED and t.error == "PROTOCOL" and t.received == []
+        assert t.state == InboundState.FAILED and t.error == "BATCH_TOO_LARGE"
+        assert t.received == []
         # control: the same two pages, one per batch
         t2 = rx.expect("res-2", "req-2", b"k" * 32, pool.allocate(2, "res-2"))
         await send(rx, t2, make_source(pool, 2), max_batch_bytes=pool.page_bytes)
@@ -1154,5 +1155,14 @@ async def test_a_batch_decode_refuses_is_counted_once_by_decode(tmp_path):
         assert err.value.reason == "DUPLICATE_PAGE" and err.value.refused
         assert await eventually(lambda: counted("DUPLICATE_PAGE") == 1)
         assert sum(counted(c) or 0 for c in ("COVERAGE", "PROTOCOL", "CHECKSUM")) == 0
+        # A batch over decode's max_batch_bytes (prefill's setting over decode's: a rollout
+        # half done) fails the transfer, but is no integrity failure: nothing counted.
+        rx.max_batch_bytes = pool.page_bytes  # decode takes one page per batch, prefill sends 2
+        big = rx.expect("res-big", "req-big", b"k" * 32, pool.allocate(2, "res-big"))
+        with pytest.raises(TransferError) as err:
+            await send(rx, big, make_source(pool, 2), max_batch_bytes=2 * pool.page_bytes)
+        assert err.value.reason == "BATCH_TOO_LARGE"
+        await asyncio.sleep(0.2)
+        assert counted("PROTOCOL") == 0 and counted("DUPLICATE_PAGE") == 1
     finally:
         await dec.stop(grace=0)
