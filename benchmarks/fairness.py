@@ -44,13 +44,29 @@ async def one(client: AsyncClient, salt: int) -> float:
     return time.perf_counter() - t0
 
 
-async def round_once(a: AsyncClient, b: AsyncClient, burst: int, salt: int) -> dict:
+def queued(stack: BenchStack) -> int:
+    """Requests of the control plane waiting for decode pages (ADMITTED) now."""
+    with stack.admin() as admin:
+        return sum(r.state == "ADMITTED" for r in admin.list_requests())
+
+
+async def round_once(
+    stack: BenchStack, a: AsyncClient, b: AsyncClient, burst: int, salt: int
+) -> dict:
     t0 = time.perf_counter()
     a_tasks = [asyncio.create_task(one(a, salt + i)) for i in range(burst)]
     await asyncio.sleep(0.2)  # the burst is in: running and queued
+    # Checked, not assumed: with none of A's requests queued when B comes, B has nobody to
+    # overtake and the round says nothing about the queue's order.
+    waiting = await asyncio.to_thread(queued, stack)
     b_latency = await one(b, salt + burst)
     a_latencies = await asyncio.gather(*a_tasks)
-    return {"b": b_latency, "a": list(a_latencies), "span": time.perf_counter() - t0}
+    return {
+        "b": b_latency,
+        "a": list(a_latencies),
+        "span": time.perf_counter() - t0,
+        "queued": waiting,
+    }
 
 
 async def measure(stack: BenchStack, burst: int, rounds: int) -> dict:
@@ -61,7 +77,7 @@ async def measure(stack: BenchStack, burst: int, rounds: int) -> dict:
     ):
         await asyncio.gather(*(one(a, i) for i in range(4)), one(b, 99))  # warm-up
         idle = [await one(b, 1000 + i) for i in range(5)]
-        results = [await round_once(a, b, burst, 10_000 * (r + 1)) for r in range(rounds)]
+        results = [await round_once(stack, a, b, burst, 10_000 * (r + 1)) for r in range(rounds)]
     b_during = [r["b"] for r in results]
     spans = [r["span"] for r in results]
     shares = [r["b"] / r["span"] for r in results]
@@ -77,6 +93,7 @@ async def measure(stack: BenchStack, burst: int, rounds: int) -> dict:
         "a_latency": benchlib.summary_ms([s for r in results for s in r["a"]]),
         "b_over_span": [benchlib.r(x) for x in shares],
         "b_over_span_median": benchlib.r(benchlib.median(shares)),
+        "a_queued_when_b_sent": [r["queued"] for r in results],
     }
 
 
@@ -114,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         **measured,
         "goal": {
             "b_over_span_max": GOAL_B_OVER_SPAN,
-            "met": measured["b_over_span_median"] <= GOAL_B_OVER_SPAN,
+            "met": measured["b_over_span_median"] <= GOAL_B_OVER_SPAN
+            and min(measured["a_queued_when_b_sent"]) > 0,
         },
     }
     benchlib.emit(result, args.png, draw_png)

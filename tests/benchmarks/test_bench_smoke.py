@@ -102,6 +102,7 @@ def test_fairness_quick(tmp_path):
         assert_latency(result[key])
     assert result["a_latency"]["n"] == 24 and result["b_during_burst"]["n"] == 2
     assert len(result["b_over_span"]) == 2 and isinstance(result["b_over_span_median"], float)
+    assert [isinstance(n, int) for n in result["a_queued_when_b_sent"]] == [True, True]
     assert result["goal"]["b_over_span_max"] == 0.25 and isinstance(result["goal"]["met"], bool)
 
 

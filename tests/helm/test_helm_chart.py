@@ -1027,6 +1027,9 @@ def test_notes_reach_the_admin_api_over_tls(helm_home: Path) -> None:
     assert len(commands) == 2
     for line in commands:
         assert line.endswith("--tls-ca kvfence-ca.crt"), line
+    # the public API (generate, probe) through its port-forward, and the backup by hand
+    assert f"--tls-server-name {FULLNAME}-control-plane.serving.svc" in notes
+    assert "`kvfence tenants backup FILE` (with --tls-ca, as in step 1)" in notes
 
 
 @pytest.fixture(scope="module")

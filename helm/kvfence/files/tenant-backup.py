@@ -48,9 +48,12 @@ def main() -> int:
         log(f"FAILED: cannot read the admin token: {err}")
         return 1
     for p in out_dir.iterdir():
-        if TMP_NAME.fullmatch(p.name) and time.time() - p.stat().st_mtime > STALE_TMP_S:
-            p.unlink(missing_ok=True)
-            log(f"deleted {p.name}, left by a run that was killed")
+        try:  # tidying only: whatever goes wrong here must not cost the backup
+            if TMP_NAME.fullmatch(p.name) and time.time() - p.stat().st_mtime > STALE_TMP_S:
+                p.unlink(missing_ok=True)
+                log(f"deleted {p.name}, left by a run that was killed")
+        except OSError as err:
+            log(f"cannot delete {p.name}: {err}")
     out = out_dir / time.strftime("tenants-%Y%m%dT%H%M%SZ.backup", time.gmtime())
     cmd = ["kvfence", "tenants", "backup", str(out)]
     cmd += ["--timeout", os.environ.get("BACKUP_TIMEOUT_S", "120")]
