@@ -16,21 +16,26 @@ survive upgrades *and rollbacks*: an operator who rolls back a release must stil
 up the live database and restore a backup the later release took, and a later release must open
 and restore what an earlier one wrote. Versions:
 
-- 0: a database from before versioning (releases before this one): ``tenants`` and ``api_keys``.
-- 1 (this release): ``model_access`` added (the kill switch).
+- 0: a database from before versioning (releases before this one): ``tenants`` and ``api_keys``,
+  and ``model_access`` if the release that wrote it saved the kill switch (the release just before
+  this one did, and created the same three tables as this one; earlier releases did not have it).
+- 1 (this release): ``tenants``, ``api_keys`` and ``model_access``, always (a TenantStore adds
+  ``model_access`` to a version-0 database that lacks it).
 
 :class:`TenantStore` sets ``user_version`` to :data:`SCHEMA_VERSION` when it creates or upgrades a
 database, never lowers it (a database a later release wrote opens and works, with a warning), and
-:func:`check_database` accepts any database holding every table and column this release reads
-(:data:`_SCHEMA`, compared column by column), whatever else it holds. That works only while every
-later release keeps to this rule:
+:func:`check_database` accepts any database holding every table and column this release reads and
+writes as :data:`_SCHEMA` declares them (type, NOT NULL, primary key, UNIQUE constraints, foreign
+keys), whatever else it holds, as long as this release's INSERTs still work on it (no added NOT
+NULL column without a default). That works only while every later release keeps to this rule:
 
     **Schema changes are additive only, and bump user_version.** Add tables; add columns only with
     ``ALTER TABLE ... ADD COLUMN`` and a default (NOT NULL only with a non-NULL default), so that
     an older release's INSERTs, which name their columns, still work; never rename, drop or retype
     a table or column an older release reads, and add no trigger or constraint that refuses what
     an older release writes. Then increment :data:`SCHEMA_VERSION`, list it above, and upgrade in
-    :class:`TenantStore` (``_SCHEMA``'s ``CREATE ... IF NOT EXISTS`` and the added columns).
+    :class:`TenantStore` (``_SCHEMA``'s ``CREATE ... IF NOT EXISTS`` and the added columns; an
+    added table goes in ``_ADDED_TABLES`` with the new version).
 
 What a later release adds is kept by an older one (a restore copies the file whole; a backup is a
 page copy) but not used: e.g. a setting that release introduced has no effect after a rollback.
@@ -51,7 +56,7 @@ import socket
 import sqlite3
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,9 +95,10 @@ CREATE TABLE IF NOT EXISTS model_access (
     since TEXT NOT NULL
 );
 """
-# Tables of _SCHEMA that older releases did not create: a database (a backup) of one of those is
-# still a tenant database, and opening it in a TenantStore adds them.
-_ADDED_TABLES = frozenset({"model_access"})
+# Tables of _SCHEMA that older releases did not create, each with the schema version from which
+# every database has it: a database (a backup) below that version may lack it and is still a tenant
+# database (opening it in a TenantStore adds the table); one at or above it may not.
+_ADDED_TABLES = {"model_access": 1}
 # The schema version this release writes in PRAGMA user_version (see the module's docstring for
 # the versions and the rule every later release must follow: additive changes only).
 SCHEMA_VERSION = 1
@@ -237,15 +243,18 @@ class TenantStore:
     def _upgrade(self) -> int:
         """Create the tables of this release's schema that the database lacks (a new database, or
         one of an older release) and raise its user_version to :data:`SCHEMA_VERSION`, in one
-        transaction; returns the version it had. NotATenantDatabase, changing nothing, when a
-        table this release reads lacks a column it reads."""
+        transaction; returns the version it had. NotATenantDatabase, changing nothing, when it is
+        not a database this release can use (:func:`_schema_problems`)."""
         found = _user_version(self._db)
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    self._db.execute(statement)
-            problems = _schema_problems(self._db)
+            # Checked before the tables are added: a database that says it has a schema with
+            # a table it lacks is refused, not mended (saying all that is wrong with it).
+            if not _missing_added_tables(set(_table_names(self._db)), found):
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+            problems = _schema_problems(self._db, found)
             if problems:
                 raise NotATenantDatabase(_not_tenant_db(str(self.path), self._db, problems, found))
             if found < SCHEMA_VERSION:
@@ -319,8 +328,17 @@ class TenantStore:
                     ),
                 )
                 api_key, key_id = self._insert_key(name)
-        except sqlite3.IntegrityError:
-            raise AlreadyExists(f"tenant {name!r} already exists") from None
+        except sqlite3.IntegrityError as err:
+            # Only the tenant name's key means the tenant exists; any other constraint (a NOT NULL,
+            # CHECK or trigger of a database that breaks the additive rule) is the database's
+            # fault, not the caller's.
+            if _is_unique_violation(err, "tenants.name"):
+                raise AlreadyExists(f"tenant {name!r} already exists") from None
+            raise KvfenceError(
+                f"tenant {name!r} was not created: the state database refused it ({err}; "
+                f"{getattr(err, 'sqlite_errorname', 'no error name')})",
+                reason="TENANT_NOT_SAVED",
+            ) from None
         return self.get(name), api_key, key_id
 
     def get(self, name: str) -> Tenant:
@@ -441,51 +459,168 @@ class TenantStore:
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+_UNIQUE_VIOLATIONS = frozenset({"SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"})
+
+
+def _is_unique_violation(err: sqlite3.IntegrityError, column: str) -> bool:
+    """Whether ``err`` is a PRIMARY KEY or UNIQUE violation on ``column`` (``table.column``)
+    alone."""
+    name = getattr(err, "sqlite_errorname", None)
+    return name in _UNIQUE_VIOLATIONS and str(err) == f"UNIQUE constraint failed: {column}"
+
+
 def _user_version(db: sqlite3.Connection) -> int:
     return int(db.execute("PRAGMA user_version").fetchone()[0])
 
 
-def _columns(db: sqlite3.Connection) -> dict[str, dict[str, str]]:
-    """Each table's columns and their declared types (upper case), from PRAGMA table_info."""
-    tables = [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    return {
-        table: {
-            row[1]: str(row[2]).upper()
-            for row in db.execute("SELECT * FROM pragma_table_info(?)", (table,))
+@dataclass(frozen=True)
+class _Column:
+    type: str  # declared type, upper case
+    notnull: bool
+    default: str | None  # the DEFAULT expression's text (upper case); None: no default
+    pk: int  # position in the primary key (1-based); 0: not in it
+
+
+@dataclass(frozen=True)
+class _Table:
+    """What :func:`_schema_problems` compares of a table: its columns (PRAGMA table_info), its
+    unique keys (the columns, with their collations, of each UNIQUE or PRIMARY KEY constraint and
+    each non-partial unique index: what enforces uniqueness and what ``ON CONFLICT (...)``
+    matches) and its foreign keys ((parent table, ((column, parent column), ...)))."""
+
+    columns: dict[str, _Column]
+    unique: frozenset[frozenset[tuple[str, str]]]
+    foreign_keys: frozenset[tuple[str, tuple[tuple[str, str], ...]]]
+
+    def primary_key(self) -> tuple[str, ...]:
+        return tuple(n for n, c in sorted(self.columns.items(), key=lambda i: i[1].pk) if c.pk)
+
+
+def _table_names(db: sqlite3.Connection) -> list[str]:
+    """In the order they were created."""
+    return [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+
+
+def _tables(db: sqlite3.Connection) -> dict[str, _Table]:
+    """Each table's columns, unique keys and foreign keys, from PRAGMA table_info, index_list,
+    index_xinfo and foreign_key_list."""
+    tables = {}
+    for table in _table_names(db):
+        columns = {
+            name: _Column(
+                str(kind).upper(),
+                bool(notnull),
+                None if default is None else str(default).strip().upper(),
+                int(pk),
+            )
+            for _, name, kind, notnull, default, pk in db.execute(
+                "SELECT * FROM pragma_table_info(?)", (table,)
+            )
         }
-        for table in tables
-    }
+        unique = set()
+        for _, index, is_unique, _, partial in db.execute(
+            "SELECT * FROM pragma_index_list(?)", (table,)
+        ):
+            if not is_unique or partial:
+                continue
+            keys = [
+                (column, str(collation).upper())
+                for _, _, column, _, collation, key in db.execute(
+                    "SELECT * FROM pragma_index_xinfo(?)", (index,)
+                )
+                if key
+            ]
+            if all(column is not None for column, _ in keys):  # not on an expression
+                unique.add(frozenset(keys))
+        references: dict[int, tuple[str, list[tuple[str, str]]]] = {}
+        for fk_id, _, parent, column, parent_column, *_ in db.execute(
+            "SELECT * FROM pragma_foreign_key_list(?)", (table,)
+        ):
+            references.setdefault(fk_id, (parent, []))[1].append((column, parent_column))
+        tables[table] = _Table(
+            columns,
+            frozenset(unique),
+            frozenset((parent, tuple(pairs)) for parent, pairs in references.values()),
+        )
+    return tables
 
 
-def _required_columns() -> dict[str, dict[str, str]]:
-    """What this release reads: every table of ``_SCHEMA`` with every column, by type."""
+def _required_tables() -> dict[str, _Table]:
+    """What this release reads and writes: every table of ``_SCHEMA`` as it declares it."""
     db = sqlite3.connect(":memory:")
     try:
         db.executescript(_SCHEMA)
-        return _columns(db)
+        return _tables(db)
     finally:
         db.close()
 
 
-def _schema_problems(db: sqlite3.Connection) -> list[str]:
-    """Why ``db`` is not a tenant database this release can use (empty: it is). It must have
-    every table and column this release reads, as it declares them; anything else it holds (a
-    later release's tables, columns and indexes) is allowed. A table of ``_ADDED_TABLES`` may be
-    missing (an older release's database; a TenantStore adds it)."""
-    have = _columns(db)
-    problems = []
-    for table, want in _required_columns().items():
+def _missing_added_tables(tables: set[str], version: int) -> list[str]:
+    """A table of ``_ADDED_TABLES`` may be missing only from a database older than the schema
+    that has it: every later one has it (tables are never dropped)."""
+    return [
+        f"no table {table}, which every database of schema {since} or later has (this one "
+        f"says {version})"
+        for table, since in sorted(_ADDED_TABLES.items())
+        if table not in tables and version >= since
+    ]
+
+
+def _keys(columns: Iterable[str]) -> str:
+    return ", ".join(columns)
+
+
+def _schema_problems(db: sqlite3.Connection, version: int) -> list[str]:
+    """Why ``db`` (saying it has schema ``version``) is not a tenant database this release can use
+    (empty: it is). Every table of ``_SCHEMA`` must be there with every column, as declared there
+    (type and NOT NULL), with its primary key, its UNIQUE constraints and its foreign keys: this
+    release's reads, upserts and checks rely on them. A table of ``_ADDED_TABLES`` may be missing
+    from a database older than the schema that added it (a TenantStore adds it). Anything else
+    (a later release's tables, columns, indexes) is allowed, except a column this release's
+    INSERTs cannot fill: NOT NULL without a default (a later release that broke the rule)."""
+    have = _tables(db)
+    problems = _missing_added_tables(set(have), version)
+    for table, want in _required_tables().items():
         if table not in have:
             if table not in _ADDED_TABLES:
                 problems.append(f"no table {table}")
             continue
-        for column, kind in want.items():
-            if column not in have[table]:
+        got = have[table]
+        for column, spec in want.columns.items():
+            found = got.columns.get(column)
+            if found is None:
                 problems.append(f"table {table} has no column {column}")
-            elif have[table][column] != kind:
+            elif found.type != spec.type:
                 problems.append(
-                    f"column {table}.{column} is {have[table][column] or 'untyped'}, not {kind}"
+                    f"column {table}.{column} is {found.type or 'untyped'}, not {spec.type}"
                 )
+            elif spec.notnull and not found.notnull:
+                problems.append(f"column {table}.{column} is nullable, not NOT NULL")
+        for column, found in got.columns.items():
+            if column not in want.columns and found.notnull and found.default in (None, "NULL"):
+                problems.append(
+                    f"column {table}.{column} is NOT NULL without a default (this release's "
+                    f"INSERTs into {table} do not set it)"
+                )
+        if got.primary_key() != want.primary_key():
+            problems.append(
+                f"the PRIMARY KEY of table {table} is ({_keys(got.primary_key())}), not "
+                f"({_keys(want.primary_key())})"
+                if got.primary_key()
+                else f"table {table} has no PRIMARY KEY ({_keys(want.primary_key())})"
+            )
+        pk = frozenset(want.primary_key())
+        for key in sorted(want.unique - got.unique, key=sorted):
+            columns = sorted(key)
+            if {c for c, _ in columns} == pk and got.primary_key() != want.primary_key():
+                continue  # said above
+            collated = [c if coll == "BINARY" else f"{c} COLLATE {coll}" for c, coll in columns]
+            problems.append(f"table {table} has no UNIQUE constraint on ({_keys(collated)})")
+        for parent, pairs in sorted(want.foreign_keys - got.foreign_keys):
+            problems.append(
+                f"table {table} has no FOREIGN KEY ({_keys(c for c, _ in pairs)}) REFERENCES "
+                f"{parent}({_keys(p for _, p in pairs)})"
+            )
     return problems
 
 
@@ -535,11 +670,13 @@ class TenantDatabase:
 
 def check_database(path: Path, name: str | None = None) -> TenantDatabase:
     """Check that ``path`` is a sound kvfence tenant database: a SQLite file passing
-    ``integrity_check`` that has every table and column this release reads (``_SCHEMA``,
-    compared column by column; the tables of ``_ADDED_TABLES`` may be missing: an older
-    release's database). Whatever else it holds is allowed: the tables, columns and indexes a
-    later release added, and a newer ``user_version`` (``TenantDatabase.newer``). Raises
-    :class:`NotATenantDatabase` saying what is wrong.
+    ``integrity_check`` that has every table and column this release reads, with the constraints
+    it relies on (:func:`_schema_problems`: ``_SCHEMA`` compared column by column, with its
+    primary keys, UNIQUE constraints and foreign keys; a table of ``_ADDED_TABLES`` may be missing
+    from a database older than the schema that added it). Whatever else it holds is allowed: the
+    tables, columns and indexes a later release added (but no NOT NULL column without a default:
+    this release's INSERTs would fail), and a newer ``user_version`` (``TenantDatabase.newer``).
+    Raises :class:`NotATenantDatabase` saying what is wrong.
 
     It opens the file read-write (a WAL-flagged copy is converted to a self-contained one): pass
     a copy, not a file that must stay as it is. Messages call the file ``name`` (default: path).
@@ -553,7 +690,7 @@ def check_database(path: Path, name: str | None = None) -> TenantDatabase:
         db.execute("PRAGMA journal_mode=DELETE")
         _check_integrity(db, name)
         version = _user_version(db)
-        problems = _schema_problems(db)
+        problems = _schema_problems(db, version)
         if problems:
             raise NotATenantDatabase(_not_tenant_db(name, db, problems, version))
         tenants = db.execute("SELECT count(*) FROM tenants").fetchone()[0]

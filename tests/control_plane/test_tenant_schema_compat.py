@@ -5,7 +5,10 @@ A later release may only add to the schema (tables; columns with defaults; index
 wrote: back up the live database, restore a backup that release took (saying it came from a newer
 schema), and serve, create tenants and keys and authenticate on it, without lowering its version.
 What is not a kvfence tenant database (tables or columns this release reads are missing or
-retyped) is still refused. The version is set on a new database and on one from before versioning.
+retyped) is still refused, and so is one without the keys and constraints this release relies on
+(primary keys, UNIQUE, the foreign key, NOT NULL), with a column its INSERTs cannot fill (NOT NULL
+without a default), or saying schema 1 or later without model_access. The version is set on a new
+database and on one from before versioning.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 import structlog
 from cp_harness import make_cluster, start_on
@@ -30,13 +34,16 @@ from test_model_access_persist import old_database
 from control_plane.tenants import (
     SCHEMA_VERSION,
     TENANTS_DB,
+    AlreadyExists,
     NotATenantDatabase,
     SavedAccess,
     TenantLimits,
     TenantStore,
     check_database,
+    hash_key,
     read_model_access,
 )
+from kvfence.errors import KvfenceError, NotFound
 
 FUTURE = SCHEMA_VERSION + 1
 NEWER = f"written by a newer kvfence (schema {FUTURE}, this release knows {SCHEMA_VERSION})"
@@ -365,3 +372,299 @@ def test_what_lacks_a_table_or_column_this_release_reads_is_refused(
     assert check_database(good / TENANTS_DB).tenants == 1
     result = invoke("tenants", "restore", "--state-dir", str(state), str(good / TENANTS_DB))
     assert result.exit_code == 0, result.output
+
+
+# -- refused: without the keys and constraints this release relies on -----------------------------
+
+
+def rebuild(db: sqlite3.Connection, table: str, columns: str, added: str = "") -> None:
+    """``table`` made again with ``columns`` (its columns, named as they were, then the ``added``
+    one, set to ``'gold'`` in the rows copied): a later release that broke the additive rule."""
+    db.execute("PRAGMA foreign_keys = OFF")
+    names = [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+    values = [*names, "'gold'"] if added else names
+    names = [*names, added] if added else names
+    db.execute(f"CREATE TABLE {table}_new ({columns})")
+    db.execute(
+        f"INSERT INTO {table}_new ({', '.join(names)}) SELECT {', '.join(values)} FROM {table}"
+    )
+    db.execute(f"DROP TABLE {table}")
+    db.execute(f"ALTER TABLE {table}_new RENAME TO {table}")
+
+
+API_KEYS = (
+    "key_id TEXT PRIMARY KEY, tenant TEXT NOT NULL REFERENCES tenants(name), "
+    "key_sha256 TEXT NOT NULL UNIQUE, revoked INTEGER NOT NULL DEFAULT 0, "
+    "created_at TEXT NOT NULL, scopes TEXT NOT NULL DEFAULT 'generate'"
+)  # as future_database leaves it
+
+
+def key_hash_not_unique(db: sqlite3.Connection) -> None:
+    rebuild(db, "api_keys", API_KEYS.replace("key_sha256 TEXT NOT NULL UNIQUE", "key_sha256 TEXT"))
+
+
+def key_hash_unique_only_with_the_tenant(db: sqlite3.Connection) -> None:
+    rebuild(
+        db,
+        "api_keys",
+        API_KEYS.replace("key_sha256 TEXT NOT NULL UNIQUE", "key_sha256 TEXT NOT NULL")
+        + ", UNIQUE (tenant, key_sha256)",
+    )
+
+
+def api_keys_without_foreign_key(db: sqlite3.Connection) -> None:
+    rebuild(db, "api_keys", API_KEYS.replace(" REFERENCES tenants(name)", ""))
+
+
+def api_keys_keyed_by_hash(db: sqlite3.Connection) -> None:
+    rebuild(
+        db,
+        "api_keys",
+        API_KEYS.replace("key_id TEXT PRIMARY KEY", "key_id TEXT NOT NULL UNIQUE").replace(
+            "key_sha256 TEXT NOT NULL UNIQUE", "key_sha256 TEXT PRIMARY KEY"
+        ),
+    )
+
+
+def model_access_without_primary_key(db: sqlite3.Connection) -> None:
+    rebuild(
+        db,
+        "model_access",
+        "model TEXT NOT NULL, online INTEGER NOT NULL CHECK (online IN (0, 1)), "
+        "reason TEXT NOT NULL DEFAULT '', since TEXT NOT NULL, drain_s INTEGER NOT NULL DEFAULT 30",
+    )
+
+
+def tenants_with_nullable_created_at(db: sqlite3.Connection) -> None:
+    rebuild(
+        db,
+        "tenants",
+        "name TEXT PRIMARY KEY, max_concurrent_requests INTEGER NOT NULL DEFAULT 0, "
+        "max_tokens_per_request INTEGER NOT NULL DEFAULT 0, "
+        "scrub_on_free INTEGER NOT NULL DEFAULT 0, created_at TEXT, "
+        "region TEXT NOT NULL DEFAULT 'eu-west'",
+    )
+
+
+def tenants_with_a_not_null_column_without_default(db: sqlite3.Connection) -> None:
+    """A later release that added ``tenants.tier`` NOT NULL without a default (by rebuilding the
+    table: ALTER TABLE refuses that): this release's INSERTs into tenants would fail."""
+    rebuild(
+        db,
+        "tenants",
+        "name TEXT PRIMARY KEY, max_concurrent_requests INTEGER NOT NULL DEFAULT 0, "
+        "max_tokens_per_request INTEGER NOT NULL DEFAULT 0, "
+        "scrub_on_free INTEGER NOT NULL DEFAULT 0, created_at TEXT NOT NULL, "
+        "region TEXT NOT NULL DEFAULT 'eu-west', tier TEXT NOT NULL",
+        added="tier",
+    )
+
+
+def without_model_access(db: sqlite3.Connection) -> None:
+    db.execute("DROP TABLE model_access")
+
+
+UNSOUND: list[tuple[Callable[[sqlite3.Connection], None], str]] = [
+    (key_hash_not_unique, "table api_keys has no UNIQUE constraint on (key_sha256)"),
+    (key_hash_unique_only_with_the_tenant, "no UNIQUE constraint on (key_sha256)"),
+    (api_keys_without_foreign_key, "no FOREIGN KEY (tenant) REFERENCES tenants(name)"),
+    (api_keys_keyed_by_hash, "the PRIMARY KEY of table api_keys is (key_sha256), not (key_id)"),
+    (model_access_without_primary_key, "table model_access has no PRIMARY KEY (model)"),
+    (tenants_with_nullable_created_at, "column tenants.created_at is nullable, not NOT NULL"),
+    (
+        tenants_with_a_not_null_column_without_default,
+        "column tenants.tier is NOT NULL without a default (this release's INSERTs into tenants "
+        "do not set it)",
+    ),
+    (
+        without_model_access,
+        f"no table model_access, which every database of schema 1 or later has (this one says "
+        f"{FUTURE})",
+    ),
+]
+
+
+def unsound_database(state: Path, damage: Callable[[sqlite3.Connection], None]) -> None:
+    """A later release's database (``future_database``), then ``damage``d."""
+    future_database(state)
+    db = sqlite3.connect(state / TENANTS_DB, isolation_level=None)
+    damage(db)
+    db.close()
+
+
+def tables_and_version(path: Path) -> tuple[list[str], int]:
+    db = sqlite3.connect(path)
+    try:
+        tables = [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return sorted(tables), int(db.execute("PRAGMA user_version").fetchone()[0])
+    finally:
+        db.close()
+
+
+def assert_refused_everywhere(tmp_path: Path, bad: Path, *problems: str) -> None:
+    """check_database names every problem; `tenants restore` refuses, changing nothing; a
+    TenantStore refuses, adding nothing and leaving the version, and lets go of the directory."""
+    with pytest.raises(NotATenantDatabase) as err:
+        check_database(bad, "the backup")
+    message = str(err.value)
+    assert message.startswith("the backup is a SQLite database but not a kvfence tenant database")
+    for problem in problems:
+        assert problem in message, message
+
+    state = tmp_path / "state"
+    store = TenantStore(state / TENANTS_DB)
+    store.create_tenant("acme", TenantLimits())
+    store.close()
+    before = (state / TENANTS_DB).read_bytes()
+    result = invoke("tenants", "restore", "--state-dir", str(state), str(bad))
+    assert_refused(result, "refusing to restore", "not a kvfence tenant database", *problems)
+    assert (state / TENANTS_DB).read_bytes() == before
+    assert not list(state.glob(f"{TENANTS_DB}.bak-*"))
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(bad, copy / TENANTS_DB)
+    as_it_was = tables_and_version(copy / TENANTS_DB)
+    with pytest.raises(NotATenantDatabase) as err:
+        TenantStore(copy / TENANTS_DB)
+    for problem in problems:
+        assert problem in str(err.value), str(err.value)
+    assert tables_and_version(copy / TENANTS_DB) == as_it_was
+    (copy / TENANTS_DB).unlink()
+    TenantStore(copy / TENANTS_DB).close()  # the lock was let go
+
+
+@pytest.mark.parametrize(("damage", "problem"), UNSOUND, ids=[u[0].__name__ for u in UNSOUND])
+def test_a_later_database_without_a_key_or_constraint_this_release_relies_on_is_refused(
+    tmp_path: Path, damage: Callable[[sqlite3.Connection], None], problem: str
+) -> None:
+    """A newer user_version and every column this release reads, with the right types, is not
+    enough: the primary keys, UNIQUE constraints, foreign key and NOT NULLs of ``_SCHEMA`` (what
+    authentication, the kill switch's upsert and the integrity check rely on) must be there, no
+    added column may be NOT NULL without a default (this release's INSERTs would fail), and a
+    database saying schema 1 or later must have model_access. Control: the same later database,
+    undamaged, is accepted."""
+    good = tmp_path / "good"
+    future_database(good)
+    assert check_database(good / TENANTS_DB).schema_version == FUTURE  # control
+    bad = tmp_path / "bad"
+    unsound_database(bad, damage)
+    assert_refused_everywhere(tmp_path, bad / TENANTS_DB, problem)
+
+
+def test_a_loose_copy_of_the_tables_is_refused(tmp_path: Path) -> None:
+    """The reviewer's database: every table and column by name and type, but no key or constraint,
+    two tenants sharing one key hash (both would authenticate with it), no user_version. Control:
+    the same rows in a database as kvfence makes it are accepted (but not the shared hash: the
+    UNIQUE constraint refuses it)."""
+    shared = hash_key("kvf_shared")
+    bad = tmp_path / "loose.sqlite3"
+    db = sqlite3.connect(bad, isolation_level=None)
+    db.executescript(
+        f"""
+        CREATE TABLE tenants (name TEXT, max_concurrent_requests INTEGER,
+            max_tokens_per_request INTEGER, scrub_on_free INTEGER, created_at TEXT);
+        CREATE TABLE api_keys (key_id TEXT, tenant TEXT, key_sha256 TEXT, revoked INTEGER,
+            created_at TEXT);
+        CREATE TABLE model_access (model TEXT, online INTEGER, reason TEXT, since TEXT);
+        INSERT INTO tenants VALUES ('a', 0, 0, 0, 'x'), ('b', 0, 0, 0, 'x');
+        INSERT INTO api_keys VALUES ('k1', 'a', '{shared}', 0, 'x'),
+                                    ('k2', 'b', '{shared}', 0, 'x');
+        """
+    )
+    db.close()
+    assert_refused_everywhere(
+        tmp_path,
+        bad,
+        "table tenants has no PRIMARY KEY (name)",
+        "table api_keys has no PRIMARY KEY (key_id)",
+        "table api_keys has no UNIQUE constraint on (key_sha256)",
+        "table api_keys has no FOREIGN KEY (tenant) REFERENCES tenants(name)",
+        "table model_access has no PRIMARY KEY (model)",
+        "column tenants.created_at is nullable, not NOT NULL",
+    )
+
+    good = tmp_path / "good" / TENANTS_DB  # control
+    TenantStore(good).close()
+    db = sqlite3.connect(good, isolation_level=None)
+    db.execute("INSERT INTO tenants VALUES ('a', 0, 0, 0, 'x'), ('b', 0, 0, 0, 'x')")
+    db.execute(f"INSERT INTO api_keys VALUES ('k1', 'a', '{shared}', 0, 'x')")
+    with pytest.raises(sqlite3.IntegrityError, match="UNIQUE constraint failed"):
+        db.execute(f"INSERT INTO api_keys VALUES ('k2', 'b', '{shared}', 0, 'x')")
+    db.close()
+    assert check_database(good).tenants == 2
+
+
+def test_model_access_may_be_missing_only_below_schema_1(tmp_path: Path) -> None:
+    """Before versioning (0) a database may lack the kill switch's table (releases before the
+    saved switch did not make it): accepted, and a TenantStore adds it. From schema 1 on every
+    database has it, so one saying 1 without it is refused (the FUTURE case is in UNSOUND)."""
+    for version in (0, 1):
+        state = tmp_path / f"v{version}"
+        future_database(state)
+        db = sqlite3.connect(state / TENANTS_DB, isolation_level=None)
+        without_model_access(db)
+        db.execute(f"PRAGMA user_version = {version}")
+        db.close()
+    assert check_database(tmp_path / "v0" / TENANTS_DB).schema_version == 0
+    store = TenantStore(tmp_path / "v0" / TENANTS_DB)
+    assert store.model_access() == ()
+    store.close()
+    assert user_version(tmp_path / "v0" / TENANTS_DB) == SCHEMA_VERSION
+    assert_refused_everywhere(
+        tmp_path,
+        tmp_path / "v1" / TENANTS_DB,
+        "no table model_access, which every database of schema 1 or later has (this one says 1)",
+    )
+
+
+# -- create_tenant: only the name's key means "already exists" -------------------------------------
+
+
+def a_trigger_wanting_a_plan(db: sqlite3.Connection) -> None:
+    db.execute(
+        "CREATE TRIGGER tenants_need_a_plan BEFORE INSERT ON tenants WHEN NEW.name <> 'acme' "
+        "BEGIN SELECT RAISE(ABORT, 'a new tenant needs a plan'); END"
+    )
+
+
+REFUSING_INSERTS: list[tuple[Callable[[sqlite3.Connection], None], str]] = [
+    (a_trigger_wanting_a_plan, "(a new tenant needs a plan; SQLITE_CONSTRAINT_TRIGGER)"),
+    (
+        tenants_with_a_not_null_column_without_default,
+        "(NOT NULL constraint failed: tenants.tier; SQLITE_CONSTRAINT_NOTNULL)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"), REFUSING_INSERTS, ids=[r[0].__name__ for r in REFUSING_INSERTS]
+)
+def test_create_tenant_says_already_exists_only_for_the_name(
+    tmp_path: Path, change: Callable[[sqlite3.Connection], None], named: str
+) -> None:
+    """A constraint other than the name's key refusing the INSERT (a later release's trigger,
+    which the schema check does not look at, or a NOT NULL column without a default made while
+    the store was open: both break the additive rule) is an internal error naming it, not
+    ALREADY_EXISTS: the tenant does not exist. Control: a tenant that does exist is
+    ALREADY_EXISTS (before the change: SQLite checks NOT NULL before the keys)."""
+    future_database(tmp_path)
+    store = TenantStore(tmp_path / TENANTS_DB)
+    try:
+        with pytest.raises(AlreadyExists, match="tenant 'acme' already exists"):
+            store.create_tenant("acme", TenantLimits())  # control
+        db = sqlite3.connect(tmp_path / TENANTS_DB, isolation_level=None)
+        change(db)
+        db.close()
+        with pytest.raises(KvfenceError) as err:
+            store.create_tenant("initech", TenantLimits())
+        assert not isinstance(err.value, AlreadyExists)
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        assert err.value.reason == "TENANT_NOT_SAVED"
+        message = str(err.value)
+        assert "tenant 'initech' was not created: the state database refused it" in message
+        assert named in message, message
+        with pytest.raises(NotFound):
+            store.get("initech")
+    finally:
+        store.close()
