@@ -15,6 +15,16 @@ import sys
 
 import typer
 
+# The public API's --tls-server-name (generate, probe isolation); the admin commands' is
+# kvfence.cli.admin.TLS_SERVER_NAME, with its own environment variable.
+TLS_SERVER_NAME = typer.Option(
+    None,
+    "--tls-server-name",
+    envvar="KVFENCE_TLS_SERVER_NAME",
+    help="TLS: the name the control plane's certificate carries, when it is not the host of "
+    "--target (through a port-forward: the control plane's Service name).",
+)
+
 EXIT_FAILED = 2
 UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids are uint32 on the wire
 UINT64_MAX = 2**64 - 1  # the seed is uint64
@@ -56,13 +66,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
-    tls_server_name: str | None = typer.Option(
-        None,
-        "--tls-server-name",
-        envvar="KVFENCE_TLS_SERVER_NAME",
-        help="TLS: the name the control plane's certificate carries, when it is not the host of "
-        "--target (through a port-forward: the control plane's Service name).",
-    ),
+    tls_server_name: str | None = TLS_SERVER_NAME,
     timeout: float | None = typer.Option(None, "--timeout", help="Deadline in seconds."),
 ) -> None:
     """Generate from PROMPT (or --prompt-ids) and stream the text."""

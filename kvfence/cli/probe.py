@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvfence.cli.generate import TLS_SERVER_NAME
+
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
@@ -58,13 +60,7 @@ def isolation(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, help="Per-request deadline, s."),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
-    tls_server_name: str | None = typer.Option(
-        None,
-        "--tls-server-name",
-        envvar="KVFENCE_TLS_SERVER_NAME",
-        help="TLS: the name the control plane's certificate carries, when it is not the host of "
-        "--target (through a port-forward: the control plane's Service name).",
-    ),
+    tls_server_name: str | None = TLS_SERVER_NAME,
     fail_on_divergence: bool = typer.Option(
         False,
         "--fail-on-divergence",
