@@ -132,18 +132,15 @@ def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[No
     """Decode nodes that could hold ``pages`` now, most free pages first; never a draining one."""
     nodes = [
         n
-        for n in registry.nodes(DECODE)
-        if n.node_id not in skip
-        and not n.draining
-        and n.total_pages >= pages
-        and n.free_estimate >= pages
+        for n in registry.taking_requests(DECODE)
+        if n.node_id not in skip and n.total_pages >= pages and n.free_estimate >= pages
     ]
     return sorted(nodes, key=lambda n: (-n.free_estimate, n.node_id))
 
 
 def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
     """Prefill nodes, shortest queue first; never a draining one."""
-    nodes = [n for n in registry.nodes(PREFILL) if n.node_id not in skip and not n.draining]
+    nodes = [n for n in registry.taking_requests(PREFILL) if n.node_id not in skip]
     return sorted(nodes, key=lambda n: (n.queue_length + n.in_flight, n.node_id))
 
 

@@ -351,7 +351,7 @@ class ControlPlane:
         # kvfence_nodes{role}, read at each scrape: the nodes a new request can be sent to, from
         # registration until draining or lost. KvfenceNoNodes fires at zero of a role; draining
         # nodes used to count, and kept it quiet while every node of a role drained.
-        return float(sum(1 for n in self.registry.nodes(role) if not n.draining))
+        return float(len(self.registry.taking_requests(role)))
 
     def _publish_limit(self) -> None:
         # The admissible limit (a node with a smaller pool lowers it for every request: an alert

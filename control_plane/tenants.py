@@ -625,7 +625,7 @@ def _schema_problems(db: sqlite3.Connection, version: int) -> list[str]:
 
 
 def _not_tenant_db(name: str, db: sqlite3.Connection, problems: list[str], version: int) -> str:
-    tables = sorted(n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+    tables = sorted(_table_names(db))
     newer = (
         f"; it says schema {version}, newer than this release's {SCHEMA_VERSION}, but a later "
         "kvfence only ever adds tables and columns"
@@ -713,8 +713,7 @@ def read_model_access(path: Path) -> tuple[SavedAccess, ...] | None:
     try:
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
         try:
-            tables = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            return _model_access(db) if "model_access" in tables else ()
+            return _model_access(db) if "model_access" in _table_names(db) else ()
         finally:
             db.close()
     except sqlite3.Error:

@@ -62,7 +62,7 @@ from kvfence.errors import (
 from kvfence.events import EventBus, EventLimiter
 from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
-from kvfence.node import NodeRuntime, NodeTokenCheck, sampling_from_proto
+from kvfence.node import NodeRuntime, NodeTokenCheck, report_integrity, sampling_from_proto
 from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from kvfence.server import abort, take_ready
 from kvfence.transfer import INTEGRITY_REASONS, InboundState, InboundTransfer, KvReceiver
@@ -421,15 +421,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _report_integrity(
         self, request_id: str, tenant_id: str, err: IntegrityError, stage: str
     ) -> None:
-        self.metrics.integrity_failures_total.labels(check=err.reason).inc()
-        self.bus.emit(
-            "integrity_violation",
-            check=err.reason,
-            stage=stage,
-            request_id=request_id,
-            tenant_id=tenant_id,
-        )
-        log.error("integrity check failed", check=err.reason, stage=stage, detail=err.message)
+        report_integrity(self.metrics, self.bus, log, err, stage, request_id, tenant_id)
 
     def report_transfer(self, kind: str, payload: dict[str, Any]) -> None:
         """KvReceiver's reporter: bad hellos and failed transfers become events and metrics."""

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -25,11 +26,14 @@ from kvfence import PROTOCOL_VERSION, __version__
 from kvfence import logging as kvlog
 from kvfence.auth import bearer_metadata, read_token, token_matches
 from kvfence.config import ClusterConfig, ModelShape, Role
-from kvfence.errors import Unauthenticated
+from kvfence.errors import IntegrityError, Unauthenticated
 from kvfence.kv.pool import PagePool
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
 from kvfence.server import CHANNEL_OPTIONS, abort, bearer_token
+
+if TYPE_CHECKING:
+    from kvfence.events import EventBus
 
 log = kvlog.get_logger("node")
 
@@ -244,6 +248,28 @@ class NodeAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._channel.close(None)
+
+
+def report_integrity(
+    metrics: Metrics,
+    bus: EventBus,
+    logger: Any,
+    err: IntegrityError,
+    stage: str,
+    request_id: str,
+    tenant_id: str,
+) -> None:
+    """A check this node made failed: counted here, where it ran (the control plane counts only
+    its own), an ``integrity_violation`` event and an error line on the node's ``logger``."""
+    metrics.integrity_failures_total.labels(check=err.reason).inc()
+    bus.emit(
+        "integrity_violation",
+        check=err.reason,
+        stage=stage,
+        request_id=request_id,
+        tenant_id=tenant_id,
+    )
+    logger.error("integrity check failed", check=err.reason, stage=stage, detail=err.message)
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> object:

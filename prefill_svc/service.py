@@ -56,7 +56,7 @@ from kvfence.events import EventBus
 from kvfence.faults import Fault, FaultHook
 from kvfence.kv.pool import PageRef, PageState
 from kvfence.metrics import Metrics, publish_pool
-from kvfence.node import NodeRuntime, NodeTokenCheck, sampling_from_proto
+from kvfence.node import NodeRuntime, NodeTokenCheck, report_integrity, sampling_from_proto
 from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from kvfence.server import abort
 from kvfence.transfer import (
@@ -228,7 +228,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             try:
                 first = await asyncio.wrap_future(job)
             except IntegrityError as err:  # this node's own check (a page's generation)
-                self._report_integrity(req, err)
+                report_integrity(
+                    self.metrics, self.bus, log, err, "prefill", req.request_id, req.tenant_id
+                )
                 raise
             held = self.held.get(req.request_id)
             if held is None or held.call is not call:
@@ -237,19 +239,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             self.pool.end_ops(ids)
             self._publish_pages()
-
-    def _report_integrity(self, req: prefill_pb2.PrefillRequest, err: IntegrityError) -> None:
-        """As decode reports its checks: counted here, where the check ran (the control plane
-        counts only its own), an event and an error line."""
-        self.metrics.integrity_failures_total.labels(check=err.reason).inc()
-        self.bus.emit(
-            "integrity_violation",
-            check=err.reason,
-            stage="prefill",
-            request_id=req.request_id,
-            tenant_id=req.tenant_id,
-        )
-        log.error("integrity check failed", check=err.reason, stage="prefill", detail=err.message)
 
     async def _finish(
         self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvfence.cli.admin import TLS_SERVER_NAME
 from kvfence.config import ConfigError, Role, load_config
 from kvfence.config_check import CheckReport, PoolSample, evaluate, static_check
 
@@ -42,13 +43,7 @@ def check_config(
     tls_ca: str | None = typer.Option(
         None, "--tls-ca", help="CA bundle for a TLS endpoint (live check)."
     ),
-    tls_server_name: str | None = typer.Option(
-        None,
-        "--tls-server-name",
-        envvar="KVFENCE_ADMIN_TLS_SERVER_NAME",
-        help="TLS: the name the control plane's certificate carries, when it is not the host of "
-        "--target (through a port-forward: the control plane's Service name).",
-    ),
+    tls_server_name: str | None = TLS_SERVER_NAME,
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Check that every KV pool holds the model's context window (exit 1 when not)."""
