@@ -53,6 +53,23 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-node-token" (include "kvfence.fullname" .)) .Values.nodeToken.existingSecret }}
 {{- end }}
 
+{{/* The admin token, for the control plane and the scheduled tenant backup. */}}
+{{- define "kvfence.adminTokenVolume" -}}
+- name: admin-token
+  secret:
+    secretName: {{ include "kvfence.adminSecretName" . }}
+    defaultMode: 0400
+    items:
+      - key: {{ .Values.adminToken.key }}
+        path: {{ .Values.adminToken.key }}
+{{- end }}
+
+{{- define "kvfence.adminTokenMount" -}}
+- name: admin-token
+  mountPath: /etc/kvfence/admin
+  readOnly: true
+{{- end }}
+
 {{- define "kvfence.nodeTokenVolume" -}}
 - name: node-token
   secret:
