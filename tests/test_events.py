@@ -610,6 +610,19 @@ def run_cli(args: list[str], env: dict[str, str] | None = None) -> Any:
     return CliRunner().invoke(make_cli(), args, env=env)
 
 
+async def cli_while_emitting(
+    args: list[str], bus: EventBus, env: dict[str, str] | None = None
+) -> Any:
+    """Run ``kvfence events -f --limit 1 ARGS`` while ``bus`` keeps emitting: a CLI that
+    connects gets an event and exits 0 (instead of following forever), one that cannot exits 1."""
+    command = ["events", "-f", "--limit", "1", *args]
+    cli = asyncio.create_task(asyncio.to_thread(run_cli, command, env))
+    while not cli.done():
+        bus.emit("node_joined")
+        await asyncio.sleep(0.05)
+    return await cli
+
+
 async def test_cli_events_follow_with_an_account(tmp_path: Path) -> None:
     """Positive control for the refusal below: the account from the flags, from the env, or
     from the config file's events section."""
@@ -621,7 +634,6 @@ async def test_cli_events_follow_with_an_account(tmp_path: Path) -> None:
             f"cluster: {CLUSTER}\nevents:\n  mqtt_host: 127.0.0.1\n  mqtt_port: {broker.port}\n"
             f"  mqtt_username: watcher\n  mqtt_password_file: {pw_file}\n"
         )
-        base = ["events", "-f", "--json", "--limit", "1"]
         target = ["--mqtt-port", str(broker.port), "--cluster", CLUSTER]
         ways: list[tuple[list[str], dict[str, str] | None]] = [
             ([*target, "--mqtt-username", "watcher", "--mqtt-password-file", str(pw_file)], None),
@@ -635,11 +647,7 @@ async def test_cli_events_follow_with_an_account(tmp_path: Path) -> None:
         await bus.start()
         try:
             for extra, env in ways:
-                cli = asyncio.create_task(asyncio.to_thread(run_cli, [*base, *extra], env))
-                while not cli.done():
-                    bus.emit("node_joined")
-                    await asyncio.sleep(0.05)
-                result = await cli
+                result = await cli_while_emitting(["--json", *extra], bus, env)
                 assert result.exit_code == 0, result.output
                 (line,) = [ln for ln in result.output.splitlines() if ln.startswith("{")]
                 assert json.loads(line)["kind"] == "node_joined"
@@ -1013,7 +1021,6 @@ async def test_cli_events_follow_over_tls(pki: Path, tmp_path: Path) -> None:
             f"  mqtt_username: watcher\n  mqtt_password_file: {pw_file}\n"
             f"  mqtt_tls_ca_file: {pki / 'ca.pem'}\n"
         )
-        base = ["events", "-f", "--json", "--limit", "1"]
         target = ["--mqtt-port", str(broker.port), "--cluster", CLUSTER]
         target += ["--mqtt-username", "watcher", "--mqtt-password-file", str(pw_file)]
         ways: list[tuple[list[str], dict[str, str] | None]] = [
@@ -1025,26 +1032,12 @@ async def test_cli_events_follow_over_tls(pki: Path, tmp_path: Path) -> None:
         await bus.start()
         try:
             for extra, env in ways:
-                cli = asyncio.create_task(asyncio.to_thread(run_cli, [*base, *extra], env))
-                while not cli.done():
-                    bus.emit("node_joined")
-                    await asyncio.sleep(0.05)
-                result = await cli
+                result = await cli_while_emitting(["--json", *extra], bus, env)
                 assert result.exit_code == 0, (extra, result.output)
                 (line,) = [ln for ln in result.output.splitlines() if ln.startswith("{")]
                 assert json.loads(line)["kind"] == "node_joined"
         finally:
             await bus.stop()
-
-
-async def cli_while_emitting(args: list[str], bus: EventBus) -> Any:
-    """Run ``kvfence events -f --limit 1 ARGS`` while ``bus`` keeps emitting: a CLI that
-    connects gets an event and exits 0 (instead of following forever), one that cannot exits 1."""
-    cli = asyncio.create_task(asyncio.to_thread(run_cli, ["events", "-f", "--limit", "1", *args]))
-    while not cli.done():
-        bus.emit("node_joined")
-        await asyncio.sleep(0.05)
-    return await cli
 
 
 async def test_cli_events_failed_tls_handshake_exits_1_and_says_so(

@@ -25,6 +25,7 @@ import aiomqtt
 import kubernetes_validate
 import pytest
 import yaml
+from asyncwait import eventually
 from fixtures_mqtt import MOSQUITTO, free_port, hand_to_broker, wait_for_port
 
 from kvfence.config import ClusterConfig, Role, parse_config
@@ -847,10 +848,7 @@ async def test_the_charts_broker_takes_the_charts_accounts_only(
         await anonymous.start()
         try:
             anonymous.emit("node_joined")
-            for _ in range(200):
-                if anonymous.last_error is not None:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: anonymous.last_error is not None, timeout=4)
             assert "not authori" in (anonymous.last_error or "").lower()
             assert anonymous.pending == 1
         finally:
@@ -1101,10 +1099,7 @@ async def test_the_charts_tls_broker_takes_tls_clients_with_the_ca_only(
         await plain.start()
         try:
             plain.emit("node_joined")
-            for _ in range(400):
-                if plain.last_error is not None:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: plain.last_error is not None, timeout=8)
             assert "timed out" in (plain.last_error or "") and plain.pending == 1
         finally:
             await plain.stop(flush_timeout=0.1)
