@@ -279,6 +279,7 @@ def make_manifest(w: Workload, refs: list[Any], secret: bytes) -> tuple[Any, mf.
         fingerprint="fp",
         layout=layout,
         checksum_algo=kernels.CHECKSUM_ALGO,
+        vocab_size=8,
     )
     return m, exp
 

@@ -52,6 +52,7 @@ from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
     NODE_DRAINING,
+    RESERVATION_RELEASED,
     Cancelled,
     IntegrityError,
     InvalidArgument,
@@ -244,27 +245,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await _end(context, err)
         assert res is not None
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        res.state = ResState.DECODING
-        self.pool.set_state(res.reservation_id, PageState.READY)
-        self.pool.set_state(res.reservation_id, PageState.IN_USE)
-        seq = ActiveSeq(
-            res.reservation_id,
-            res.pages,
-            res.prompt_tokens,
-            request.manifest.first_token,
-            params,
-            events.put_nowait,
-        )
-        res.emit = events.put_nowait
-        yield decode_pb2.DecodeResponse(verified=True)
-        # grpc.aio wrote that message while this generator was suspended: a Release (or a
-        # duplicate Decode failing verification) may have given the pages back meanwhile.
-        # Never add a sequence whose pages are no longer this reservation's.
-        if self.reservations.get(res.reservation_id) is not res:
-            await _end(context, Cancelled("the reservation was released before decoding"))
-        assert self.batcher is not None
-        self.batcher.add(seq)
+        # From here on the pages are this stream's: whatever ends it (the client gone while the
+        # first message was being written included), the finally below gives them back. The
+        # reaper does not: it only reaps reservations never verified.
         try:
+            res.state = ResState.DECODING
+            self.pool.set_state(res.reservation_id, PageState.READY)
+            self.pool.set_state(res.reservation_id, PageState.IN_USE)
+            seq = ActiveSeq(
+                res.reservation_id,
+                res.pages,
+                res.prompt_tokens,
+                request.manifest.first_token,
+                params,
+                events.put_nowait,
+            )
+            res.emit = events.put_nowait
+            yield decode_pb2.DecodeResponse(verified=True)
+            # grpc.aio wrote that message while this generator was suspended: a Release (or a
+            # duplicate Decode failing verification) may have given the pages back meanwhile.
+            # Never add a sequence whose pages are no longer this reservation's.
+            if self.reservations.get(res.reservation_id) is not res:
+                await _end(context, Cancelled("the reservation was released before decoding"))
+            assert self.batcher is not None
+            self.batcher.add(seq)
             pending: tuple[str, Any] | None = None
             while True:
                 kind, value = pending or await events.get()
@@ -285,7 +289,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # Finished, failed, or the control plane gone: nothing reads these pages any more,
             # so they go back now, not when (or if) the control plane's Release arrives: a
             # lost Release must not pin them until the node restarts.
-            self._release(res.reservation_id, "decode stream ended")
+            if self.reservations.get(res.reservation_id) is res:
+                self._release(res.reservation_id, "decode stream ended")
 
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -359,6 +364,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> Any:
         """Manifest checks 1-6 and the sampling parameters; returns those parameters. On failure
         quarantine, report, release and raise."""
+        if res is None and self.receiver.released(request.reservation_id):
+            raise self._released_before_decode(request.reservation_id)
         if res is not None and res.request_id != request.request_id:
             res = None  # never act on another request's reservation
         if res is not None and res.state == ResState.RESERVED:
@@ -366,6 +373,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # moment for the last acknowledgement to be processed.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(res.transfer.done.wait(), self.cfg.transfer.batch_timeout_s)
+            if self.reservations.get(res.reservation_id) is not res:
+                # Reaped or released meanwhile: its transfer was cancelled, not forged.
+                raise self._released_before_decode(res.reservation_id)
         exp = None
         if res is not None:
             exp = mf.Expected(
@@ -381,6 +391,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 fingerprint=self.rt.fingerprint,
                 layout=self.rt.layout,
                 checksum_algo=kernels.CHECKSUM_ALGO,
+                vocab_size=self.rt.engine.vocab_size,
             )
         try:
             params: Any = sampling_from_proto(request.sampling)
@@ -408,6 +419,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self._release(res.reservation_id, "integrity")
             raise
         return params
+
+    def _released_before_decode(self, reservation_id: str) -> Unavailable:
+        """A Decode for a reservation this node has released: nothing was read and nothing was
+        forged (the request outlived transfer.reservation_timeout_s before its Decode, counted
+        from Reserve, or it was released), so no integrity failure is reported."""
+        return Unavailable(
+            f"reservation {reservation_id} was released before its Decode: it waited longer than "
+            f"transfer.reservation_timeout_s ({self.cfg.transfer.reservation_timeout_s:g} s) "
+            "after Reserve, or the request was released",
+            reason=RESERVATION_RELEASED,
+        )
 
     def _checksums(self, page_ids: list[int], seeds: list[int]) -> list[int]:
         sums = kernels.page_checksum(self.pool.kv, torch.tensor(page_ids), torch.tensor(seeds))

@@ -18,6 +18,10 @@ ERROR_DOMAIN = "kvfence.dev"
 # ErrorInfo reason of a node that is shutting down and refuses new work (a Reserve or Prefill):
 # UNAVAILABLE, and nothing was taken for the request, so the control plane tries another node.
 NODE_DRAINING = "NODE_DRAINING"
+# A Decode, or a UCX hello, for a reservation decode issued and has released since (after
+# transfer.reservation_timeout_s without its Decode, or by a Release): the request was too slow
+# or ended, nothing was read, so not an integrity failure. UNAVAILABLE: a retry reserves anew.
+RESERVATION_RELEASED = "RESERVATION_RELEASED"
 
 # Every check whose failure a service counts in kvfence_integrity_failures_total{check}: the
 # reasons of the IntegrityErrors the KV path raises (manifest, tag, stream checks) and the

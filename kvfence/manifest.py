@@ -2,9 +2,8 @@
 
 Decode accepts a transfer only if all six checks of DESIGN.md hold, in this order:
 
-1. ``RESERVATION`` the reservation exists, is RECEIVING (transfer complete, never verified before),
-and
-   belongs to the same request and tenant;
+1. ``RESERVATION`` the reservation exists, is RECEIVING (transfer complete, never verified before)
+   and belongs to the same request and tenant;
 2. ``MAC`` HMAC-SHA256 under the reservation secret over the canonical encoding verifies;
 3. ``COUNT`` ``token_count`` equals the reserved prompt tokens; ``COVERAGE`` the pages listed are
    exactly the first ``ceil(token_count / page_size)`` reserved pages in order, every listed page
@@ -13,7 +12,8 @@ and
 4. ``GENERATION`` every ``(page_id, generation)`` matches the pool right now;
 5. ``CHECKSUM`` every page's checksum, recomputed over the memory that was received, matches (seeded
    with the reservation id and page index, so a correct copy of another page or a replay fails);
-6. ``MODEL`` / ``LAYOUT`` fingerprint and layout equal decode's own.
+6. ``MODEL`` / ``LAYOUT`` fingerprint and layout equal decode's own, and (``MODEL``) the first token
+   is a token of its model (it joins a decode step shared with other requests).
 
 A failed check raises :class:`kvfence.errors.IntegrityError` whose ``reason`` is the check's name.
 """
@@ -78,6 +78,7 @@ class Expected:
     received: Sequence[int]  # page indices received, in arrival order
     fingerprint: str
     layout: common_pb2.KvLayout
+    vocab_size: int  # the first token must be a token of this model
     checksum_algo: str
 
 
@@ -160,4 +161,12 @@ def verify(
             f"manifest layout {layout_tuple(m.layout)} differs from decode's "
             f"{layout_tuple(exp.layout)}",
             reason="LAYOUT",
+        )
+    # The first token joins a decode step shared with other requests: one outside the vocabulary
+    # would fail the whole step (every row's request), or on a GPU trip a device assert.
+    if not 0 <= m.first_token < exp.vocab_size:
+        raise IntegrityError(
+            f"manifest's first token {m.first_token} is not a token of decode's model "
+            f"(vocabulary {exp.vocab_size})",
+            reason="MODEL",
         )

@@ -34,6 +34,7 @@ from kvfence.server import CHANNEL_OPTIONS, abort, bearer_token
 
 if TYPE_CHECKING:
     from kvfence.events import EventBus
+    from kvfence.model.engine import Engine
 
 log = kvlog.get_logger("node")
 
@@ -67,7 +68,7 @@ class NodeRuntime:
     fingerprint: str
     layout: common_pb2.KvLayout
     pool: PagePool
-    engine: object
+    engine: Engine
     loaded: object
 
     @classmethod

@@ -122,6 +122,7 @@ import numpy as np
 import torch
 
 from kvfence import logging as kvlog
+from kvfence.errors import RESERVATION_RELEASED
 from kvfence.kv.pool import PagePool, PageRef, PageState, ucx_bytes
 
 LEN_TAG = 1
@@ -550,6 +551,11 @@ class KvReceiver:
                 t.ep.abort()
         return t
 
+    def released(self, reservation_id: str) -> bool:
+        """Whether ``reservation_id`` is one this receiver expected and has forgotten since
+        (among the last RELEASED_REMEMBERED)."""
+        return reservation_id in self._released
+
     def forget(self, reservation_id: str) -> None:
         if self.transfers.pop(reservation_id, None) is not None:
             self._released[reservation_id] = None
@@ -660,7 +666,7 @@ class KvReceiver:
         auth = str(hello.get("auth", ""))
         problem = None
         if t is None:
-            problem = "RESERVATION_RELEASED" if rid in self._released else "UNKNOWN_RESERVATION"
+            problem = RESERVATION_RELEASED if self.released(rid) else "UNKNOWN_RESERVATION"
         elif not hmac.compare_digest(authenticator(t.secret, rid), auth):
             problem = "BAD_AUTHENTICATOR"
         elif t.state != InboundState.EXPECTING:
@@ -671,7 +677,7 @@ class KvReceiver:
             # A late transfer is a failed one; anything else is a wrong hello.
             kind, field = (
                 ("transfer_failed", "reason")
-                if problem == "RESERVATION_RELEASED"
+                if problem == RESERVATION_RELEASED
                 else ("integrity_violation", "check")
             )
             self.report(kind, {field: problem, "reservation_id": rid[:64], "stage": "ucx_hello"})

@@ -229,6 +229,45 @@ async def test_a_row_that_cannot_step_fails_alone_and_the_thread_keeps_running()
     colo.pool.check_integrity()
 
 
+async def test_a_failed_step_tells_no_row_what_another_row_held():
+    """A step is every row's: when it raises, each row fails, and its error must not carry the
+    cause, which may be another row's data (here the engine names a token id outside the
+    vocabulary, one tenant's first token). The cause goes to the node's log. Control: the good
+    sequence alone finishes."""
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    secret_token = colo.engine.vocab_size + 4242
+    for with_bad in (False, True):
+        batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                                asyncio.get_running_loop())  # fmt: skip
+        events: list[list] = [[], []]
+        seqs = [start_sequence(colo, 0, PROMPTS[0], 6, events[0])]
+        if with_bad:
+            bad = start_sequence(colo, 1, PROMPTS[1], 6, events[1])
+            bad.first_token = secret_token
+            seqs.append(bad)
+        batcher.start()
+        try:
+            for seq in seqs:
+                batcher.add(seq)
+            ended = events[: len(seqs)]
+            for _ in range(500):
+                if all(e and e[-1][0] in ("finish", "error") for e in ended):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            batcher.stop()
+        if with_bad:
+            for e in events:
+                assert e[-1][0] == "error", e
+                assert str(secret_token) not in str(e[-1][1]), e[-1][1]
+                assert "decode step failed" in str(e[-1][1])
+        else:
+            assert events[0][-1] == ("finish", "length"), events[0]
+        for seq in seqs:
+            colo.pool.release(seq.seq_id)
+    assert colo.pool.num_free == colo.pool.num_pages
+
+
 def stop_sets(text: str) -> list[tuple[str, ...]]:
     """Stop strings a generation with this free-running text meets early, late, never."""
     n = len(text)

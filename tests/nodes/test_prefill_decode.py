@@ -46,10 +46,11 @@ def make_cfg(tiny_dir, tmp_path, **over):
 
 
 @contextlib.asynccontextmanager
-async def node_pair(tiny_dir, tmp_path):
+async def node_pair(tiny_dir, tmp_path, **over):
     """A decode and a prefill node, unregistered, and stubs that call them as the control plane
-    does (with the node token): ``(dec, pre, dstub, pstub)``; both stopped at the end."""
-    cfg = make_cfg(tiny_dir, tmp_path)
+    does (with the node token): ``(dec, pre, dstub, pstub)``; both stopped at the end. ``over``:
+    config sections to override (``make_cfg``)."""
+    cfg = make_cfg(tiny_dir, tmp_path, **over)
     dec = await start_node(cfg, Role.DECODE, register=False)
     pre = await start_node(cfg, Role.PREFILL, register=False)
     try:

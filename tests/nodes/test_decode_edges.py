@@ -1,0 +1,170 @@
+"""Decode at the edges of a request's life: a stream closed as its first message is written, a
+Decode that comes after its reservation expired, a first token that is not the model's.
+
+Each was found by review and reproduced: the first pinned the reservation's pages for good (no
+cleanup ran, and the reaper only reaps reservations never verified); the second was reported
+as an integrity failure (DATA_LOSS, an ``integrity_violation`` event and the critical alert)
+though nothing was forged; the third failed every request in the decode step with it, and told
+each of them the other request's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from asyncwait import eventually
+from test_prefill_decode import (  # noqa: F401  (tiny_dir: a fixture)
+    _all_free,
+    _decode_request,
+    _outcome,
+    node_pair,
+    reserve_and_prefill,
+    tiny_dir,
+)
+
+from kvfence import manifest as mf
+from kvfence.auth import bearer_metadata
+from kvfence.errors import RESERVATION_RELEASED, error_info
+from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2
+
+
+def integrity_failures(node) -> float:
+    text = node.metrics.render().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvfence_integrity_failures_total{")
+    )
+
+
+@pytest.mark.parametrize("closed_at_verified", [True, False])
+async def test_a_stream_closed_as_verified_is_written_gives_its_pages_back(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    closed_at_verified,
+):
+    """grpc.aio closes the handler's generator where it is suspended when the call ends (the
+    control plane gone, a cancel) while ``verified`` is being written. Control: the same
+    handler read to its end gives them back too."""
+    async with node_pair(tiny_dir, tmp_path) as (dec, _, dstub, pstub):
+        prompt = list(range(3, 23))
+        sampling = common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)
+        res, call = await reserve_and_prefill(dstub, pstub, "r1", prompt, sampling, max_new=8)
+        reply = await call
+
+        class Context:
+            def invocation_metadata(self):
+                return bearer_metadata(dec.node_token)
+
+            async def abort_with_status(self, status):
+                raise asyncio.CancelledError
+
+        handler = dec.servicer.Decode(_decode_request(res, reply, "r1", sampling), Context())
+        assert (await handler.__anext__()).verified
+        pool = dec.rt.pool
+        assert pool.num_pages - pool.num_free == len(res.pages)  # held while it decodes
+        tokens: list[int] = []
+        if closed_at_verified:
+            await handler.aclose()
+        else:
+            async for msg in handler:
+                tokens.extend(msg.token_ids)
+            assert len(tokens) == 8
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id="r1"))
+        await _all_free(pool)
+        assert not dec.servicer.reservations and not dec.servicer.busy()
+        pool.check_integrity()
+
+
+@pytest.mark.parametrize("late", [True, False])
+async def test_a_decode_after_its_reservation_expired_is_not_an_integrity_failure(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    late,
+):
+    """The reaper releases a reservation whose Decode has not come within
+    transfer.reservation_timeout_s (counted from Reserve: a long prefill queue counts). Its late
+    Decode is UNAVAILABLE RESERVATION_RELEASED (retry), with no integrity report. Control: the
+    same Decode in time decodes; a Decode naming a reservation never issued is still DATA_LOSS
+    RESERVATION, reported."""
+    transfer = {"reservation_timeout_s": 1.0}
+    async with node_pair(tiny_dir, tmp_path, transfer=transfer) as (dec, _, dstub, pstub):
+        prompt = list(range(3, 23))
+        sampling = common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True)
+        res, call = await reserve_and_prefill(dstub, pstub, "slow", prompt, sampling, max_new=2)
+        reply = await call
+        if late:
+            assert await eventually(lambda: not dec.servicer.reservations, timeout=5)
+        tokens, err = await _outcome(dstub.Decode(_decode_request(res, reply, "slow", sampling)))
+        if late:
+            assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert error_info(err).reason == RESERVATION_RELEASED
+            assert "transfer.reservation_timeout_s" in (err.details() or "")
+        else:
+            assert err is None and len(tokens) == 2
+        assert integrity_failures(dec) == 0
+        assert not any(e["kind"] == "integrity_violation" for e in dec.bus.recent)
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id="slow"))
+
+        forged = _decode_request(res, reply, "slow", sampling)
+        forged.reservation_id = forged.manifest.reservation_id = "res-never-issued"
+        _, err = await _outcome(dstub.Decode(forged))
+        assert err is not None and err.code() == grpc.StatusCode.DATA_LOSS
+        assert error_info(err).reason == "RESERVATION"
+        assert integrity_failures(dec) == 1
+        await _all_free(dec.rt.pool)
+
+
+async def _read_rest(stream) -> tuple[list[int], grpc.aio.AioRpcError | None]:
+    """``_outcome`` for a stream already read from with ``read()`` (grpc forbids mixing)."""
+    tokens: list[int] = []
+    try:
+        while (msg := await stream.read()) is not grpc.aio.EOF:
+            tokens.extend(msg.token_ids)
+    except grpc.aio.AioRpcError as err:
+        return tokens, err
+    return tokens, None
+
+
+@pytest.mark.parametrize("bad", [True, False])
+async def test_a_first_token_outside_the_vocabulary_fails_its_own_request_only(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    bad,
+):
+    """Manifest check 6 (MODEL): prefill signs the first token, so a prefill bug gets a valid
+    MAC on a token the model does not have. Decode took it into the shared step, which failed
+    for every row, each row's error naming the bad token. Now that request alone fails
+    DATA_LOSS MODEL and the other tenant's, in the same batch, finishes. Control: with a good
+    first token both finish."""
+    async with node_pair(tiny_dir, tmp_path) as (dec, _, dstub, pstub):
+        sampling = common_pb2.SamplingParams(max_new_tokens=40, ignore_eos=True)
+        res_a, call_a = await reserve_and_prefill(
+            dstub, pstub, "a", list(range(3, 23)), sampling, tenant="tenant-a", max_new=40
+        )
+        res_b, call_b = await reserve_and_prefill(
+            dstub, pstub, "b", list(range(5, 25)), sampling, tenant="tenant-b", max_new=40
+        )
+        reply_a, reply_b = await call_a, await call_b
+        request_b = _decode_request(res_b, reply_b, "b", sampling, tenant="tenant-b")
+        if bad:
+            request_b.manifest.first_token = 4_000_000_000
+            mf.sign(request_b.manifest, res_b.secret)
+        stream_a = dstub.Decode(_decode_request(res_a, reply_a, "a", sampling, tenant="tenant-a"))
+        first = await stream_a.read()
+        assert first.verified  # tenant A's request decodes before B's joins its steps
+        a, b = await asyncio.gather(_read_rest(stream_a), _outcome(dstub.Decode(request_b)))
+        assert a[1] is None and len(a[0]) == 40, a
+        if bad:
+            assert b[1] is not None and b[1].code() == grpc.StatusCode.DATA_LOSS
+            assert error_info(b[1]).reason == "MODEL"
+            assert integrity_failures(dec) == 1
+        else:
+            assert b[1] is None and len(b[0]) == 40
+            assert integrity_failures(dec) == 0
+        for rid in ("a", "b"):
+            await pstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
+        await _all_free(dec.rt.pool)
+        assert dec.servicer.batcher._thread.is_alive()
