@@ -44,6 +44,17 @@ log = get_logger("control_plane")
 PUBLIC_SERVICES = ["kvfence.v1.Generation", "kvfence.v1.NodeRegistry"]
 ADMIN_SERVICES = ["kvfence.v1.Admin"]
 
+# What stop() may take beyond max(shutdown_grace_s, shutdown_refuse_s), whatever hangs: the
+# interrupted requests' ends and releases (STOP_INTERRUPTED_S), the listeners' close
+# (STOP_LISTENERS_S, both at once), the event bus's flush (STOP_FLUSH_S) and its disconnect
+# from a broker that does not answer (events.PUBLISH_TIMEOUT_S + 1), with a second to spare. The
+# chart's default terminationGracePeriodSeconds is max(shutdownGraceS, shutdownRefuseS) plus
+# this (tests/helm keeps the two in step).
+STOP_INTERRUPTED_S = 5.5
+STOP_LISTENERS_S = 1.0
+STOP_FLUSH_S = 1.0
+STOP_TAIL_S = 15.0
+
 
 @dataclass(frozen=True)
 class Ports:
@@ -212,7 +223,12 @@ class ControlPlane:
         elsewhere). Closing them at once has grpc cancel the calls it has accepted but not yet
         handed to a handler (CANCELLED, no ErrorInfo: grpc/grpc#41785, whatever the grace of
         ``server.stop``), and a load balancer still sends new connections for a moment after
-        health goes NOT_SERVING."""
+        health goes NOT_SERVING.
+
+        Returns within ``max(grace, refuse_s) + STOP_TAIL_S`` whatever hangs (a node that does
+        not answer a Release, a broker that does not answer): the chart's pod grace period is
+        sized from that bound, and a pod killed mid-stop fails its requests with no status.
+        """
         loop = asyncio.get_running_loop()
         close_at = loop.time() + refuse_s
         self.deps.draining = True
@@ -226,24 +242,23 @@ class ControlPlane:
             await asyncio.wait(tasks, timeout=grace)
         for run in self.table:  # whatever is still running after the grace period
             run.interrupt(Unavailable("the control plane is shutting down", reason=SHUTTING_DOWN))
-        tasks = set(self.generation.tasks)
-        if tasks:
-            await asyncio.wait(tasks, timeout=10)
-        if self.deps.background:
-            await asyncio.wait(set(self.deps.background), timeout=5)
+        # The interrupted requests' answers and releases, and the early releases still on their
+        # way, share one wait: each Release is bounded by RELEASE_TIMEOUT_S, fewer seconds.
+        ending = set(self.generation.tasks) | set(self.deps.background)
+        if ending:
+            await asyncio.wait(ending, timeout=STOP_INTERRUPTED_S)
         if (left := close_at - loop.time()) > 0:
             log.info("refusing new requests before closing the listeners", seconds=round(left, 3))
             await asyncio.sleep(left)
-        for server in servers:
-            # Requests refused in the window may still be answering: they end within the grace.
-            await server.stop(grace=1.0)
+        # Requests refused in the window may still be answering: they end within the grace.
+        await asyncio.gather(*(server.stop(grace=STOP_LISTENERS_S) for server in servers))
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.clients.close()
         if self.bus is not None:
-            await self.bus.stop()
+            await self.bus.stop(flush_timeout=STOP_FLUSH_S)
         self.tenants.close()
         log.info("control plane stopped")
 

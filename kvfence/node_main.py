@@ -54,6 +54,15 @@ log = kvlog.get_logger("node")
 # it already waited for them (node.drain_timeout_s).
 STOP_GRACE_S = 1.0
 DRAIN_POLL_S = 0.05
+# How long the event bus may take to deliver what is left at stop (its disconnect from a broker
+# that does not answer takes up to events.PUBLISH_TIMEOUT_S + 1 more).
+STOP_FLUSH_S = 1.0
+# What stop() may take beyond node.drain_timeout_s: the listener's close (STOP_GRACE_S), the
+# engine thread's current pass, the receiver's connections (transfer.HANDLERS_STOP_S and half a
+# second), the bus (STOP_FLUSH_S and its disconnect). The chart's default
+# terminationGracePeriodSeconds is drainTimeoutS plus this; a pod killed mid-stop is not drained
+# cleanly (its status goes offline by the broker's will, its requests fail NODE_LOST).
+STOP_TAIL_S = 15.0
 
 
 @dataclass
@@ -116,7 +125,7 @@ class RunningNode:
         if self.receiver is not None:
             await self.receiver.stop()
         self.metrics.stop()
-        await self.bus.stop()
+        await self.bus.stop(flush_timeout=STOP_FLUSH_S)
 
 
 def _control_plane_address(cfg: ClusterConfig) -> str:

@@ -150,6 +150,9 @@ REJECT_LOG_INTERVAL_S = 10.0
 # How long a sender whose batch decode refused waits for the pages it already sent to be taken
 # (decode drains them into scratch) before it aborts the endpoint.
 REFUSED_SENDS_S = 1.0
+# How long a stopping receiver waits for its connections' handlers (aborted, so they end at
+# once unless ucxx hangs) before it cancels them.
+HANDLERS_STOP_S = 1.5
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 # Reasons that mean the bytes or the protocol were wrong (not merely slow or lost): DATA_LOSS.
@@ -515,9 +518,13 @@ class KvReceiver:
         for ep in list(self._endpoints):
             with contextlib.suppress(Exception):
                 ep.abort()
-        for task in list(self._handlers):
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(task, 5)
+        # Together, not one after another: a node's stop is bounded (node_main.STOP_TAIL_S).
+        if handlers := set(self._handlers):
+            _, stuck = await asyncio.wait(handlers, timeout=HANDLERS_STOP_S)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=0.5)
         if self._listener is not None:
             self._listener.close()
             self._listener = None

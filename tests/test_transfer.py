@@ -1166,3 +1166,30 @@ async def test_a_batch_decode_refuses_is_counted_once_by_decode(tmp_path):
         assert counted("PROTOCOL") == 0 and counted("DUPLICATE_PAGE") == 1
     finally:
         await dec.stop(grace=0)
+
+
+@pytest.mark.parametrize("stuck", [0, 3])
+async def test_a_stopping_receiver_waits_for_its_connections_together_and_boundedly(stuck):
+    """A node's stop is bounded (node_main.STOP_TAIL_S, which the chart adds to the pod's grace
+    period). The receiver waited up to 5 s for each connection's handler in turn; a handler that
+    ucxx holds past the abort is now cancelled after HANDLERS_STOP_S, all of them together.
+    Control (0 stuck): silent connections' handlers end on the abort, and stop() is quick."""
+    from kvfence import transfer
+
+    rx, _ = await make_receiver(make_pool())
+    flood = await raw_endpoints(rx.port, 4)
+    await eventually(lambda: rx.unverified == 4)
+    held = [asyncio.create_task(asyncio.sleep(60)) for _ in range(stuck)]
+    rx._handlers.update(held)  # handlers that the abort does not end
+    t0 = asyncio.get_running_loop().time()
+    try:
+        await rx.stop()
+        took = asyncio.get_running_loop().time() - t0
+        assert all(t.cancelled() for t in held)
+        if stuck:
+            assert transfer.HANDLERS_STOP_S - 0.1 < took < transfer.HANDLERS_STOP_S + 1.5, took
+        else:
+            assert took < 1.5, took
+    finally:
+        for ep in flood:
+            ep.abort()

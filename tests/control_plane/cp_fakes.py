@@ -71,6 +71,7 @@ class Script:
     first_token_override: int | None = None  # prefill claims another first token
     prefill_hold: asyncio.Event | None = None
     decode_hold: asyncio.Event | None = None  # decode waits after verified=true
+    release_hold: asyncio.Event | None = None  # decode's Release waits (a node that hangs)
 
     def generated(self, n: int) -> list[int]:
         return [self.tokens[i % len(self.tokens)] for i in range(n)]
@@ -140,6 +141,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer, _NodeTokenFake):
     async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:
         await self.authenticate("Release", context)
         self.calls.append(("Release", request))
+        if self.script.release_hold is not None:
+            await self.script.release_hold.wait()
         return prefill_pb2.ReleaseResponse(held=True)
 
 

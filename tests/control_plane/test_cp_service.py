@@ -78,6 +78,53 @@ async def test_shutdown_fails_running_requests_and_releases(tmp_path: Path) -> N
         await node.stop()
 
 
+async def test_shutdown_ends_within_its_bound_when_a_node_does_not_answer_release(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pod's grace period is sized from stop()'s bound (service.STOP_TAIL_S beyond the
+    grace). A decode node that never answers the interrupted request's Release held stop() for
+    10 s more, then the early releases' 5 s more: past the chart's default grace period, so the
+    pod was killed mid-stop. The control above it (a node that answers) ends at once."""
+    from control_plane import routing, service
+
+    monkeypatch.setattr(routing, "RELEASE_TIMEOUT_S", 60.0)  # longer than any budget
+    c = await make_cluster(tmp_path)
+    c.script.decode_hold = asyncio.Event()
+    c.script.release_hold = asyncio.Event()
+    client = c.client()
+    call = asyncio.create_task(client.generate(prompt_ids=[10], max_new_tokens=2))
+    await eventually(lambda: "Decode" in c.decode[0].methods())
+    t0 = time.monotonic()
+    await c.cp.stop(grace=0.2)
+    took = time.monotonic() - t0
+    try:
+        with pytest.raises(Unavailable, match="shutting down"):
+            await asyncio.wait_for(call, 5)
+        assert c.decode[0].methods()[-1] == "Release"  # asked, never answered
+        bound = 0.2 + service.STOP_INTERRUPTED_S + service.STOP_LISTENERS_S + service.STOP_FLUSH_S
+        assert service.STOP_INTERRUPTED_S - 0.5 < took < bound + 1.0, took
+    finally:
+        c.script.release_hold.set()
+        c.script.decode_hold.set()
+        for task in list(c.cp.generation.tasks):  # still awaiting the Release, at most
+            task.cancel()
+        await client.close()
+        for node in [*c.decode, *c.prefill]:
+            await node.stop()
+
+
+def test_the_stop_budget_adds_up() -> None:
+    """STOP_TAIL_S, which the chart adds to the pod's grace period, covers every bounded wait
+    after the grace: a node's Release fits in the interrupted requests' wait, and the bus's
+    flush and disconnect from a broker that does not answer follow the listeners' close."""
+    from control_plane import routing, service
+    from kvfence import events
+
+    assert routing.RELEASE_TIMEOUT_S < service.STOP_INTERRUPTED_S
+    after = service.STOP_LISTENERS_S + service.STOP_FLUSH_S + events.PUBLISH_TIMEOUT_S + 1
+    assert service.STOP_INTERRUPTED_S + after + 1 <= service.STOP_TAIL_S
+
+
 async def test_metrics_count_requests_and_rejections(cluster: Cluster) -> None:
     await cluster.client().generate(prompt_ids=[10], max_new_tokens=2)
     with pytest.raises(InvalidArgument):

@@ -28,6 +28,8 @@ import yaml
 from asyncwait import eventually
 from fixtures_mqtt import MOSQUITTO, free_port, hand_to_broker, wait_for_port
 
+from control_plane import service as cp_service
+from kvfence import node_main
 from kvfence.config import ClusterConfig, Role, parse_config
 from kvfence.events import EventBus, MqttCredentials, MqttTls, is_auth_refusal, is_tls_failure
 
@@ -1154,36 +1156,41 @@ def grace_and_drain(docs: list[dict], role: str) -> tuple[int, float]:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_node_pods_outlast_their_drain(helm_home: Path, tmp_path: Path, role: str) -> None:
     """A node pod's grace period (after which Kubernetes kills it) exceeds the drain timeout
-    its kvfence config gets: by default 35 s against 25 s (kvfence's own default). A longer
-    drain moves the grace with it; an explicit grace is kept; the other role is untouched
-    (control)."""
+    its kvfence config gets, by what a node's stop may take after the drain when the broker or
+    a transfer hangs (node_main.STOP_TAIL_S): by default 40 s against 25 s (kvfence's own
+    default). A longer drain moves the grace with it; an explicit grace is kept; the other role
+    is untouched (control)."""
+    tail = int(node_main.STOP_TAIL_S)
     other = "decode" if role == "prefill" else "prefill"
     docs = render(helm_home)
-    assert grace_and_drain(docs, role) == (35, 25.0)
+    assert grace_and_drain(docs, role) == (25 + tail, 25.0)
     assert parse_config({}, environ={}).node.drain_timeout_s == 25.0
     docs = render(helm_home, sets=[f"{role}.drainTimeoutS=120"])
-    assert grace_and_drain(docs, role) == (130, 120.0)
-    assert grace_and_drain(docs, other) == (35, 25.0)
+    assert grace_and_drain(docs, role) == (120 + tail, 120.0)
+    assert grace_and_drain(docs, other) == (25 + tail, 25.0)
     sets = [f"{role}.drainTimeoutS=5", f"{role}.terminationGracePeriodSeconds=8"]
     assert grace_and_drain(render(helm_home, sets=sets), role) == (8, 5.0)
     fractional = tmp_path / "drain.yaml"
     fractional.write_text(f"{role}: {{drainTimeoutS: 2.5}}\n")
-    assert grace_and_drain(render(helm_home, [fractional]), role) == (13, 2.5)
+    assert grace_and_drain(render(helm_home, [fractional]), role) == (3 + tail, 2.5)
 
 
 def test_the_control_plane_pod_outlasts_its_shutdown_grace(helm_home: Path) -> None:
     """The control plane lets running requests finish for shutdownGraceS on SIGTERM; its pod's
-    grace period must be longer, or Kubernetes kills it with them. Default 35 s against 25 s;
-    a longer grace moves the pod's with it; one not longer fails the render (control: an
+    grace period must be longer, or Kubernetes kills it with them, by what its stop may take
+    after the grace when a node or the broker hangs (service.STOP_TAIL_S): default 40 s against
+    25 s; a longer grace moves the pod's with it; one not longer fails the render (control: an
     explicit longer one is kept)."""
+    tail = int(cp_service.STOP_TAIL_S)
 
     def grace_and_stop(docs: list[dict]) -> tuple[int, float]:
         pod = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
         cfg = node_config(docs, "control-plane", POD_ENV)
         return pod["terminationGracePeriodSeconds"], cfg.control_plane.shutdown_grace_s
 
-    assert grace_and_stop(render(helm_home)) == (35, 25.0)
-    assert grace_and_stop(render(helm_home, sets=["controlPlane.shutdownGraceS=60"])) == (70, 60.0)
+    assert grace_and_stop(render(helm_home)) == (25 + tail, 25.0)
+    longer = render(helm_home, sets=["controlPlane.shutdownGraceS=60"])
+    assert grace_and_stop(longer) == (60 + tail, 60.0)
     sets = ["controlPlane.shutdownGraceS=5", "controlPlane.terminationGracePeriodSeconds=8"]
     assert grace_and_stop(render(helm_home, sets=sets)) == (8, 5.0)
     rc, _, err = template(helm_home, sets=["controlPlane.terminationGracePeriodSeconds=20"])
@@ -1195,20 +1202,22 @@ def test_the_control_plane_pod_outlasts_its_refuse_window(helm_home: Path, tmp_p
     SHUTTING_DOWN, for shutdownRefuseS (alongside shutdownGraceS): the values reach its config
     (default 1 s), a window longer than the grace moves the pod's grace period with it, one the
     pod would not outlast fails the render, and a negative one is refused (control: the
-    defaults keep 35 s)."""
+    defaults keep 40 s)."""
+    tail = int(cp_service.STOP_TAIL_S)
 
     def grace_and_refuse(docs: list[dict]) -> tuple[int, float]:
         pod = find(docs, "Deployment", f"{FULLNAME}-control-plane")["spec"]["template"]["spec"]
         cfg = node_config(docs, "control-plane", POD_ENV)
         return pod["terminationGracePeriodSeconds"], cfg.control_plane.shutdown_refuse_s
 
-    assert grace_and_refuse(render(helm_home)) == (35, 1.0)
-    assert grace_and_refuse(render(helm_home, sets=["controlPlane.shutdownRefuseS=0"])) == (35, 0)
+    assert grace_and_refuse(render(helm_home)) == (25 + tail, 1.0)
+    none = render(helm_home, sets=["controlPlane.shutdownRefuseS=0"])
+    assert grace_and_refuse(none) == (25 + tail, 0)
     longer = render(helm_home, sets=["controlPlane.shutdownRefuseS=40"])
-    assert grace_and_refuse(longer) == (50, 40.0)
+    assert grace_and_refuse(longer) == (40 + tail, 40.0)
     fractional = tmp_path / "refuse.yaml"
     fractional.write_text("controlPlane: {shutdownRefuseS: 2.5, shutdownGraceS: 0}\n")
-    assert grace_and_refuse(render(helm_home, [fractional])) == (13, 2.5)
+    assert grace_and_refuse(render(helm_home, [fractional])) == (3 + tail, 2.5)
     sets = ["controlPlane.shutdownRefuseS=30", "controlPlane.terminationGracePeriodSeconds=28"]
     rc, _, err = template(helm_home, sets=sets)
     assert rc != 0 and "must exceed controlPlane.shutdownRefuseS 30" in err

@@ -351,3 +351,21 @@ async def test_drain_gives_up_after_drain_timeout_s_and_the_node_stops_leaking_n
     assert pool.num_free == pool.num_pages and pool.stats().quarantined == 0
     assert all(pool.generation(r.page_id) > r.generation for r in res.pages)
     pool.check_integrity()
+
+
+def test_a_nodes_stop_budget_adds_up() -> None:
+    """node_main.STOP_TAIL_S, which the chart adds to drainTimeoutS for the pod's grace period,
+    covers each bounded wait of the stop after the drain (the listener's close, the receiver's
+    connections, the bus's flush and its disconnect from a broker that does not answer) with
+    five seconds left for the engine thread's current pass."""
+    from kvfence import events, node_main, transfer
+
+    waits = (
+        node_main.STOP_GRACE_S
+        + transfer.HANDLERS_STOP_S
+        + 0.5  # the cancelled handlers' own wait
+        + node_main.STOP_FLUSH_S
+        + events.PUBLISH_TIMEOUT_S
+        + 1
+    )
+    assert waits + 5 <= node_main.STOP_TAIL_S

@@ -20,9 +20,11 @@ file; the role, identity and addresses of each pod come from KVFENCE__NODE__* en
 {{- $_ := set $resources "limits" $limits }}
 {{- $_ := set $resources "requests" $requests }}
 {{- /* On SIGTERM a node drains for at most drainTimeoutS (node.drain_timeout_s), then stops: the
-       pod's grace period must outlast both, or Kubernetes kills it with its requests running. */}}
+       pod's grace period must outlast both, or Kubernetes kills it with its requests running.
+       The stop after the drain takes at most 15 s (kvfence.node_main.STOP_TAIL_S) when the
+       broker or a transfer does not answer; the default adds that. */}}
 {{- $drain := $v.drainTimeoutS }}
-{{- $grace := $v.terminationGracePeriodSeconds | default (add (int (ceil $drain)) 10) }}
+{{- $grace := $v.terminationGracePeriodSeconds | default (add (int (ceil $drain)) 15) }}
 {{- if le (float64 $grace) (float64 $drain) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds %v must exceed %s.drainTimeoutS %v: the pod would be killed while it drains" $role $grace $role $drain) }}
 {{- end }}
