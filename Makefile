@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvfence-installed
 HELM := .tools/bin/helm
+PROMTOOL := .tools/bin/promtool
 export UCX_TLS ?= tcp,self
 export UCX_WARN_UNUSED_ENV_VARS ?= n
 export PATH := $(CURDIR)/.tools/bin:$(PATH)
 
-.PHONY: up test lint protos bench system-deps helm install
+.PHONY: up test lint protos bench system-deps helm promtool install
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,10 +35,15 @@ $(HELM):
 
 helm: $(STAMP) $(HELM)
 
+$(PROMTOOL):
+	bash scripts/fetch_promtool.sh
+
+promtool: $(PROMTOOL)
+
 up: $(STAMP)
 	$(VENV)/bin/kvfence up
 
-test: $(STAMP) system-deps helm
+test: $(STAMP) system-deps helm promtool
 	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
