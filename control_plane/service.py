@@ -370,9 +370,16 @@ class ControlPlane:
 
     def _publish_limit(self) -> None:
         # The admissible limit (a node with a smaller pool lowers it for every request: an alert
-        # fires when it drops), set on every join and loss.
+        # fires when it drops), set on every join and loss; exported only while every role has a
+        # node registered. Until then no request is served, and the figure (the context window,
+        # or one role's pools alone) is none that requests get: a control plane starting before
+        # its nodes re-register, or one that lost them all, showed a rise, and the alert read
+        # their return to the real limit as a drop, for an hour.
         limit = self.registry.admissible_limit()
-        self.metrics.admissible_limit.labels(model=self.model.name).set(limit)
+        if all(self.registry.nodes(role) for role in ROLES):
+            self.metrics.admissible_limit.labels(model=self.model.name).set(limit)
+        else:
+            self.metrics.admissible_limit.clear()
         if limit < self.model.context_window:
             # Expected with model.clamp_context; a surprise (and a drop for tenants) without it.
             say = log.info if self.cfg.model.clamp_context else log.warning

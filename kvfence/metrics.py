@@ -188,7 +188,8 @@ class Metrics:
         self.admissible_limit = Gauge(
             "admissible_limit",
             "Tokens a request may take (prompt + max_new_tokens): the context window, or the "
-            "smallest KV pool of the registered nodes when that is smaller (control plane).",
+            "smallest KV pool of the registered nodes when that is smaller (control plane; only "
+            "while both roles have a node registered).",
             ["model"],
             namespace=NAMESPACE,
             registry=r,

@@ -215,6 +215,33 @@ async def test_the_admissible_limit_gauge_drops_when_a_smaller_node_joins(tmp_pa
         await c.close()
 
 
+async def test_the_admissible_limit_is_exported_only_while_both_roles_have_a_node(
+    tmp_path: Path,
+) -> None:
+    """With no node of a role, the gauge said the context window (or one role's pools alone):
+    a limit no request got. A control plane that started before its nodes re-registered, or
+    lost them all, showed a rise, and KvfenceAdmissibleLimitDropped (the last hour's maximum
+    against now) read their return to the real limit as a drop, for an hour. Control: once
+    both roles have a node the gauge is the smallest pool, and it goes when the last decode
+    node does."""
+    c = await make_cluster(tmp_path, decode_nodes=0, prefill_nodes=0)  # context window 256
+    try:
+        name = c.cp.model.name
+        assert _gauge(c, "kvfence_admissible_limit", model=name) is None
+        decode = FakeNode("decode", "decode-small", c.script, pool_tokens=128)
+        assert (await c.add_node(decode)).accepted
+        assert _gauge(c, "kvfence_admissible_limit", model=name) is None  # no prefill yet
+        prefill = FakeNode("prefill", "prefill-0", c.script, pool_tokens=4096)
+        assert (await c.add_node(prefill)).accepted
+        assert _gauge(c, "kvfence_admissible_limit", model=name) == 128
+        await decode.stop_heartbeats()
+        while c.cp.registry.get("decode-small") is not None:
+            await asyncio.sleep(0.05)
+        assert _gauge(c, "kvfence_admissible_limit", model=name) is None
+    finally:
+        await c.close()
+
+
 async def test_the_nodes_gauge_leaves_out_draining_nodes(tmp_path: Path) -> None:
     """`kvfence_nodes{role}` counts the nodes a new request can go to. A draining node takes no
     new request, yet it used to count: with every decode node draining the gauge said 2 and
