@@ -44,6 +44,21 @@ INTEGRITY_CHECKS = frozenset(
 )  # fmt: skip
 
 
+# The most of a message a status carries, in UTF-8 bytes. gRPC sends it twice (grpc-message,
+# percent-encoded, and inside grpc-status-details-bin), and past its metadata limit (8 KiB) the
+# client gets RESOURCE_EXHAUSTED instead of the status: a message that echoes a long input (a
+# tenant name, a model name) must not turn a client's INVALID_ARGUMENT into "retry later".
+MAX_STATUS_MESSAGE_BYTES = 1024
+
+
+def _capped(message: str) -> str:
+    data = message.encode()
+    if len(data) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    head = data[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{head}... ({len(data)} bytes, cut)"
+
+
 class KvfenceError(Exception):
     """Base of every kvfence error; subclasses fix the gRPC status code."""
 
@@ -62,14 +77,15 @@ class KvfenceError(Exception):
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
 
     def to_status(self) -> grpc.Status:
-        """A rich status with ``google.rpc.ErrorInfo`` for ``context.abort_with_status``."""
+        """A rich status with ``google.rpc.ErrorInfo`` for ``context.abort_with_status``; the
+        message cut to MAX_STATUS_MESSAGE_BYTES (logs keep ``message`` whole)."""
         info = error_details_pb2.ErrorInfo(
             reason=self.reason, domain=ERROR_DOMAIN, metadata=self.metadata
         )
         detail = any_pb2.Any()
         detail.Pack(info)
         status = status_pb2.Status(
-            code=getattr(code_pb2, self.code.name), message=self.message, details=[detail]
+            code=getattr(code_pb2, self.code.name), message=_capped(self.message), details=[detail]
         )
         return rpc_status.to_status(status)
 
@@ -150,8 +166,15 @@ _BY_CODE: dict[grpc.StatusCode, type[KvfenceError]] = {
 
 
 def error_info(err: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    """The ``ErrorInfo`` detail of a failed call, if the server attached one."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    """The ``ErrorInfo`` detail of a failed call, if the server attached one.
+
+    None as well when the rich status disagrees with the call's code: grpc replaces the code
+    (RESOURCE_EXHAUSTED) when the server's status overflowed the metadata limit, and from_call
+    then raises ValueError; the code alone decides the error's class then."""
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except ValueError:
+        return None
     if status is None:
         return None
     for detail in status.details:

@@ -102,6 +102,73 @@ async def test_sync_client_raises_typed_errors(cluster: Cluster) -> None:
         Client(cluster.target, "k").generate(max_new_tokens=1)  # neither prompt nor ids
 
 
+@pytest.mark.parametrize("length", [100, 6000, 20000])
+async def test_an_error_that_echoes_a_long_input_keeps_its_class(
+    cluster: Cluster, length: int
+) -> None:
+    """A refusal's message echoes the input (here a tenant name). gRPC sends the message twice,
+    and past its metadata limit the client got a bare ValueError (the rich status disagreed with
+    the code grpc substituted) or ResourceExhausted, which reads "retry later". The message is
+    cut to MAX_STATUS_MESSAGE_BYTES now. Control: a short name, the same class, whole."""
+    from kvfence.errors import MAX_STATUS_MESSAGE_BYTES
+
+    def create() -> None:
+        with AdminClient(cluster.admin_target, cluster.cp.admin_token) as admin:
+            admin.create_tenant("x" * length)
+
+    with pytest.raises(InvalidArgument) as err:
+        await asyncio.to_thread(create)
+    assert err.value.reason == "INVALID_ARGUMENT"
+    if length == 100:
+        assert "x" * 100 in err.value.message
+    else:
+        assert len(err.value.message.encode()) < MAX_STATUS_MESSAGE_BYTES + 64
+        assert err.value.message.endswith("bytes, cut)")
+
+
+@pytest.mark.parametrize("length", [100, 6000, 10000])
+async def test_a_status_grpc_replaced_is_typed_by_its_code(length: int) -> None:
+    """A server that is not kvfence (or an old one) may send a status past the limit: the rich
+    status then disagrees with the code grpc gives the call, and error_info raised ValueError
+    out of every client call. Now the code alone decides. Control: a short one keeps its
+    ErrorInfo."""
+    from google.protobuf import any_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    from kvfence.errors import KvfenceError, ResourceExhausted, from_rpc_error
+
+    class Echo(grpc.GenericRpcHandler):
+        def service(self, details):  # type: ignore[no-untyped-def]
+            async def fail(request, context):  # type: ignore[no-untyped-def]
+                info = error_details_pb2.ErrorInfo(reason="TOO_LONG", domain="kvfence.dev")
+                detail = any_pb2.Any()
+                detail.Pack(info)
+                status = status_pb2.Status(
+                    code=code_pb2.INVALID_ARGUMENT, message="n" * length, details=[detail]
+                )  # uncut
+                await context.abort_with_status(rpc_status.to_status(status))
+
+            return grpc.unary_unary_rpc_method_handler(fail)
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([Echo()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/x.Y/Z")
+            with pytest.raises(grpc.aio.AioRpcError) as raw:
+                await call(b"")
+        err: KvfenceError = from_rpc_error(raw.value)
+        if length == 100:
+            assert isinstance(err, InvalidArgument) and err.reason == "TOO_LONG"
+        else:
+            assert isinstance(err, ResourceExhausted | InvalidArgument), err
+    finally:
+        await server.stop(None)
+
+
 async def test_async_client_stream(cluster: Cluster) -> None:
     chunks = [c async for c in cluster.client().stream(prompt_ids=[10], max_new_tokens=5)]
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage == Usage(1, 5)
