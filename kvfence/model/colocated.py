@@ -93,15 +93,25 @@ class ColocatedEngine:
         for i, req in enumerate(requests):
             sched.add(str(i), req.prompt_ids, req.sampling)
         done: dict[str, GenerationOutput] = {}
-        while sched.has_work():
-            for out in sched.step():
-                if not out.finished:
-                    continue
-                if out.error is not None:
-                    raise out.error
-                assert out.status == SequenceStatus.FINISHED and out.token_ids is not None
-                assert out.text is not None and out.finish_reason is not None
-                done[out.seq_id] = GenerationOutput(out.token_ids, out.text, out.finish_reason)
+        try:
+            while sched.has_work():
+                for out in sched.step():
+                    if not out.finished:
+                        continue
+                    if out.error is not None:
+                        raise out.error
+                    assert out.status == SequenceStatus.FINISHED and out.token_ids is not None
+                    assert out.text is not None and out.finish_reason is not None
+                    done[out.seq_id] = GenerationOutput(out.token_ids, out.text, out.finish_reason)
+        finally:
+            # One request's error ends the run: the others give their pages back (at a step
+            # boundary), or the pool keeps them and the next generate() on it finds their ids
+            # taken.
+            if sched.has_work():
+                for i in range(len(requests)):
+                    sched.abort(str(i))
+                while sched.has_work():
+                    sched.step()
         return [done[str(i)] for i in range(len(requests))]
 
     @torch.inference_mode()

@@ -217,3 +217,40 @@ def test_rope_factors_are_bit_identical_to_apply_rope() -> None:
         x = torch.randn(9, heads, hd, generator=g)
         cos, sin = torch.randn(9, hd, generator=g), torch.randn(9, hd, generator=g)
         assert torch.equal(apply_rope_factors(x, *rope_factors(cos, sin)), apply_rope(x, cos, sin))
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_failed_generate_gives_every_page_back_and_the_engine_runs_on(fails: bool) -> None:
+    """A tag check failing for one row (what a stale page does) raised out of generate() and
+    left the other running sequences' pages held under their ids: the next generate() on the
+    engine failed ("owner '1' already holds pages"). Control: the same run without the failure
+    frees everything and repeats."""
+    from kvfence.model.colocated import ColocatedEngine, GenerationRequest
+    from kvfence.model.sampling import SamplingParams
+
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=32)
+    real = colo.engine.decode_rows
+    calls = [0]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        logits, flags = real(*args, **kwargs)
+        calls[0] += 1
+        if fails and calls[0] == 2:
+            flags = flags.clone()
+            flags[0] = True
+        return logits, flags
+
+    colo.engine.decode_rows = flaky  # type: ignore[method-assign]
+    requests = [
+        GenerationRequest([5, 6, 7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        for _ in range(3)
+    ]
+    if fails:
+        with pytest.raises(IntegrityError):
+            colo.generate(requests)
+    else:
+        assert all(len(out.token_ids) == 8 for out in colo.generate(requests))
+    assert colo.pool.num_free == colo.pool.num_pages and not colo.pool.owners()
+    colo.engine.decode_rows = real  # type: ignore[method-assign]
+    assert all(len(out.token_ids) == 8 for out in colo.generate(requests))
+    colo.pool.check_integrity()
