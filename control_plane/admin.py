@@ -21,7 +21,14 @@ from control_plane.registry import Node
 from control_plane.tenants import Tenant, TenantLimits, TenantStore
 from kvfence.auth import ADMIN_TOKEN_FILE, load_or_create_token
 from kvfence.config import ControlPlaneConfig
-from kvfence.errors import Cancelled, KvfenceError, NotFound, PermissionDenied, Unauthenticated
+from kvfence.errors import (
+    API_KEY_REVOKED,
+    Cancelled,
+    KvfenceError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from kvfence.logging import get_logger
 from kvfence.proto.kvfence.v1 import control_pb2, control_pb2_grpc
 from kvfence.server import abort, bearer_token
@@ -136,7 +143,23 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         self, request: control_pb2.RevokeKeyRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.RevokeKeyResponse:
         revoked = self.tenants.revoke_key(request.key_id)
-        log.info("api key revoked", key_id=request.key_id)
+        # "Refused from now on" covers the requests already sent with it: one queued for pages
+        # could otherwise start up to max_deadline_s later (a leaked key's last word), and the
+        # running ones stop too.
+        digest = self.tenants.key_sha256(request.key_id)
+        ended = [
+            run.record.request_id
+            for run in list(self.d.table)
+            if digest
+            and run.key_sha256 == digest
+            and run.interrupt(
+                Unauthenticated(
+                    "the API key this request was sent with has been revoked",
+                    reason=API_KEY_REVOKED,
+                )
+            )
+        ]
+        log.info("api key revoked", key_id=request.key_id, requests_ended=len(ended))
         return control_pb2.RevokeKeyResponse(revoked=revoked)
 
     @_admin_only

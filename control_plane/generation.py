@@ -16,7 +16,7 @@ import grpc
 
 from control_plane.lifecycle import RequestRecord, RequestTable, Run
 from control_plane.pipeline import Pipeline
-from control_plane.tenants import Tenant, TenantStore
+from control_plane.tenants import Tenant, TenantStore, hash_key
 from kvfence.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -110,7 +110,10 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
             self.default_deadline_s if remaining is None else min(remaining, self.max_deadline_s)
         )
         deadline = loop.time() + budget
-        run = Run(RequestRecord("req-" + secrets.token_hex(8), tenant.name))
+        run = Run(
+            RequestRecord("req-" + secrets.token_hex(8), tenant.name),
+            key_sha256=hash_key(bearer_token(context) or ""),
+        )
         out: asyncio.Queue[object] = asyncio.Queue()
         with request_context(run.record.request_id, tenant.name):
             self.table.add(run)

@@ -138,8 +138,10 @@ def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fie
 class Run:
     """A request in flight: its record plus the interrupt that other parties may raise into it."""
 
-    def __init__(self, record: RequestRecord):
+    def __init__(self, record: RequestRecord, key_sha256: str = ""):
         self.record = record
+        # The API key it came with (its hash): revoking that key ends the request too.
+        self.key_sha256 = key_sha256
         self._interrupt: asyncio.Future[KvfenceError] = asyncio.get_running_loop().create_future()
         self.done = asyncio.Event()
 

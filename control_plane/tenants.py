@@ -3,8 +3,10 @@ and the operator's kill switch (``model_access``), which must survive restarts t
 
 An API key is 256 random bits, shown once at creation; the store keeps only its SHA-256, so a copy
 of the database does not let anyone call the API. Every authentication reads the database, so a
-revoked key is refused from the next request on. Calls are short and local, so they run inline on
-the event loop; a backup (:meth:`TenantStore.snapshot`) is not, and runs in a worker thread.
+revoked key is refused from the next request on; the requests already sent with it, queued or
+running, end UNAUTHENTICATED ``API_KEY_REVOKED`` (the admin API's RevokeKey). Calls are short
+and local, so they run inline on the event loop; a backup (:meth:`TenantStore.snapshot`) is not,
+and runs in a worker thread.
 
 One control plane per state directory: the store holds an exclusive ``flock`` on
 ``<state_dir>/tenants.sqlite3.lock`` for as long as it is open, so a second control plane on the
@@ -398,6 +400,13 @@ class TenantStore:
         if cur.rowcount == 0:
             raise NotFound(f"API key {key_id!r} does not exist")
         return True
+
+    def key_sha256(self, key_id: str) -> str | None:
+        """The hash of ``key_id``'s key (what requests sent with it carry), None if unknown."""
+        row = self._db.execute(
+            "SELECT key_sha256 FROM api_keys WHERE key_id = ?", (key_id,)
+        ).fetchone()
+        return None if row is None else str(row[0])
 
     def authenticate(self, api_key: str) -> Tenant | None:
         """The tenant owning an unrevoked ``api_key``, else None."""

@@ -22,6 +22,8 @@ NODE_DRAINING = "NODE_DRAINING"
 # transfer.reservation_timeout_s without its Decode, or by a Release): the request was too slow
 # or ended, nothing was read, so not an integrity failure. UNAVAILABLE: a retry reserves anew.
 RESERVATION_RELEASED = "RESERVATION_RELEASED"
+# A request ended because the API key it was sent with was revoked while it waited or ran.
+API_KEY_REVOKED = "API_KEY_REVOKED"
 
 # Every check whose failure a service counts in kvfence_integrity_failures_total{check}: the
 # reasons of the IntegrityErrors the KV path raises (manifest, tag, stream checks) and the

@@ -256,7 +256,7 @@ def tenants_revoke_key(
     tls_ca: str | None = TLS_CA,
     tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
-    """Revoke an API key; requests with it are refused from now on."""
+    """Revoke an API key: requests with it are refused from now on, and the ones in flight end."""
     with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         admin.revoke_key(key_id)
     typer.echo(f"key {key_id} revoked")

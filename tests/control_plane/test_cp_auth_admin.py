@@ -189,3 +189,36 @@ async def test_a_key_is_rotated_by_creating_another_then_revoking_the_old(cluste
     assert result.usage.completion_tokens == 1
     [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=auth)).tenants
     assert {(k.key_id, k.revoked) for k in tenant.keys} == {(old.key_id, True), (new.key_id, False)}
+
+
+async def test_revoking_a_key_ends_the_requests_sent_with_it_and_no_other(
+    cluster: Cluster,
+) -> None:
+    """A request queued for decode pages passed its key check on arrival, and was served when
+    pages came, however long after the key was revoked (up to max_deadline_s). Revoking now
+    ends the requests sent with that key, queued or running, UNAUTHENTICATED API_KEY_REVOKED.
+    Control: the tenant's request sent with its other key, queued the same way, is served."""
+    import asyncio
+
+    from kvfence.errors import API_KEY_REVOKED, ResourceExhausted
+
+    admin, auth = cluster.admin()
+    [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=auth)).tenants
+    [old] = tenant.keys
+    new = await admin.CreateKey(control_pb2.CreateKeyRequest(tenant=tenant.name), metadata=auth)
+    cluster.script.reserve_error = ResourceExhausted("full")  # both wait for pages
+    leaked = asyncio.create_task(
+        cluster.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=2)
+    )
+    kept = asyncio.create_task(
+        cluster.client(api_key=new.api_key, timeout=8).generate(prompt_ids=[10], max_new_tokens=2)
+    )
+    await eventually(lambda: cluster.cp.queue.waiting == 2)
+    await admin.RevokeKey(control_pb2.RevokeKeyRequest(key_id=old.key_id), metadata=auth)
+    with pytest.raises(Unauthenticated) as err:
+        await asyncio.wait_for(leaked, 5)
+    assert err.value.reason == API_KEY_REVOKED
+    cluster.script.reserve_error = None  # pages free up: only the other key's request runs
+    result = await asyncio.wait_for(kept, 8)
+    assert result.usage.completion_tokens == 2
+    assert cluster.prefill[0].methods().count("Prefill") == 1  # the revoked one never ran
