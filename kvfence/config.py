@@ -46,7 +46,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No infinite (or NaN) numbers: `gt=0` lets .inf through, and an infinite timeout or interval
+    # breaks at its first use (a node's registration: OverflowError converting the heartbeat
+    # interval to ms; a request's deadline: grpc fails a call given timeout=inf at once).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Role(StrEnum):
@@ -244,7 +247,8 @@ class ControlPlaneConfig(_Strict):
     # It runs alongside shutdown_grace_s, not after it; 0 = close as soon as nothing runs. The
     # chart's terminationGracePeriodSeconds must exceed it too.
     shutdown_refuse_s: float = Field(default=1.0, ge=0)
-    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    # Sent to nodes in whole ms (a uint32): from 1 ms to about 49 days.
+    heartbeat_interval_s: float = Field(default=1.0, ge=0.001, le=4_000_000)
     # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
     # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).
     node_timeout_s: float = Field(default=5.0, gt=0)

@@ -6,6 +6,8 @@ import pytest
 
 from kvfence.config import ConfigError, Role, load_config, parse_config
 
+INF = float("inf")
+
 
 def test_yaml_and_env_overrides(tmp_path):
     path = tmp_path / "c.yaml"
@@ -118,6 +120,26 @@ def test_missing_file_is_a_clear_error(tmp_path):
             "without mqtt_tls_ca_file",
         ),
         ({"events": {"mqtt_tls_ca": "/ca"}}, "events.mqtt_tls_ca", "Extra inputs"),
+        # infinite numbers passed gt=0: nodes could not register (OverflowError turning the
+        # interval into ms), every request failed DEADLINE_EXCEEDED at its first node call
+        (
+            {"control_plane": {"heartbeat_interval_s": INF, "node_timeout_s": INF}},
+            "control_plane.heartbeat_interval_s",
+            "finite number",
+        ),
+        (
+            {"control_plane": {"default_deadline_s": INF, "max_deadline_s": INF}},
+            "control_plane.default_deadline_s",
+            "finite number",
+        ),
+        ({"transfer": {"batch_timeout_s": INF}}, "transfer.batch_timeout_s", "finite number"),
+        ({"node": {"drain_timeout_s": INF}}, "node.drain_timeout_s", "finite number"),
+        # nodes get the interval in whole ms: under 1 ms it was 0, a busy loop of heartbeats
+        (
+            {"control_plane": {"heartbeat_interval_s": 0.0004, "node_timeout_s": 1}},
+            "control_plane.heartbeat_interval_s",
+            "greater than or equal to 0.001",
+        ),
     ],
 )
 def test_values_that_break_the_service_later_are_refused(data, field, rule):
@@ -128,6 +150,12 @@ def test_values_that_break_the_service_later_are_refused(data, field, rule):
 
 
 def test_nearest_good_values_are_accepted():
+    fast = parse_config({"control_plane": {"heartbeat_interval_s": 0.001}}, environ={})
+    assert fast.control_plane.heartbeat_interval_s == 0.001  # 1 ms: the shortest nodes can get
+    long = parse_config(
+        {"control_plane": {"default_deadline_s": 1e6, "max_deadline_s": 1e6}}, environ={}
+    )
+    assert long.control_plane.default_deadline_s == 1e6  # long, but finite
     cfg = parse_config(
         {
             "control_plane": {"heartbeat_interval_s": 3, "node_timeout_s": 6},  # exactly 2x
