@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvfence.errors import KvfenceError
+from kvfence.errors import KvfenceError, Unavailable
 from kvfence.logging import get_logger
 
 log = get_logger("lifecycle")
@@ -183,6 +183,8 @@ class Run:
         if task.done() and (
             not self._interrupt.done() or (not task.cancelled() and task.exception() is None)
         ):
+            if task.cancelled():
+                raise _channel_closed() from None
             return task.result()
         await _cancel(task, aw)
         raise self._interrupt.result()
@@ -206,11 +208,15 @@ class Run:
             while True:
                 try:
                     msg = await call.read()
-                except (asyncio.CancelledError, Exception):
+                except (asyncio.CancelledError, Exception) as err:
                     task = asyncio.current_task()
                     # Our own task being cancelled (shutdown) is not the interrupt's doing.
-                    if self._interrupt.done() and not (task and task.cancelling()):
+                    if task and task.cancelling():
+                        raise
+                    if self._interrupt.done():
                         raise self._interrupt.result() from None
+                    if isinstance(err, asyncio.CancelledError):
+                        raise _channel_closed() from None
                     raise
                 if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
                     return
@@ -221,6 +227,17 @@ class Run:
     async def sleep(self, seconds: float) -> None:
         """Sleep, but wake (raising) at once when interrupted."""
         await self.guard(asyncio.sleep(seconds))
+
+
+def _channel_closed() -> Unavailable:
+    """A node call cancelled though neither this request nor its task was: the control plane
+    closed the node's channel (the node was lost or registered again elsewhere). Raised as the
+    node's failure; a bare CancelledError would read as the control plane's own cancellation
+    ("shutting down")."""
+    return Unavailable(
+        "the node's channel closed under the call (the node was lost or registered again)",
+        reason="NODE_UNREACHABLE",
+    )
 
 
 async def _cancel(task: asyncio.Future[Any], aw: Awaitable[Any]) -> None:

@@ -69,6 +69,9 @@ log = get_logger("pipeline")
 # Give up waiting for capacity this long before the deadline, so the client gets
 # RESOURCE_EXHAUSTED from us rather than DEADLINE_EXCEEDED from its own timer.
 QUEUE_MARGIN_S = 0.1
+# Of a decode reservation's life (transfer.reservation_timeout_s), the part a request may spend
+# waiting for prefill room; the rest is for the pass, the transfer and the Decode call.
+RESERVATION_USE_FRACTION = 0.75
 MODEL_OFFLINE = "MODEL_OFFLINE"
 NO_NODES = "NO_NODES"
 SHUTTING_DOWN = "SHUTTING_DOWN"
@@ -99,6 +102,9 @@ class PipelineDeps:
     # How long after a role's last node taking requests drained or left requests wait for one
     # (module docstring); 0 = not.
     no_node_wait_s: float = 0.0
+    # Decode releases a reservation whose Decode has not come this long after Reserve
+    # (transfer.reservation_timeout_s); waiting for prefill room stops in time (0 = never).
+    reservation_timeout_s: float = 0.0
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
@@ -321,6 +327,10 @@ class Pipeline:
                     node_wait = self._node_wait_left((DECODE,), give_up)
                     if self.d.queue.may_try(ticket):
                         for node in decode_candidates(self.d.registry, pages, skip=set()):
+                            # Listed before the awaits of the earlier candidates: one lost or
+                            # registered again since (a new process) is not this node any more.
+                            if self.d.registry.get(node.node_id) is not node or node.draining:
+                                continue
                             res = await self._try_reserve(
                                 run, node, prompt, scrub_on_free, pages, deadline
                             )
@@ -367,6 +377,15 @@ class Pipeline:
         self.d.clients.count(node, "Reserve")
         try:
             res = await run.guard(self.d.clients.decode(node).Reserve(req, timeout=_left(deadline)))
+        except Unavailable as err:
+            if err.reason != "NODE_UNREACHABLE" or self.d.registry.get(node.node_id) is node:
+                raise
+            # The node was lost while it had the call (its channel closed under it): a request
+            # that reserved nothing elsewhere tries the next node, as for one that refused to
+            # connect; whatever the call reserved there went with the node.
+            if first_contact:
+                del rec.contacted[node.node_id]
+            return None
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or refused_draining(
                 self.d.registry, node, err
@@ -405,6 +424,14 @@ class Pipeline:
         self._transition(rec, RequestState.PREFILLING)
         loop = asyncio.get_running_loop()
         give_up = _give_up(deadline)
+        # Past this a prefill may not end (pass, transfer, Decode) before decode's reaper gives
+        # the reservation back: the request would wait for room, spend a prefill pass, and
+        # still fail. It fails now instead, NO_CAPACITY (retry), and its decode pages go back.
+        expires = (
+            loop.time() + RESERVATION_USE_FRACTION * self.d.reservation_timeout_s
+            if self.d.reservation_timeout_s
+            else float("inf")
+        )
         req = prefill_pb2.PrefillRequest(
             request_id=rec.request_id,
             tenant_id=rec.tenant_id,
@@ -430,8 +457,19 @@ class Pipeline:
                     raise ResourceExhausted(
                         "no prefill node had room within the deadline", reason=admission.NO_CAPACITY
                     )
+                if loop.time() >= expires:
+                    raise ResourceExhausted(
+                        "no prefill node had room before the decode reservation would expire "
+                        f"(transfer.reservation_timeout_s, {self.d.reservation_timeout_s:g} s)",
+                        reason=admission.NO_CAPACITY,
+                    )
                 full.clear()
-                wait = min(give_up - loop.time(), self.d.poll_s, node_wait or self.d.poll_s)
+                wait = min(
+                    give_up - loop.time(),
+                    max(0.0, expires - loop.time()),
+                    self.d.poll_s,
+                    node_wait or self.d.poll_s,
+                )
                 await run.guard(self.d.queue.changed(wait))
                 continue
             node = candidates[0]

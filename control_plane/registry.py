@@ -248,12 +248,15 @@ class Registry:
         self._lose(node, why)
 
     def _lose(self, node: Node, why: str) -> None:
-        if self._nodes.get(node.node_id) is node:
-            del self._nodes[node.node_id]
-            # A draining node leaving ends nothing that took requests: the vacancy, if any, began
-            # when the role's last non-draining node drained.
-            if not node.draining and not self.taking_requests(node.role):
-                self._vacant_since[node.role] = time.monotonic()
+        if self._nodes.get(node.node_id) is not node:
+            # Already gone, or registered again since (a new process under the same id): losing
+            # an old view of it must not fail the requests running on its successor.
+            return
+        del self._nodes[node.node_id]
+        # A draining node leaving ends nothing that took requests: the vacancy, if any, began
+        # when the role's last non-draining node drained.
+        if not node.draining and not self.taking_requests(node.role):
+            self._vacant_since[node.role] = time.monotonic()
         log.warning("node lost", node_id=node.node_id, role=node.role, why=why)
         self._on_lost(node)
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from control_plane.registry import DECODE, PREFILL, Node, Registry
 from kvfence.auth import with_token
-from kvfence.errors import NODE_DRAINING, error_info
+from kvfence.errors import NODE_DRAINING, Unavailable, error_info
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -48,12 +49,15 @@ class NodeClients:
         node_token: str,
         credentials: grpc.ChannelCredentials | None = None,
         metrics: Metrics | None = None,
+        current: Callable[[str], Node | None] | None = None,
     ):
+        """``current(node_id)``: the node registered under that id now (Registry.get)."""
         if not node_token:
             raise ValueError("the control plane calls nodes with the cluster node token")
         self._node_token = node_token
         self._credentials = credentials
         self._metrics = metrics
+        self._current = current
         self._channels: dict[str, _NodeChannel] = {}
         self.rpc_counts: Counter[tuple[str, str]] = Counter()
 
@@ -61,6 +65,15 @@ class NodeClients:
         known = self._channels.get(node.node_id)
         if known is not None and known.address == node.grpc_address:
             return known
+        if self._current is not None and self._current(node.node_id) is not node:
+            # An old view of the node (lost, or registered again by a new process since the
+            # request chose it): opening its address in place of the registered node's channel
+            # would close that channel and cut every call on it, other requests' included.
+            raise Unavailable(
+                f"{node.role} node {node.node_id} was lost or registered again since this "
+                "request chose it",
+                reason="NODE_LOST",
+            )
         if known is not None:
             self.drop(node.node_id)
         if self._credentials is None:

@@ -118,7 +118,10 @@ class ControlPlane:
                 )
             self._publish_limit()
             self.clients = NodeClients(
-                self.node_token, tls.internal_channel_credentials(cfg.tls), self.metrics
+                self.node_token,
+                tls.internal_channel_credentials(cfg.tls),
+                self.metrics,
+                current=self.registry.get,
             )
             self.deps = PipelineDeps(
                 model=self.model,
@@ -132,6 +135,7 @@ class ControlPlane:
                 scrub_on_free=cfg.kv.scrub_on_free,
                 poll_s=cp.heartbeat_interval_s,
                 no_node_wait_s=cp.no_node_wait_s,
+                reservation_timeout_s=cfg.transfer.reservation_timeout_s,
             )
             self.generation = GenerationServicer(
                 Pipeline(self.deps),
@@ -406,13 +410,18 @@ class ControlPlane:
 
     def _node_lost(self, node: Node) -> None:
         self._publish_limit()
-        self.clients.drop(node.node_id)
-        runs = self.table.using_node(node.node_id)
-        for run in runs:
-            run.interrupt(
+        failed = 0
+        for run in self.table.using_node(node.node_id):
+            rec = run.record
+            if rec.state in (RequestState.RECEIVED, RequestState.ADMITTED):
+                # Its Reserve is in flight there, and nothing is reserved for it anywhere: the
+                # channel's close below cuts the call, and the request tries the next node.
+                continue
+            failed += run.interrupt(
                 Unavailable(f"{node.role} node {node.node_id} was lost", reason="NODE_LOST")
             )
-        self.events.emit("node_lost", node=node.node_id, role=node.role, failed_requests=len(runs))
+        self.clients.drop(node.node_id)
+        self.events.emit("node_lost", node=node.node_id, role=node.role, failed_requests=failed)
         self.queue.notify()
 
     # -- test hooks --------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ from kvfence.config import ClusterConfig, parse_config
 from kvfence.proto.kvfence.v1 import control_pb2_grpc
 
 
-def make_cfg(state_dir: Path, **control_plane: Any) -> ClusterConfig:
+def make_cfg(
+    state_dir: Path, transfer: dict[str, Any] | None = None, **control_plane: Any
+) -> ClusterConfig:
     cp = {
         "listen": "127.0.0.1:0",
         "admin_listen": "127.0.0.1:0",
@@ -32,7 +34,8 @@ def make_cfg(state_dir: Path, **control_plane: Any) -> ClusterConfig:
         "admission_queue": 8,
     }
     cp.update(control_plane)
-    return parse_config({"model": {"name": "test-model"}, "control_plane": cp}, environ={})
+    data = {"model": {"name": "test-model"}, "control_plane": cp, "transfer": transfer or {}}
+    return parse_config(data, environ={})
 
 
 @dataclass

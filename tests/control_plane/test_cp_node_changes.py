@@ -1,0 +1,159 @@
+"""Requests while nodes come and go under them: a node lost while it had a request's Reserve, a
+node registered again by a new process at a new address while a request still held the old view
+of it, and prefill room that does not come before decode's reservation expires.
+
+Found by review and reproduced: the first failed NODE_LOST though the request held nothing and
+another node was idle; in the second, the old view replaced the new process's channel, which cut
+every call on it, and those requests failed "the control plane is shutting down"; the third
+waited for prefill room long after decode had given its reservation back, spent a prefill pass,
+and failed anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from cp_fakes import FakeNode
+from cp_harness import Cluster, eventually, make_cluster
+
+from kvfence.errors import KvfenceError, ResourceExhausted, Unavailable
+from kvfence.server import abort
+
+
+async def decode_node(c: Cluster, node_id: str, pool: int, reserve=None, instance="p1") -> FakeNode:
+    """A decode node whose Reserve first runs ``reserve(real, request, context)`` if given."""
+    node = FakeNode("decode", node_id, c.script, pool_tokens=pool)
+    node.instance_id = instance
+    if reserve is not None:
+        real = node.servicer.Reserve
+
+        async def patched(request, context):  # type: ignore[no-untyped-def]
+            node.servicer.entered.set()
+            return await reserve(real, request, context)
+
+        node.servicer.Reserve = patched  # type: ignore[method-assign]
+    assert (await c.add_node(node)).accepted
+    c.decode.append(node)
+    return node
+
+
+@pytest.mark.parametrize("cut", ["reserve", "decode"])
+async def test_a_node_lost_during_reserve_sends_the_request_to_the_next_node(
+    tmp_path: Path, cut: str
+) -> None:
+    """decode-0 (the most free pages: tried first) stops answering and heartbeating with the
+    request's Reserve in flight: nothing is held for it anywhere, so it goes to decode-1.
+    Control: lost while it decodes (its KV went with the node), it still fails NODE_LOST."""
+    c = await make_cluster(tmp_path, decode_nodes=0, prefill_nodes=1)
+    hold = asyncio.Event()
+    try:
+
+        async def hang(real, request, context):  # type: ignore[no-untyped-def]
+            if cut == "reserve":
+                await hold.wait()
+            return await real(request, context)
+
+        first = await decode_node(c, "decode-0", 8192, hang)
+        await decode_node(c, "decode-1", 4096)
+        if cut == "decode":
+            c.script.decode_hold = asyncio.Event()
+        call = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=4))
+        if cut == "reserve":
+            await first.servicer.entered.wait()
+        else:
+            await eventually(lambda: "Decode" in first.methods())
+        await first.stop_heartbeats()  # lost after node_timeout_s (0.5 s)
+        if cut == "reserve":
+            result = await asyncio.wait_for(call, 5)
+            assert result.usage.completion_tokens == 4
+            assert "Decode" in c.decode[1].methods()
+            [lost] = c.events.of("node_lost")
+            assert lost["failed_requests"] == 0
+        else:
+            with pytest.raises(Unavailable) as err:
+                await asyncio.wait_for(call, 5)
+            assert err.value.reason == "NODE_LOST"
+            assert c.events.of("node_lost")[0]["failed_requests"] == 1
+    finally:
+        hold.set()
+        if c.script.decode_hold is not None:
+            c.script.decode_hold.set()
+        await c.close()
+
+
+async def test_an_old_view_of_a_node_registered_again_cuts_no_call_on_it(tmp_path: Path) -> None:
+    """R1 lists [decode-0, decode-1] and waits on decode-0's Reserve; meanwhile decode-1 restarts
+    as a new process at a new address, and R2 decodes on it. decode-0 then answers "full", and
+    R1's next candidate was its old view of decode-1. Now R1 skips it (and later reserves on the
+    new decode-1), and R2 finishes. Control: R2's stream is open on the new process while R1
+    moves on, and no node_lost is reported for it."""
+    c = await make_cluster(tmp_path, decode_nodes=0, prefill_nodes=1)
+    hold = asyncio.Event()
+    try:
+        first_call = [True]
+
+        async def first_hangs_then_full(real, request, context):  # type: ignore[no-untyped-def]
+            if first_call[0]:
+                first_call[0] = False
+                await hold.wait()
+            await abort(context, ResourceExhausted("full"))
+
+        head = await decode_node(c, "decode-0", 8192, first_hangs_then_full)
+        old = await decode_node(c, "decode-1", 4096)
+        r1 = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=4))
+        await head.servicer.entered.wait()
+        await old.stop()
+        c.decode.remove(old)
+        c.script.decode_hold = asyncio.Event()
+        new = await decode_node(c, "decode-1", 4096, instance="p2")
+        assert new.port != old.port
+        r2 = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[11], max_new_tokens=4))
+        await eventually(lambda: "Decode" in new.methods(), 3)
+        hold.set()  # R1: decode-0 is full; its next candidate is the old decode-1
+        await asyncio.sleep(0.5)
+        assert not r2.done()  # still streaming on the new process
+        c.script.decode_hold.set()
+        results = await asyncio.wait_for(asyncio.gather(r1, r2, return_exceptions=True), 8)
+        for result in results:
+            assert not isinstance(result, BaseException), result
+            assert result.usage.completion_tokens == 4
+        # the old process's own departure (its replacement registering) failed nothing
+        assert all(e["failed_requests"] == 0 for e in c.events.of("node_lost"))
+    finally:
+        hold.set()
+        if c.script.decode_hold is not None:
+            c.script.decode_hold.set()
+        await c.close()
+
+
+@pytest.mark.parametrize("room", [False, True])
+async def test_waiting_for_prefill_room_ends_before_the_reservation_expires(
+    tmp_path: Path, room: bool
+) -> None:
+    """Decode releases a reservation transfer.reservation_timeout_s after Reserve when its Decode
+    has not come. A request waiting for prefill room waited until its deadline regardless. Now it
+    fails NO_CAPACITY (retry) within three quarters of that time and gives its decode pages back.
+    Control: room that comes in time is used."""
+    c = await make_cluster(tmp_path, transfer={"reservation_timeout_s": 1.0})
+    try:
+        c.script.prefill_error = ResourceExhausted("prefill full")
+        call = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: "Prefill" in c.prefill[0].methods())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if room:
+            await asyncio.sleep(0.3)
+            c.script.prefill_error = None
+            assert (await asyncio.wait_for(call, 5)).usage.completion_tokens == 2
+        else:
+            with pytest.raises(KvfenceError) as err:
+                await asyncio.wait_for(call, 5)
+            assert isinstance(err.value, ResourceExhausted), err.value
+            assert err.value.reason == "NO_CAPACITY"
+            assert "reservation_timeout_s" in err.value.message
+            assert loop.time() - started < 1.0  # not the 8 s deadline
+            await eventually(lambda: "Release" in c.decode[0].methods())
+    finally:
+        await c.close()
