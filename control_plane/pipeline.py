@@ -402,6 +402,12 @@ class Pipeline:
                 self.d.registry.lose(node, "refused connections")
                 return None
             raise node_error(node, err) from None
+        if self.d.registry.get(node.node_id) is not node:
+            # Answered, then lost before this request went on: the lost node's requests are
+            # left to their cut calls (service._node_lost), and this one's was not cut. Its pages
+            # went with the node; it stays contacted, so a Release still reaches the node if the
+            # same process registers again.
+            raise Unavailable(f"decode node {node.node_id} was lost", reason="NODE_LOST")
         node.reserved_since_heartbeat += pages
         rec.decode_node, rec.reservation_id, rec.reserved_pages = (
             node.node_id,
@@ -457,7 +463,7 @@ class Pipeline:
                     raise ResourceExhausted(
                         "no prefill node had room within the deadline", reason=admission.NO_CAPACITY
                     )
-                if loop.time() >= expires:
+                if loop.time() >= expires and node_wait is None:
                     raise ResourceExhausted(
                         "no prefill node had room before the decode reservation would expire "
                         f"(transfer.reservation_timeout_s, {self.d.reservation_timeout_s:g} s)",

@@ -6,7 +6,8 @@ would not mean the same thing on the other side of a transfer. So is one that sp
 control-plane/node protocol (``kvfence.PROTOCOL_VERSION``: a control plane and nodes of releases
 that would misread each other, e.g. halfway through an upgrade), with both releases in the reason.
 A node silent for ``node_timeout_s`` is lost; the registry drops it and tells the control plane,
-which fails every request that used it.
+which fails every request that used it, but for one whose only call there was a Reserve still in
+flight: that call is cut, and the request tries another node.
 
 A node that heartbeats ``draining`` is shutting down (``kvfence.node_main``): it stays registered,
 and its requests run on, but routing sends it no new one (``control_plane.routing``). Draining is

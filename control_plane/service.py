@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +118,9 @@ class ControlPlane:
                 self.metrics.nodes.labels(role=role).set_function(
                     functools.partial(self._nodes_taking_requests, role)
                 )
+            # The admissible limit is exported from node_timeout_s after start (_publish_limit).
+            self._limit_settles_at = math.inf
+            self._limit_timer: asyncio.TimerHandle | None = None
             self._publish_limit()
             self.clients = NodeClients(
                 self.node_token,
@@ -208,6 +213,9 @@ class ControlPlane:
             # see the same state after a restart as before it.
             self._emit_access(self.access.reason)
         self._reaper = asyncio.create_task(self.registry.run_reaper(), name="kvfence-reaper")
+        loop = asyncio.get_running_loop()
+        self._limit_settles_at = time.monotonic() + cp.node_timeout_s
+        self._limit_timer = loop.call_later(cp.node_timeout_s, self._publish_limit)
         log.info(
             "control plane started",
             public_port=self._public.port,
@@ -256,6 +264,8 @@ class ControlPlane:
             await asyncio.sleep(left)
         # Requests refused in the window may still be answering: they end within the grace.
         await asyncio.gather(*(server.stop(grace=STOP_LISTENERS_S) for server in servers))
+        if self._limit_timer is not None:
+            self._limit_timer.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -375,12 +385,14 @@ class ControlPlane:
     def _publish_limit(self) -> None:
         # The admissible limit (a node with a smaller pool lowers it for every request: an alert
         # fires when it drops), set on every join and loss; exported only while every role has a
-        # node registered. Until then no request is served, and the figure (the context window,
-        # or one role's pools alone) is none that requests get: a control plane starting before
-        # its nodes re-register, or one that lost them all, showed a rise, and the alert read
-        # their return to the real limit as a drop, for an hour.
+        # node registered, and from node_timeout_s after start. Until then the figure (the
+        # context window, or the pools of the nodes that registered first) is none that requests
+        # get: a control plane starting before its nodes re-register, or one that lost them all,
+        # showed a rise, and the alert read their return to the real limit as a drop, for an
+        # hour. Every live node has registered again within node_timeout_s of a restart.
         limit = self.registry.admissible_limit()
-        if all(self.registry.nodes(role) for role in ROLES):
+        settled = time.monotonic() >= self._limit_settles_at
+        if settled and all(self.registry.nodes(role) for role in ROLES):
             self.metrics.admissible_limit.labels(model=self.model.name).set(limit)
         else:
             self.metrics.admissible_limit.clear()

@@ -45,6 +45,11 @@ class ConfigError(ValueError):
     """A configuration file or override that cannot be used; the message names field and rule."""
 
 
+# grpc fails at once a call whose timeout is over about 7.5e9 s (DEADLINE_EXCEEDED), and a
+# request's deadline becomes its node calls' timeout: a billion seconds (31 years) is the most.
+MAX_DEADLINE_S = 1e9
+
+
 class _Strict(BaseModel):
     # No infinite (or NaN) numbers: `gt=0` lets .inf through, and an infinite timeout or interval
     # breaks at its first use (a node's registration: OverflowError converting the heartbeat
@@ -232,10 +237,10 @@ class ControlPlaneConfig(_Strict):
     # Places of the admission queue one tenant may hold (at most admission_queue): so that one
     # tenant cannot lock the others out of it.
     admission_queue_per_tenant: int = Field(default=64, ge=1)
-    default_deadline_s: float = Field(default=120.0, gt=0)
+    default_deadline_s: float = Field(default=120.0, gt=0, le=MAX_DEADLINE_S)
     # The longest deadline a client may ask (its gRPC timeout is cut to this): a request holds
     # its queue place, and its pages, until its deadline.
-    max_deadline_s: float = Field(default=3600.0, gt=0)
+    max_deadline_s: float = Field(default=3600.0, gt=0, le=MAX_DEADLINE_S)
     # How long a stopping control plane lets running requests finish before it fails them
     # (SHUTTING_DOWN); the chart's terminationGracePeriodSeconds must exceed it.
     shutdown_grace_s: float = Field(default=25.0, ge=0)

@@ -189,7 +189,7 @@ class Metrics:
             "admissible_limit",
             "Tokens a request may take (prompt + max_new_tokens): the context window, or the "
             "smallest KV pool of the registered nodes when that is smaller (control plane; only "
-            "while both roles have a node registered).",
+            "while both roles have a node registered, from node_timeout_s after start).",
             ["model"],
             namespace=NAMESPACE,
             registry=r,

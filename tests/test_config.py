@@ -132,6 +132,12 @@ def test_missing_file_is_a_clear_error(tmp_path):
             "control_plane.default_deadline_s",
             "finite number",
         ),
+        # so did a finite deadline past what grpc takes as a timeout (about 7.5e9 s)
+        (
+            {"control_plane": {"default_deadline_s": 1e10, "max_deadline_s": 1e10}},
+            "control_plane.default_deadline_s",
+            "less than or equal to 1000000000",
+        ),
         ({"transfer": {"batch_timeout_s": INF}}, "transfer.batch_timeout_s", "finite number"),
         ({"node": {"drain_timeout_s": INF}}, "node.drain_timeout_s", "finite number"),
         # nodes get the interval in whole ms: under 1 ms it was 0, a busy loop of heartbeats

@@ -203,7 +203,7 @@ async def test_the_admissible_limit_gauge_drops_when_a_smaller_node_joins(tmp_pa
     c = await make_cluster(tmp_path)  # context window 256, pools 4096
     try:
         name = c.cp.model.name
-        assert _gauge(c, "kvfence_admissible_limit", model=name) == 256
+        await eventually(lambda: _gauge(c, "kvfence_admissible_limit", model=name) == 256)
         small = FakeNode("decode", "decode-small", c.script, pool_tokens=128)
         assert (await c.add_node(small)).accepted
         assert _gauge(c, "kvfence_admissible_limit", model=name) == 128
@@ -221,23 +221,38 @@ async def test_the_admissible_limit_is_exported_only_while_both_roles_have_a_nod
     """With no node of a role, the gauge said the context window (or one role's pools alone):
     a limit no request got. A control plane that started before its nodes re-registered, or
     lost them all, showed a rise, and KvfenceAdmissibleLimitDropped (the last hour's maximum
-    against now) read their return to the real limit as a drop, for an hour. Control: once
-    both roles have a node the gauge is the smallest pool, and it goes when the last decode
-    node does."""
-    c = await make_cluster(tmp_path, decode_nodes=0, prefill_nodes=0)  # context window 256
+    against now) read their return to the real limit as a drop, for an hour. Nor is it
+    exported before node_timeout_s (2 s here) has passed since start, by when every live node
+    has registered again. Control: once both roles have a node the gauge is the smallest pool,
+    and it goes when the last decode node does."""
+    # context window 256
+    c = await make_cluster(tmp_path, decode_nodes=0, prefill_nodes=0, node_timeout_s=2.0)
+
+    def limit() -> float | None:
+        return _gauge(c, "kvfence_admissible_limit", model=c.cp.model.name)
+
     try:
-        name = c.cp.model.name
-        assert _gauge(c, "kvfence_admissible_limit", model=name) is None
+        first = FakeNode("decode", "decode-big", c.script, pool_tokens=4096)
+        assert (await c.add_node(first)).accepted
+        early = FakeNode("prefill", "prefill-early", c.script, pool_tokens=4096)
+        assert (await c.add_node(early)).accepted
+        # both roles registered at once, but within node_timeout_s of start: not yet
+        assert limit() is None
+        await eventually(lambda: limit() == 256, timeout=5)
+        for node in (first, early):
+            await node.stop_heartbeats()
+        await eventually(lambda: not c.cp.registry.nodes(), timeout=5)
+        assert limit() is None
         decode = FakeNode("decode", "decode-small", c.script, pool_tokens=128)
         assert (await c.add_node(decode)).accepted
-        assert _gauge(c, "kvfence_admissible_limit", model=name) is None  # no prefill yet
+        assert limit() is None  # no prefill yet
         prefill = FakeNode("prefill", "prefill-0", c.script, pool_tokens=4096)
         assert (await c.add_node(prefill)).accepted
-        assert _gauge(c, "kvfence_admissible_limit", model=name) == 128
+        assert limit() == 128
         await decode.stop_heartbeats()
         while c.cp.registry.get("decode-small") is not None:
             await asyncio.sleep(0.05)
-        assert _gauge(c, "kvfence_admissible_limit", model=name) is None
+        assert limit() is None
     finally:
         await c.close()
 
