@@ -136,6 +136,12 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
             else:
                 run.interrupt(Cancelled("the client cancelled the request"))
             raise
+        except Exception:
+            # A write that fails rather than being cancelled (grpc may raise when the client has
+            # gone): nobody reads the rest, so the request must not decode on for no one. After
+            # an abort (the request's own error) the request has ended, and this is a no-op.
+            run.interrupt(Cancelled("the response could not be written: the client has gone"))
+            raise
 
     async def _run(
         self,

@@ -72,6 +72,7 @@ class Script:
     prefill_hold: asyncio.Event | None = None
     decode_hold: asyncio.Event | None = None  # decode waits after verified=true
     release_hold: asyncio.Event | None = None  # decode's Release waits (a node that hangs)
+    tokens_hold: asyncio.Event | None = None  # decode waits after its first tokens
 
     def generated(self, n: int) -> list[int]:
         return [self.tokens[i % len(self.tokens)] for i in range(n)]
@@ -136,6 +137,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer, _NodeTokenFake):
         tokens = self.script.generated(request.sampling.max_new_tokens)
         for i in range(0, len(tokens), 3):
             yield decode_pb2.DecodeResponse(token_ids=tokens[i : i + 3])
+            if i == 0 and self.script.tokens_hold is not None:
+                await self.script.tokens_hold.wait()
         yield decode_pb2.DecodeResponse(finish_reason=self.script.finish_reason)
 
     async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:

@@ -312,3 +312,49 @@ async def test_one_info_line_per_request_and_its_states_at_debug(cluster: Cluste
     assert ok["decode_node"] == "decode-0" and ok["seconds"] > 0
     assert refused["dst"] == "REJECTED" and "OVER_ADMISSIBLE_LIMIT" in refused["reason"]
     assert {e["request_id"] for e in states} >= {ok["request_id"]}
+
+
+@pytest.mark.parametrize("write_fails", [True, False])
+async def test_a_response_write_that_fails_ends_the_request(
+    tmp_path: Path, write_fails: bool
+) -> None:
+    """grpc may fail a write with an error rather than cancel the handler when the client has
+    gone; only a cancel ended the request, so it decoded on, for no one, holding its pages and
+    its tenant's concurrency. Control: writes that succeed get every token."""
+    from kvfence.auth import bearer_metadata
+    from kvfence.proto.kvfence.v1 import client_pb2
+
+    c = await make_cluster(tmp_path)
+    c.script.tokens_hold = asyncio.Event()  # decoding goes on until the test lets it
+    written: list[object] = []
+
+    class Context:
+        def invocation_metadata(self):  # type: ignore[no-untyped-def]
+            return bearer_metadata(c.api_key)
+
+        def time_remaining(self) -> float:
+            return 10.0
+
+        async def write(self, message: object) -> None:
+            if write_fails:
+                raise RuntimeError("the client has gone")
+            written.append(message)
+
+    request = client_pb2.GenerateRequest(token_ids=client_pb2.TokenIds(ids=[10]), max_new_tokens=4)
+    try:
+        handler = asyncio.create_task(c.cp.generation.Generate(request, Context()))
+        await eventually(lambda: "Decode" in c.decode[0].methods(), timeout=5)
+        if write_fails:
+            with pytest.raises(RuntimeError):
+                await asyncio.wait_for(handler, 5)  # the first token's write failed
+            await eventually(lambda: not c.cp.table, timeout=5)  # ended, not decoding on
+            assert "Release" in c.decode[0].methods()
+        else:
+            await eventually(lambda: bool(written), timeout=5)
+            c.script.tokens_hold.set()
+            await asyncio.wait_for(handler, 5)
+            tokens = [t for m in written for t in m.token_ids]  # type: ignore[attr-defined]
+            assert len(tokens) == 4
+    finally:
+        c.script.tokens_hold.set()
+        await c.close()
