@@ -29,6 +29,17 @@ every ``REFUSAL_LOG_INTERVAL_S``.
 
 When the buffer is full the oldest non-security event goes first; security events (see
 ``SECURITY_KINDS``) are dropped only when the buffer holds nothing else. Every drop is counted.
+
+One message the broker always rejects must not block the ones behind it: Mosquitto drops the
+connection of an MQTT 3.1.1 client that sends a packet over its ``max_packet_size``, so re-sending
+the buffer from its oldest event would fail the same way on every connection. Each failed
+connection therefore counts against every event (and node status) it had in flight; one that
+failed before is re-sent alone, acknowledged before anything else goes out; one in flight on
+``MAX_SEND_ATTEMPTS`` failed connections is dropped, counted (``events_dropped_total``) and logged
+as an error naming its kind and seq. An event that cannot be encoded at all (JSON) is dropped and
+counted at once. The reconnect backoff starts over only after a connection made progress (the
+broker acknowledged something new, or it stayed up ``BACKOFF_RESET_AFTER_S``): a broker that
+drops every connection at once is retried ever more slowly, up to ``BACKOFF_MAX_S``.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +86,12 @@ SECURITY_KINDS = frozenset({"integrity_violation", "transfer_failed", "node_refu
 RECENT_SIZE = 1000
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+# A connection that ends without the broker acknowledging anything new (an event, a newer node
+# status) sooner than this after its CONNACK made no progress: the backoff keeps growing.
+BACKOFF_RESET_AFTER_S = 5.0
+# An event (or node status) in flight on this many connections that each failed is dropped: the
+# broker rejects it (Mosquitto disconnects a client whose packet exceeds its max_packet_size).
+MAX_SEND_ATTEMPTS = 3
 PUBLISH_TIMEOUT_S = 5.0
 MAX_IN_FLIGHT = 64
 # Characters a topic level (cluster, node id) must not contain: the separator, the wildcards, NUL.
@@ -422,6 +440,8 @@ class _Buffer:
         self.capacity = capacity
         self.events: dict[int, dict[str, Any]] = {}  # seq -> event; insertion order == seq order
         self._plain: collections.deque[int] = collections.deque()  # non-security seqs, may be stale
+        # seq -> failed connections the event was in flight on (only events that had one)
+        self.failures: dict[int, int] = {}
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -438,6 +458,7 @@ class _Buffer:
             if victim is None:
                 victim = next(iter(self.events))
             del self.events[victim]
+            self.failures.pop(victim, None)
             self.dropped += 1
             dropped = 1
         else:
@@ -447,12 +468,22 @@ class _Buffer:
             self._plain.append(event["seq"])
         return dropped
 
-    def ack(self, seq: int) -> None:
-        self.events.pop(seq, None)
+    def ack(self, seq: int) -> bool:
+        """Forget ``seq`` (acknowledged); False when it was not buffered (any more)."""
+        found = self.events.pop(seq, None) is not None
+        self.failures.pop(seq, None)
         # Drop index entries of events no longer buffered from the front (acks come in about
         # seq order), or the index would grow by one per event for the life of the process.
         while self._plain and self._plain[0] not in self.events:
             self._plain.popleft()
+        return found
+
+    def discard(self, seq: int) -> bool:
+        """Drop ``seq`` undelivered and count it; False when it was not buffered (any more)."""
+        if not self.ack(seq):
+            return False
+        self.dropped += 1
+        return True
 
     def next_from(self, seq: int, end: int) -> dict[str, Any] | None:
         """The first buffered event with ``seq <= event.seq < end``."""
@@ -522,6 +553,14 @@ class EventBus:
         self._status_dirty = False  # set: the status must be (re)published
         self._status_version = 0  # bumped on every change of _status
         self._status_acked = 0  # the newest version the broker acknowledged
+        # failed connections the current status version was in flight on
+        self._status_failures = 0
+        self._status_given_up = 0  # a version dropped after MAX_SEND_ATTEMPTS: not re-sent
+        # On the current connection: event seqs and status versions published and not yet
+        # acknowledged, and whether the broker acknowledged anything new (see _run's backoff).
+        self._in_flight: set[int] = set()
+        self._status_in_flight: set[int] = set()
+        self._progressed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -549,7 +588,8 @@ class EventBus:
 
     @property
     def dropped(self) -> int:
-        """Events dropped because the buffer was full."""
+        """Events dropped undelivered: the buffer was full, the broker kept rejecting them
+        (``MAX_SEND_ATTEMPTS``), or they could not be encoded."""
         return self._buffer.dropped
 
     @property
@@ -604,6 +644,7 @@ class EventBus:
                     **status,
                 }
                 self._status_version += 1
+                self._status_failures = 0  # a new status: its own attempts
                 self._status_dirty = self.mqtt_host is not None
             log.debug("node status", **_log_fields(self._status))
             self._poke()
@@ -632,6 +673,7 @@ class EventBus:
         with self._lock:  # a graceful stop says so; the MQTT will covers the ungraceful one
             self._status = {**json.loads(self._offline_payload()), "ts": time.time()}
             self._status_version += 1
+            self._status_failures = 0
             self._status_dirty = True
         self._poke()
         await self.wait_drained(flush_timeout)
@@ -714,10 +756,14 @@ class EventBus:
                 )
                 async with client:
                     entered = True
+                    connected_at = time.monotonic()
+                    with self._lock:
+                        self._in_flight.clear()
+                        self._status_in_flight.clear()
+                        self._progressed = False
                     self.connected = True
                     self.last_error = None
                     self._refusal_logged = None
-                    backoff = BACKOFF_MIN_S
                     log.info(
                         "event bus connected",
                         host=self.mqtt_host,
@@ -725,7 +771,14 @@ class EventBus:
                         username=_username(self.credentials),
                         tls=self.tls is not None,
                     )
-                    await self._serve_connection(client)
+                    try:
+                        await self._serve_connection(client)
+                    finally:
+                        # Start the backoff over only after progress: a broker that drops every
+                        # connection at once (on one message) must not be retried 20 times a s.
+                        up_s = time.monotonic() - connected_at
+                        if self._progressed or up_s >= BACKOFF_RESET_AFTER_S:
+                            backoff = BACKOFF_MIN_S
             except TlsError as err:  # a TLS file went missing or bad since the start
                 self.last_error = str(err)
                 self._log_refusal("tls_files", err, backoff)
@@ -762,8 +815,10 @@ class EventBus:
         Plain tasks and ``asyncio.wait`` rather than a TaskGroup: on Python 3.11 a TaskGroup can
         leave its parent's cancel count raised, and stop() must always be able to cancel us.
         """
-        with self._lock:
-            self._status_dirty = self._status is not None  # the broker may have lost it
+        with self._lock:  # the broker may have lost it (unless we gave up on this version)
+            self._status_dirty = (
+                self._status is not None and self._status_given_up != self._status_version
+            )
         failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         publishers: set[asyncio.Task[None]] = set()
         watch = asyncio.create_task(_watch_disconnect(client))
@@ -772,6 +827,9 @@ class EventBus:
             done, _ = await asyncio.wait({watch, send, failed}, return_when="FIRST_COMPLETED")
             for fut in done:
                 fut.result()  # raises the MqttError that ended the connection
+        except Exception as err:
+            self._blame_in_flight(err)  # not on a cancel (stop()): that is no failed attempt
+            raise
         finally:
             tasks = [watch, send, *publishers]
             for task in tasks:
@@ -790,19 +848,34 @@ class EventBus:
         assert self._wake is not None and self._idle is not None
         window = asyncio.Semaphore(MAX_IN_FLIGHT)
 
-        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+        def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
             task = asyncio.create_task(coro)
             publishers.add(task)
             task.add_done_callback(lambda t: _on_publish_done(t, publishers, failed))
+            return task
+
+        async def send(publish: Callable[[], Coroutine[Any, Any, None]], alone: bool) -> None:
+            """Publish. ``alone`` (it was in flight on a connection that failed): once nothing
+            else is in flight, and nothing else goes out before its acknowledgement, so that a
+            failure now is blamed on it only, not on the events sent with it."""
+            if alone:
+                while publishers:
+                    await asyncio.wait(set(publishers))
+            await window.acquire()
+            task = spawn(publish())
+            if alone:
+                await asyncio.wait({task})
+                if failed.done():
+                    await failed  # raises what ended the connection
 
         async def send_status() -> None:
             with self._lock:
                 status = self._status if self._status_dirty else None
                 version = self._status_version
+                alone = self._status_failures > 0
                 self._status_dirty = False
             if status is not None:
-                await window.acquire()
-                spawn(self._publish_status(client, status, version, window))
+                await send(lambda: self._publish_status(client, status, version, window), alone)
 
         cursor = self._buffer.first_seq() or self._seq + 1  # everything unacked is re-sent
         while True:
@@ -815,11 +888,11 @@ class EventBus:
                     first = self._buffer.first_seq()
                     cursor = max(cursor, first) if first is not None else self._seq + 1
                     event = self._buffer.next_from(cursor, self._seq + 1)
+                    alone = event is not None and event["seq"] in self._buffer.failures
                 if event is None:
                     break
                 cursor = event["seq"] + 1
-                await window.acquire()
-                spawn(self._publish_event(client, event, window))
+                await send(partial(self._publish_event, client, event, window), alone)
             if self._is_drained():
                 self._idle.set()
             await self._wake.wait()
@@ -827,13 +900,90 @@ class EventBus:
     async def _publish_event(
         self, client: aiomqtt.Client, event: dict[str, Any], window: asyncio.Semaphore
     ) -> None:
+        seq = event["seq"]
         try:
-            await client.publish(event_topic(self.cluster, event["kind"]), _encode(event), qos=1)
+            try:
+                topic, payload = self._event_message(event)
+            except Exception as err:  # it never will be: drop it now, not on every reconnect
+                self._drop(event, "it cannot be encoded", error=type(err).__name__)
+                return
+            with self._lock:
+                self._in_flight.add(seq)
+            await client.publish(topic, payload, qos=1)
         finally:
             window.release()
         with self._lock:
-            self._buffer.ack(event["seq"])
+            self._in_flight.discard(seq)
+            if self._buffer.ack(seq):
+                self._progressed = True
         self._mark_progress()
+
+    def _event_message(self, event: dict[str, Any]) -> tuple[str, bytes]:
+        kind = event["kind"]
+        if not isinstance(kind, str) or any(c in kind for c in TOPIC_RESERVED):
+            raise ValueError("the kind cannot be an MQTT topic level")  # paho would refuse it
+        return event_topic(self.cluster, kind), _encode(event)
+
+    def _drop(self, event: dict[str, Any], why: str, **fields: Any) -> None:
+        """Drop ``event`` undelivered (if still buffered): counted, and one error naming its
+        kind and seq (none of its payload)."""
+        with self._lock:
+            dropped = self._buffer.discard(event["seq"])
+            self._in_flight.discard(event["seq"])
+        if not dropped:
+            return
+        if self.metrics is not None:
+            self.metrics.events_dropped_total.inc()
+        log.error(
+            "event dropped undelivered",
+            kind=str(event.get("kind")),
+            seq=event["seq"],
+            reason=why,
+            pending=self.pending,
+            **fields,
+        )
+        self._mark_progress()
+
+    def _blame_in_flight(self, err: Exception) -> None:
+        """The connection failed: count it against every event and status it had in flight.
+        What reached MAX_SEND_ATTEMPTS is dropped (the broker rejects it, it seems); the
+        rest is re-sent alone on the next connection (see _send_loop)."""
+        doomed: list[dict[str, Any]] = []
+        status_given_up = None
+        with self._lock:
+            for seq in sorted(self._in_flight):
+                event = self._buffer.events.get(seq)
+                if event is None:
+                    continue
+                failures = self._buffer.failures.get(seq, 0) + 1
+                self._buffer.failures[seq] = failures
+                if failures >= MAX_SEND_ATTEMPTS:
+                    doomed.append(event)
+            self._in_flight.clear()
+            if self._status_version in self._status_in_flight:
+                self._status_failures += 1
+                if self._status_failures >= MAX_SEND_ATTEMPTS:
+                    status_given_up = self._status_version
+                    self._status_given_up = status_given_up
+                    self._status_acked = max(self._status_acked, status_given_up)
+                    self._status_dirty = False
+            self._status_in_flight.clear()
+        why = (
+            f"the connection failed each of the {MAX_SEND_ATTEMPTS} times it was sent: the broker "
+            "rejects it (larger than its max_packet_size?)"
+        )
+        # an MqttError says nothing of the payload; another exception's message might
+        error = str(err) if isinstance(err, aiomqtt.MqttError) else type(err).__name__
+        for event in doomed:
+            self._drop(event, why, error=error)
+        if status_given_up is not None:
+            log.error(
+                "node status not delivered",
+                version=status_given_up,
+                reason=why,
+                error=error,
+            )
+            self._mark_progress()
 
     async def _publish_status(
         self,
@@ -843,17 +993,38 @@ class EventBus:
         window: asyncio.Semaphore,
     ) -> None:
         try:
+            try:
+                payload = _encode(status)
+            except Exception as err:  # it never will be: give this version up now
+                with self._lock:
+                    self._status_given_up = max(self._status_given_up, version)
+                    self._status_acked = max(self._status_acked, version)
+                log.error(
+                    "node status not delivered",
+                    version=version,
+                    reason="it cannot be encoded",
+                    error=type(err).__name__,
+                )
+                self._mark_progress()
+                return
+            with self._lock:
+                self._status_in_flight.add(version)
             await client.publish(
-                node_topic(self.cluster, self.node_id), _encode(status), qos=1, retain=True
+                node_topic(self.cluster, self.node_id), payload, qos=1, retain=True
             )
         except BaseException:
             with self._lock:
-                self._status_dirty = True
+                self._status_dirty = self._status_given_up != self._status_version
             raise
         finally:
             window.release()
         with self._lock:
+            self._status_in_flight.discard(version)
+            if version > self._status_acked:
+                self._progressed = True
             self._status_acked = max(self._status_acked, version)
+            if version == self._status_version:
+                self._status_failures = 0
         self._mark_progress()
 
     def _mark_progress(self) -> None:
@@ -977,7 +1148,7 @@ async def follow(
     Re-sent duplicates (same node, seq and ts) are skipped unless ``dedupe`` is False.
     """
     wanted = sorted(set(kinds)) if kinds else ["+"]
-    seen: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
+    seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
     client = _Client(
         host,
         port,
@@ -993,16 +1164,33 @@ async def follow(
             raw = message.payload
             try:
                 event = json.loads(raw if isinstance(raw, bytes | bytearray | str) else str(raw))
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested deeper than Python goes
                 log.warning("undecodable event", topic=str(message.topic))
                 continue
             if not isinstance(event, dict):
                 continue
             if dedupe:
-                key = (event.get("node_id"), event.get("seq"), event.get("ts"))
-                if key in seen:
+                key = _dedupe_key(event)
+                if key is not None and key in seen:
                     continue
-                seen[key] = None
-                if len(seen) > 10 * RECENT_SIZE:
-                    seen.popitem(last=False)
+                if key is not None:
+                    seen[key] = None
+                    if len(seen) > 10 * RECENT_SIZE:
+                        seen.popitem(last=False)
             yield event
+
+
+def _dedupe_key(event: dict[str, Any]) -> Hashable | None:
+    """What tells a re-sent event from a new one: (node_id, seq, ts), as JSON text when one of
+    them is a list or object (unhashable: anyone may publish anything under the topic); None
+    (not deduped) when even that fails."""
+    key = (event.get("node_id"), event.get("seq"), event.get("ts"))
+    try:
+        hash(key)
+        return key
+    except TypeError:
+        pass
+    try:
+        return json.dumps(key, sort_keys=True, default=str)
+    except (ValueError, TypeError, RecursionError):
+        return None

@@ -256,7 +256,7 @@ async def _stream(
     seen = 0
     async for event in follow(cluster, host, port, kinds, credentials=credentials, tls=tls):
         if as_json:
-            typer.echo(json.dumps(event, default=str))
+            typer.echo(_json(event))
         else:
             console.print(format_event(event))
         seen += 1
@@ -265,21 +265,72 @@ async def _stream(
 
 
 def format_event(event: dict[str, Any]) -> str:
-    """One rich-markup line: time, node, seq, kind (red for security kinds), payload."""
-    ts = event.get("ts")
-    when = (
-        dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%H:%M:%S.%f")[:-3]
-        if isinstance(ts, int | float)
-        else "?"
-    )
-    kind = str(event.get("kind", "?"))
+    """One rich-markup line: time, node, seq, kind (red for security kinds), payload.
+
+    Never raises, whatever the event holds (anyone who may publish under the cluster's events
+    topic can send anything): a ts that is no usable time shows as "?", every value is escaped
+    for rich markup, and control characters (a terminal's escape sequences) are shown escaped.
+    """
+    when = _clock(event.get("ts"))
+    kind = _text(event.get("kind", "?"))
     style = "bold red" if kind in SECURITY_KINDS else "cyan"
-    rest = " ".join(
-        f"{k}={json.dumps(v, default=str)}" for k, v in event.items() if k not in _HEADER_FIELDS
+    rest = " ".join(f"{_text(k)}={_json(v)}" for k, v in event.items() if k not in _HEADER_FIELDS)
+    node = _markup(_text(event.get("node_id", "?")), tag_follows=True)
+    seq = _markup(_text(event.get("seq", "?")), tag_follows=False)
+    head = f"{when} [dim]{node}[/dim] #{seq} [{style}]{_markup(kind, tag_follows=True)}[/{style}]"
+    return f"{head} {_markup(rest, tag_follows=False)}".rstrip()
+
+
+def _clock(ts: object) -> str:
+    """``ts`` (seconds since the epoch) as UTC HH:MM:SS.mmm; "?" for anything else (a string, a
+    bool, NaN, a number beyond the years a datetime holds)."""
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        return "?"
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%H:%M:%S.%f")[:-3]
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
+def _text(value: object) -> str:
+    """``value`` as text for the terminal: str() with non-printable characters escaped (ESC
+    would let a publisher drive the operator's terminal); "?" when it cannot be made one."""
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:  # RecursionError (deeply nested), or a str() that fails
+        return "?"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escaped_char(c) for c in text)
+
+
+def _escaped_char(c: str) -> str:
+    code = ord(c)
+    return (
+        f"\\x{code:02x}"
+        if code < 0x100
+        else f"\\u{code:04x}"
+        if code < 0x10000
+        else f"\\U{code:08x}"
     )
-    node = escape(str(event.get("node_id", "?")))
-    head = f"{when} [dim]{node}[/dim] #{event.get('seq', '?')} [{style}]{escape(kind)}[/{style}]"
-    return f"{head} {escape(rest)}".rstrip()
+
+
+def _json(value: object) -> str:
+    """``value`` as JSON (ASCII only: no control characters reach the terminal); "?" when it
+    cannot be encoded (nested too deep)."""
+    try:
+        return json.dumps(value, default=str)
+    except Exception:
+        return "?"
+
+
+def _markup(text: str, *, tag_follows: bool) -> str:
+    """``text`` escaped for rich markup (``rich.markup.escape``), trailing backslashes included:
+    before a tag each must be doubled (``escape`` leaves an even run as it is, which then halves,
+    or with an odd one escapes, the tag), and elsewhere rich shows them as they are."""
+    body = text.rstrip("\\")
+    trailing = len(text) - len(body)
+    return escape(body) + "\\" * (2 * trailing if tag_follows else trailing)
 
 
 def _exit(message: str, code: int) -> NoReturn:

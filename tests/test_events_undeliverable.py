@@ -1,0 +1,283 @@
+"""EventBus and a message the broker always rejects, or that cannot be encoded.
+
+Mosquitto drops the connection of an MQTT 3.1.1 client that sends a packet over its
+``max_packet_size``. The bus re-sent its buffer from the oldest unacknowledged event after every
+reconnect, with no bound, and started its backoff over at every CONNACK: one such event blocked
+every event behind it for good, reconnecting ~20 times a second, with nothing counted as dropped.
+An event that JSON cannot encode looped the same way. Controls: without such a message nothing
+is dropped, and a connection that made progress still starts the backoff over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+import structlog
+from fixtures_mqtt import Mosquitto, free_port
+from test_events import CLUSTER, make_bus, subscriber, wait_until
+
+import kvfence.events as events_mod
+from kvfence.events import BACKOFF_MIN_S, MAX_SEND_ATTEMPTS, node_topic
+from kvfence.metrics import Metrics
+
+EVENTS = f"kvfence/v1/{CLUSTER}/events/#"
+MAX_PACKET = 300
+POISON = "r" * 400  # a node_refused event with this reason is over MAX_PACKET bytes
+
+
+@contextmanager
+def small_packet_broker() -> Iterator[Mosquitto]:
+    """Mosquitto that disconnects an MQTT 3.1.1 client sending a packet over MAX_PACKET bytes."""
+    with tempfile.TemporaryDirectory(prefix="kvfence-mqtt-") as tmp:
+        Path(tmp).chmod(0o755)
+        broker = Mosquitto(free_port(), Path(tmp))
+        broker.conf.write_text(broker.conf.read_text() + f"max_packet_size {MAX_PACKET}\n")
+        broker.start()
+        try:
+            yield broker
+        finally:
+            broker.stop()
+
+
+async def collect(sub: aiomqtt.Client, seqs: set[int], timeout: float = 5.0) -> list[int]:
+    """The seqs ``sub`` receives until it has seen all of ``seqs`` (re-sends included)."""
+    out: list[int] = []
+
+    async def run() -> None:
+        async for message in sub.messages:
+            assert isinstance(message.payload, bytes)
+            out.append(json.loads(message.payload)["seq"])
+            if seqs <= set(out):
+                return
+
+    await asyncio.wait_for(run(), timeout)
+    return out
+
+
+def named(logs: list[MutableMapping[str, Any]], event: str) -> list[MutableMapping[str, Any]]:
+    return [entry for entry in logs if entry["event"] == event]
+
+
+def lost_connections(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
+    """The "event bus disconnected" lines of connections that were up (the same line also
+    says that a connect attempt failed)."""
+    out, up = [], False
+    for entry in logs:
+        if entry["event"] == "event bus connected":
+            up = True
+        elif entry["event"] == "event bus disconnected" and up:
+            out.append(entry)
+            up = False
+    return out
+
+
+def dropped_metric(metrics: Metrics) -> bytes:
+    line = [
+        ln for ln in metrics.render().splitlines() if ln.startswith(b"kvfence_events_dropped_total")
+    ]
+    assert len(line) == 1
+    return line[0].split()[-1]
+
+
+@pytest.mark.parametrize("poisoned", [True, False])
+async def test_an_event_the_broker_rejects_is_dropped_and_the_ones_around_it_delivered(
+    poisoned: bool,
+) -> None:
+    """The event over the broker's packet limit is dropped after MAX_SEND_ATTEMPTS failed
+    connections, counted and logged once (kind and seq, not its payload); the events emitted
+    before and after it are delivered, and the reconnects slow down meanwhile.
+    Control (poisoned=False): the same events without it: one connection, nothing dropped."""
+    metrics = Metrics("test")
+    with small_packet_broker() as broker:
+        async with subscriber(broker, EVENTS) as sub:
+            bus = make_bus(broker, metrics=metrics)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    bus.publish_node_status({"role": "decode"})
+                    assert await bus.wait_drained(5)
+                    t0 = time.monotonic()
+                    small = [bus.emit("node_joined", node="ok0")]
+                    if poisoned:
+                        poison = bus.emit("node_refused", node="x", role="decode", reason=POISON)
+                    small += [bus.emit("node_joined", node=f"ok{i}") for i in (1, 2, 3)]
+                    got = await collect(sub, set(small))
+                    assert await bus.wait_drained(5)
+                    elapsed = time.monotonic() - t0
+                finally:
+                    await bus.stop()
+    assert sorted(set(got)) == small and got == sorted(got)  # in order, re-sends included
+    assert bus.pending == 0
+    connects = named(logs, "event bus connected")
+    disconnects = lost_connections(logs)
+    errors = [entry for entry in logs if entry["log_level"] == "error"]
+    if not poisoned:
+        assert bus.dropped == 0 and dropped_metric(metrics) == b"0.0"
+        assert len(connects) == 1 and not disconnects and not errors
+        return
+    assert bus.dropped == 1 and dropped_metric(metrics) == b"1.0"
+    # one try per failed connection, then the events behind it went out on the next one
+    assert len(connects) == MAX_SEND_ATTEMPTS + 1, connects
+    # the backoff grew: no progress on those connections (was 0.05 s every time). (The first
+    # two may both say 0.05: when ok0's PUBACK was lost with the connection, the second one
+    # delivered it before it tried the big event alone, and that is progress.)
+    retries = [d["retry_in_s"] for d in disconnects]
+    assert retries in ([0.05, 0.1, 0.2], [0.05, 0.05, 0.1]), retries
+    assert elapsed < 3.0
+    (error,) = errors
+    assert error["event"] == "event dropped undelivered"
+    assert error["kind"] == "node_refused" and error["seq"] == poison
+    assert "rrrr" not in repr(error)  # never the payload
+
+
+async def test_a_broker_that_rejects_an_event_is_retried_ever_more_slowly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(The backoff on its own: the event is never given up on here.) A connection that ends
+    before the broker acknowledged anything new makes no progress, so the backoff keeps
+    growing up to BACKOFF_MAX_S: the bus reconnected every 0.05 s, ~20 times a second."""
+    monkeypatch.setattr(events_mod, "MAX_SEND_ATTEMPTS", 1000)
+    monkeypatch.setattr(events_mod, "BACKOFF_MAX_S", 0.4)
+    with small_packet_broker() as broker:
+        bus = make_bus(broker)
+        with structlog.testing.capture_logs() as logs:
+            await bus.start()
+            try:
+                await wait_until(lambda: bus.connected)
+                bus.emit("node_refused", node="x", role="decode", reason=POISON)
+                await asyncio.sleep(1.5)
+                before_stop = list(logs)  # (stop's offline status is progress)
+            finally:
+                await bus.stop(0.1)
+    retries = [d["retry_in_s"] for d in lost_connections(before_stop)]
+    assert retries[:4] == [0.05, 0.1, 0.2, 0.4], retries
+    assert set(retries[3:]) == {0.4}
+    assert len(retries) <= 7, retries  # 1.5 s: 0.05 + 0.1 + 0.2 + 0.4 + 0.4 + ...
+    assert bus.pending == 1 and bus.dropped == 0
+
+
+async def test_a_connection_that_made_progress_starts_the_backoff_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control for the above: after the backoff grew (the broker down), a connection on which the
+    broker acknowledged an event, or that stayed up BACKOFF_RESET_AFTER_S, ends with the backoff
+    at its minimum again, as before."""
+    monkeypatch.setattr(events_mod, "BACKOFF_RESET_AFTER_S", 0.5)
+    with small_packet_broker() as broker:
+        broker.stop()
+        bus = make_bus(broker)
+        with structlog.testing.capture_logs() as logs:
+            await bus.start()
+            try:
+                for progress in ("ack", "uptime"):
+                    await asyncio.sleep(0.6)  # connect attempts fail: the backoff grows
+                    broker.start()
+                    await wait_until(lambda: bus.connected)
+                    if progress == "ack":
+                        bus.emit("node_joined", node="ok")
+                        assert await bus.wait_drained(5)
+                    else:
+                        await asyncio.sleep(0.7)  # nothing to acknowledge; up long enough
+                    broker.stop()
+                    await wait_until(lambda: not bus.connected)
+            finally:
+                await bus.stop(0.1)
+    grown = [d["retry_in_s"] for d in named(logs, "event bus disconnected")]
+    assert max(grown) >= 0.4, grown  # the backoff had grown while the broker was down
+    retries = [d["retry_in_s"] for d in lost_connections(logs)]
+    assert retries == [BACKOFF_MIN_S, BACKOFF_MIN_S], retries
+    assert bus.dropped == 0
+
+
+async def test_a_node_status_the_broker_rejects_is_given_up_and_events_flow() -> None:
+    """The node status goes first on every connection: one over the broker's limit blocked every
+    event. It is given up after MAX_SEND_ATTEMPTS (an error); the events are delivered, and the
+    next status (a small one) is published again."""
+    with small_packet_broker() as broker:
+        async with subscriber(broker, EVENTS) as sub:
+            bus = make_bus(broker)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    bus.publish_node_status({"role": "decode", "pad": POISON})
+                    small = [bus.emit("node_joined", node=f"ok{i}") for i in range(3)]
+                    await collect(sub, set(small))
+                    assert await bus.wait_drained(5)
+                    bus.publish_node_status({"role": "decode", "free_pages": 3})
+                    assert await bus.wait_drained(5)
+                    async with subscriber(broker, node_topic(CLUSTER, "node-a")) as nodes:
+                        message = await asyncio.wait_for(anext(aiter(nodes.messages)), 5)
+                finally:
+                    await bus.stop()
+    assert isinstance(message.payload, bytes) and b'"free_pages":3' in message.payload
+    assert bus.dropped == 0 and bus.pending == 0
+    (error,) = [entry for entry in logs if entry["log_level"] == "error"]
+    assert error["event"] == "node status not delivered" and "rrrr" not in repr(error)
+    assert len(named(logs, "event bus connected")) == MAX_SEND_ATTEMPTS + 1
+
+
+async def test_an_event_that_cannot_be_encoded_is_dropped_at_once() -> None:
+    """A payload JSON cannot encode (a key that is not a string), or a kind that cannot be a
+    topic level, is dropped and counted at once: it raised in the publisher, which reconnected
+    and tried again, forever. Control: values ``default=str`` encodes still go out."""
+    metrics = Metrics("test")
+    with small_packet_broker() as broker:
+        async with subscriber(broker, EVENTS) as sub:
+            bus = make_bus(broker, metrics=metrics)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    await wait_until(lambda: bus.connected)
+                    bad = bus.emit("node_joined", pages={(1, 2): 3})
+                    bad_kind = bus.emit("node+joined")
+                    bus.publish_node_status({"pages": {(1, 2): 3}})
+                    ok = bus.emit("node_joined", path=Path("/x"))
+                    got = await collect(sub, {ok})
+                    assert await bus.wait_drained(5)
+                finally:
+                    await bus.stop()
+    assert got == [ok]
+    assert bus.dropped == 2 and bus.pending == 0 and dropped_metric(metrics) == b"2.0"
+    assert len(named(logs, "event bus connected")) == 1
+    assert not named(logs, "event bus publisher failed")
+    dropped = named(logs, "event dropped undelivered")
+    assert [(d["seq"], d["kind"]) for d in dropped] == [
+        (bad, "node_joined"),
+        (bad_kind, "node+joined"),
+    ]
+    assert len(named(logs, "node status not delivered")) == 1
+
+
+async def test_broker_restarts_with_events_in_flight_drop_nothing() -> None:
+    """Control: a broker killed twice while a backlog is in flight is no reason to drop events
+    (an event is given up only after MAX_SEND_ATTEMPTS failed connections, and after its first
+    one it goes out alone); the whole backlog is delivered once the broker stays up."""
+    with small_packet_broker() as broker:
+        bus = make_bus(broker, buffer_size=50_000)
+        with structlog.testing.capture_logs() as logs:
+            await bus.start()
+            try:
+                await wait_until(lambda: bus.connected)
+                seqs = [bus.emit("node_joined", node=f"n{i}") for i in range(20_000)]
+                for _ in range(MAX_SEND_ATTEMPTS - 1):
+                    await wait_until(lambda: bus.connected)
+                    await asyncio.sleep(0.05)  # the publisher is busy with the backlog
+                    broker.stop()
+                    await wait_until(lambda: not bus.connected)
+                    broker.start()
+                assert await bus.wait_drained(20)
+            finally:
+                await bus.stop()
+    lost = lost_connections(logs)
+    assert len(lost) == MAX_SEND_ATTEMPTS - 1 and all(d["pending"] > 0 for d in lost), lost
+    assert seqs[-1] == 20_000 and bus.pending == 0 and bus.dropped == 0
+    assert not [entry for entry in logs if entry["log_level"] == "error"]
