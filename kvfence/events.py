@@ -32,12 +32,14 @@ When the buffer is full the oldest non-security event goes first; security event
 
 One message the broker always rejects must not block the ones behind it: Mosquitto drops the
 connection of an MQTT 3.1.1 client that sends a packet over its ``max_packet_size``, so re-sending
-the buffer from its oldest event would fail the same way on every connection. Each failed
-connection therefore counts against every event (and node status) it had in flight; one that
-failed before is re-sent alone, acknowledged before anything else goes out; one in flight on
-``MAX_SEND_ATTEMPTS`` failed connections is dropped, counted (``events_dropped_total``) and logged
-as an error naming its kind and seq. An event that cannot be encoded at all (JSON) is dropped and
-counted at once. The reconnect backoff starts over only after a connection made progress (the
+the buffer from its oldest event would fail the same way on every connection. Each connection the
+broker closed therefore counts against every event (and node status not yet acknowledged) it had
+in flight; one that timed out (no answer: a stalled broker or path) counts against nothing. One
+that failed before is re-sent alone, acknowledged before anything else goes out; one in flight on
+``MAX_SEND_ATTEMPTS`` such connections is dropped, counted (``events_dropped_total``) and logged as
+an error naming its kind and seq, except a security event: that is cut to its header (kind, seq,
+ts, node, ``truncated: true``, ``original_bytes``) and sent so, and dropped only if that fails as
+often. An event that cannot be encoded at all (JSON) is dropped and counted at once. The reconnect backoff starts over only after a connection made progress (the
 broker acknowledged something new, or it stayed up ``BACKOFF_RESET_AFTER_S``): a broker that
 drops every connection at once is retried ever more slowly, up to ``BACKOFF_MAX_S``.
 """
@@ -779,6 +781,11 @@ class EventBus:
                         up_s = time.monotonic() - connected_at
                         if self._progressed or up_s >= BACKOFF_RESET_AFTER_S:
                             backoff = BACKOFF_MIN_S
+                            # A status given up on is tried again once the broker works: it
+                            # may have failed only because of what was sent alongside it.
+                            with self._lock:
+                                self._status_given_up = 0
+                                self._status_failures = 0
             except TlsError as err:  # a TLS file went missing or bad since the start
                 self.last_error = str(err)
                 self._log_refusal("tls_files", err, backoff)
@@ -949,18 +956,38 @@ class EventBus:
         What reached MAX_SEND_ATTEMPTS is dropped (the broker rejects it, it seems); the
         rest is re-sent alone on the next connection (see _send_loop)."""
         doomed: list[dict[str, Any]] = []
+        cut: list[dict[str, Any]] = []
         status_given_up = None
         with self._lock:
+            if _timed_out(err):
+                # No answer in time (a slow or stalled broker, a lossy path): nothing says the
+                # broker refused what was in flight, and blaming it would drop innocent events
+                # (security ones included) over an ordinary outage.
+                self._in_flight.clear()
+                self._status_in_flight.clear()
+                return
             for seq in sorted(self._in_flight):
                 event = self._buffer.events.get(seq)
                 if event is None:
                     continue
                 failures = self._buffer.failures.get(seq, 0) + 1
                 self._buffer.failures[seq] = failures
-                if failures >= MAX_SEND_ATTEMPTS:
+                if failures < MAX_SEND_ATTEMPTS:
+                    continue
+                if event["kind"] in SECURITY_KINDS and not event.get("truncated"):
+                    # The audit trail keeps a record of it: its header, marked truncated, with
+                    # attempts of its own; only that failing too drops it.
+                    stub = _truncated(event)
+                    self._buffer.events[seq] = stub
+                    self._buffer.failures[seq] = 0
+                    cut.append(stub)
+                else:
                     doomed.append(event)
             self._in_flight.clear()
-            if self._status_version in self._status_in_flight:
+            if (
+                self._status_version in self._status_in_flight
+                and self._status_version > self._status_acked  # an acknowledged one, re-sent
+            ):
                 self._status_failures += 1
                 if self._status_failures >= MAX_SEND_ATTEMPTS:
                     status_given_up = self._status_version
@@ -974,6 +1001,14 @@ class EventBus:
         )
         # an MqttError says nothing of the payload; another exception's message might
         error = str(err) if isinstance(err, aiomqtt.MqttError) else type(err).__name__
+        for event in cut:
+            log.error(
+                "event truncated undelivered",
+                kind=str(event.get("kind")),
+                seq=event["seq"],
+                reason=why,
+                error=error,
+            )
         for event in doomed:
             self._drop(event, why, error=error)
         if status_given_up is not None:
@@ -1119,6 +1154,26 @@ async def _watch_disconnect(client: aiomqtt.Client) -> None:
     # so this is the public way to learn about a disconnect while no publish is outstanding.
     async for _ in client.messages:
         pass
+
+
+def _timed_out(err: BaseException) -> bool:
+    """aiomqtt's "no answer in time" (a publish or the CONNACK not acknowledged within its
+    timeout), as opposed to the broker closing the connection."""
+    return isinstance(err, aiomqtt.MqttError) and str(err) == "Operation timed out"
+
+
+def _truncated(event: dict[str, Any]) -> dict[str, Any]:
+    """A security event the broker kept rejecting, cut to its header: what happened, where and
+    when, without the fields that made it too large."""
+    stub: dict[str, Any] = {
+        k: event[k] for k in ("seq", "ts", "kind", "cluster", "node_id") if k in event
+    }
+    stub["truncated"] = True
+    try:
+        stub["original_bytes"] = len(_encode(event))
+    except Exception:  # an event that cannot be encoded at all: its size is unknown
+        stub["original_bytes"] = -1
+    return stub
 
 
 def _encode(obj: dict[str, Any]) -> bytes:

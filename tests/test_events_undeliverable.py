@@ -31,7 +31,7 @@ from kvfence.metrics import Metrics
 
 EVENTS = f"kvfence/v1/{CLUSTER}/events/#"
 MAX_PACKET = 300
-POISON = "r" * 400  # a node_refused event with this reason is over MAX_PACKET bytes
+POISON = "r" * 400  # an event with this field is over MAX_PACKET bytes
 
 
 @contextmanager
@@ -108,7 +108,7 @@ async def test_an_event_the_broker_rejects_is_dropped_and_the_ones_around_it_del
                     t0 = time.monotonic()
                     small = [bus.emit("node_joined", node="ok0")]
                     if poisoned:
-                        poison = bus.emit("node_refused", node="x", role="decode", reason=POISON)
+                        poison = bus.emit("node_left", node="x", role="decode", reason=POISON)
                     small += [bus.emit("node_joined", node=f"ok{i}") for i in (1, 2, 3)]
                     got = await collect(sub, set(small))
                     assert await bus.wait_drained(5)
@@ -135,7 +135,7 @@ async def test_an_event_the_broker_rejects_is_dropped_and_the_ones_around_it_del
     assert elapsed < 3.0
     (error,) = errors
     assert error["event"] == "event dropped undelivered"
-    assert error["kind"] == "node_refused" and error["seq"] == poison
+    assert error["kind"] == "node_left" and error["seq"] == poison
     assert "rrrr" not in repr(error)  # never the payload
 
 
@@ -153,7 +153,7 @@ async def test_a_broker_that_rejects_an_event_is_retried_ever_more_slowly(
             await bus.start()
             try:
                 await wait_until(lambda: bus.connected)
-                bus.emit("node_refused", node="x", role="decode", reason=POISON)
+                bus.emit("node_left", node="x", role="decode", reason=POISON)
                 await asyncio.sleep(1.5)
                 before_stop = list(logs)  # (stop's offline status is progress)
             finally:
@@ -281,3 +281,82 @@ async def test_broker_restarts_with_events_in_flight_drop_nothing() -> None:
     assert len(lost) == MAX_SEND_ATTEMPTS - 1 and all(d["pending"] > 0 for d in lost), lost
     assert seqs[-1] == 20_000 and bus.pending == 0 and bus.dropped == 0
     assert not [entry for entry in logs if entry["log_level"] == "error"]
+
+
+async def test_a_security_event_the_broker_rejects_is_delivered_cut_to_its_header() -> None:
+    """An integrity_violation over the broker's packet limit was dropped like any event: the
+    audit trail lost the one kind of record it exists for. It is cut to its header (kind, seq,
+    ts, node, ``truncated``) and delivered; the events around it too. The control is the test
+    above: an ordinary event over the limit is dropped."""
+    with small_packet_broker() as broker:
+        async with subscriber(broker, EVENTS) as sub:
+            bus = make_bus(broker)
+            with structlog.testing.capture_logs() as logs:
+                await bus.start()
+                try:
+                    before = bus.emit("node_joined", node="ok0")
+                    big = bus.emit("integrity_violation", check="MAC", detail=POISON)
+                    after = bus.emit("node_joined", node="ok1")
+                    received: dict[int, dict[str, Any]] = {}
+
+                    async def run() -> None:
+                        async for message in sub.messages:
+                            assert isinstance(message.payload, bytes)
+                            event = json.loads(message.payload)
+                            received[event["seq"]] = event
+                            if {before, big, after} <= set(received):
+                                return
+
+                    await asyncio.wait_for(run(), 10)
+                    assert await bus.wait_drained(5)
+                finally:
+                    await bus.stop()
+    stub = received[big]
+    assert stub["kind"] == "integrity_violation" and stub["truncated"] is True
+    assert stub["original_bytes"] > MAX_PACKET and "detail" not in stub
+    assert bus.dropped == 0 and bus.pending == 0
+    (error,) = [entry for entry in logs if entry["log_level"] == "error"]
+    assert error["event"] == "event truncated undelivered" and error["seq"] == big
+
+
+@pytest.mark.parametrize("broken", ["timed_out", "closed"])
+async def test_only_a_connection_the_broker_closed_counts_against_what_was_in_flight(
+    broken: str,
+) -> None:
+    """A publish that got no answer in time (a stalled broker or path) counted against every
+    event in flight like a broker closing the connection on one: after three such stalls an
+    integrity_violation, or any event, was dropped over an ordinary outage. A timeout counts
+    against nothing now. Control: a connection the broker closed, each time with the event in
+    flight, drops an ordinary event after MAX_SEND_ATTEMPTS."""
+    bus = make_bus(port=1)  # never started: the bookkeeping alone
+    bus._idle, bus._wake = asyncio.Event(), asyncio.Event()
+    seq = bus.emit("node_joined", node="n")
+    err = aiomqtt.MqttError(
+        "Operation timed out" if broken == "timed_out" else "Disconnected during message iteration"
+    )
+    for _ in range(MAX_SEND_ATTEMPTS):
+        bus._in_flight.add(seq)
+        bus._blame_in_flight(err)
+    if broken == "timed_out":
+        assert bus.pending == 1 and bus.dropped == 0
+    else:
+        assert bus.pending == 0 and bus.dropped == 1
+
+
+@pytest.mark.parametrize("acknowledged", [True, False])
+async def test_a_node_status_the_broker_acknowledged_is_never_given_up(acknowledged: bool) -> None:
+    """The status is re-sent at the start of every connection, acknowledged or not, and each
+    failed connection counted against it: an acknowledged status was given up for good after
+    three outages, and after a broker restart (no persistence) the node had none. Control: one
+    never acknowledged is given up after MAX_SEND_ATTEMPTS."""
+    bus = make_bus(port=1)
+    bus._idle, bus._wake = asyncio.Event(), asyncio.Event()
+    bus.publish_node_status({"role": "decode"})
+    version = bus._status_version
+    if acknowledged:
+        bus._status_acked = version
+    err = aiomqtt.MqttError("Disconnected during message iteration")
+    for _ in range(MAX_SEND_ATTEMPTS):
+        bus._status_in_flight.add(version)
+        bus._blame_in_flight(err)
+    assert bus._status_given_up == (0 if acknowledged else version)
