@@ -18,11 +18,15 @@ survive upgrades *and rollbacks*: an operator who rolls back a release must stil
 up the live database and restore a backup the later release took, and a later release must open
 and restore what an earlier one wrote. Versions:
 
-- 0: a database from before versioning (releases before this one): ``tenants`` and ``api_keys``,
+- 0: a database from before versioning (releases before schema 1): ``tenants`` and ``api_keys``,
   and ``model_access`` if the release that wrote it saved the kill switch (the release just before
-  this one did, and created the same three tables as this one; earlier releases did not have it).
-- 1 (this release): ``tenants``, ``api_keys`` and ``model_access``, always (a TenantStore adds
-  ``model_access`` to a version-0 database that lacks it).
+  schema 1 did, and created the same three tables as schema 1; earlier releases did not have it).
+- 1 (the first versioned release): ``tenants``, ``api_keys`` and ``model_access``, always (a
+  TenantStore adds ``model_access`` to a version-0 database that lacks it).
+- 2 (this release): those, and ``database_identity``: one row, the database's random id and its
+  creation time, made once with the table (in a new database, or by a TenantStore opening an older
+  one) and never changed. A backup is a page copy, so it carries the id: :func:`restore` refuses,
+  unless told otherwise, a backup of another database over one that holds tenants.
 
 :class:`TenantStore` sets ``user_version`` to :data:`SCHEMA_VERSION` when it creates or upgrades a
 database, never lowers it (a database a later release wrote opens and works, with a warning), and
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import enum
 import fcntl
 import hashlib
 import io
@@ -58,6 +63,7 @@ import socket
 import sqlite3
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,14 +102,22 @@ CREATE TABLE IF NOT EXISTS model_access (
     reason TEXT NOT NULL DEFAULT '',
     since TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS database_identity (
+    singleton INTEGER PRIMARY KEY CHECK (singleton = 1),
+    database_id TEXT NOT NULL,
+    created_at TEXT NOT NULL
+);
 """
 # Tables of _SCHEMA that older releases did not create, each with the schema version from which
 # every database has it: a database (a backup) below that version may lack it and is still a tenant
 # database (opening it in a TenantStore adds the table); one at or above it may not.
-_ADDED_TABLES = {"model_access": 1}
+_ADDED_TABLES = {"model_access": 1, "database_identity": 2}
 # The schema version this release writes in PRAGMA user_version (see the module's docstring for
 # the versions and the rule every later release must follow: additive changes only).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# The first schema whose databases carry an id (database_identity): a database or backup of an
+# older one has none until a TenantStore opens it.
+IDENTITY_SCHEMA = _ADDED_TABLES["database_identity"]
 
 
 class AlreadyExists(KvfenceError):
@@ -117,6 +131,36 @@ class StateDirInUse(RuntimeError):
 
 class NotATenantDatabase(ValueError):
     """A file offered for restore is not a sound kvfence tenant database."""
+
+
+@dataclass(frozen=True)
+class DatabaseIdentity:
+    """A tenant database's id (random, made with the database: its backups carry it) and when it
+    was made (UTC, :data:`UTC_FORMAT`)."""
+
+    database_id: str
+    created_at: str
+
+
+class AnotherDatabase(ValueError):
+    """A backup offered for restore is of another tenant database than the state directory's,
+    which holds tenants: restored, the other database's tenants and keys would serve here and
+    these would be refused. :func:`restore` refuses it unless ``from_another_database``."""
+
+    def __init__(
+        self, name: str, backup: DatabaseIdentity, current: DatabaseIdentity, tenants: int
+    ):
+        self.backup = backup
+        self.current = current
+        super().__init__(
+            f"{name} is a backup of another tenant database (id {backup.database_id}, created "
+            f"{backup.created_at}) than the one it would replace (id {current.database_id}, "
+            f"created {current.created_at}, {tenants} tenants): restored, that database's tenants "
+            "and keys would work here and these would be refused. Restore a backup of this "
+            "database; or, if replacing it is meant (moving tenants from another state "
+            "directory, or a database started afresh after the volume was lost), pass "
+            "--from-another-database (the replaced database is kept as tenants.sqlite3.bak-<time>)"
+        )
 
 
 @dataclass(frozen=True)
@@ -231,6 +275,8 @@ class TenantStore:
             # The schema version the database says it has (0: from before versioning); never
             # lowered. A later release's database opens and works: what it added is not used.
             self.schema_version = self._upgrade()
+            # The database's id, made with it (or by the upgrade above) and never changed.
+            self.identity = _identity(self._db)
             if self.schema_version > SCHEMA_VERSION:
                 log.warning(
                     newer_schema_note(self.schema_version, "the tenant database"),
@@ -244,9 +290,10 @@ class TenantStore:
 
     def _upgrade(self) -> int:
         """Create the tables of this release's schema that the database lacks (a new database, or
-        one of an older release) and raise its user_version to :data:`SCHEMA_VERSION`, in one
-        transaction; returns the version it had. NotATenantDatabase, changing nothing, when it is
-        not a database this release can use (:func:`_schema_problems`)."""
+        one of an older release), give it its id if it has none (``database_identity`` was just
+        made) and raise its user_version to :data:`SCHEMA_VERSION`, in one transaction; returns
+        the version it had. NotATenantDatabase, changing nothing, when it is not a database this
+        release can use (:func:`_schema_problems`)."""
         found = _user_version(self._db)
         self._db.execute("BEGIN IMMEDIATE")
         try:
@@ -259,6 +306,13 @@ class TenantStore:
             problems = _schema_problems(self._db, found)
             if problems:
                 raise NotATenantDatabase(_not_tenant_db(str(self.path), self._db, problems, found))
+            if _identity(self._db) is None:
+                # Only ever into an empty table: an id, once made, is never changed.
+                self._db.execute(
+                    "INSERT INTO database_identity (singleton, database_id, created_at) "
+                    "VALUES (1, ?, ?)",
+                    (uuid.uuid4().hex, utc_now()),
+                )
             if found < SCHEMA_VERSION:
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except BaseException:
@@ -482,6 +536,45 @@ def _user_version(db: sqlite3.Connection) -> int:
     return int(db.execute("PRAGMA user_version").fetchone()[0])
 
 
+def _identity(db: sqlite3.Connection) -> DatabaseIdentity | None:
+    """``db``'s id; None when it has none (a database of a schema before
+    :data:`IDENTITY_SCHEMA`, which a TenantStore has not opened)."""
+    if "database_identity" not in _table_names(db):
+        return None
+    row = db.execute(
+        "SELECT database_id, created_at FROM database_identity ORDER BY singleton LIMIT 1"
+    ).fetchone()
+    return None if row is None else DatabaseIdentity(str(row[0]), str(row[1]))
+
+
+def read_identity(path: Path) -> DatabaseIdentity | None:
+    """The id of the tenant database file ``path`` (read-only, :func:`_read_only`); None when it
+    has none. sqlite3.Error when it cannot be read."""
+    with _read_only(path) as db:
+        return _identity(db)
+
+
+@contextmanager
+def _read_only(path: Path) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to the database file ``path``, the -wal's committed changes
+    included, that leaves the files as they were: it does not checkpoint the -wal on close, and
+    the empty -wal and the -shm it makes on a WAL database where there were none are removed
+    again. Only where no other connection can have them open (no control plane runs on it)."""
+    wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+    made = [p for p in (wal, shm) if not p.exists()]
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            yield db
+        finally:
+            db.close()
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                if p is shm or p.stat().st_size == 0:
+                    p.unlink()
+
+
 @dataclass(frozen=True)
 class _Column:
     type: str  # declared type, upper case
@@ -670,6 +763,7 @@ class TenantDatabase:
     tenants: int
     keys: int
     schema_version: int  # its PRAGMA user_version: 0 before versioning, see SCHEMA_VERSION
+    identity: DatabaseIdentity | None = None  # None: from before ids (IDENTITY_SCHEMA)
 
     @property
     def newer(self) -> bool:
@@ -704,7 +798,7 @@ def check_database(path: Path, name: str | None = None) -> TenantDatabase:
             raise NotATenantDatabase(_not_tenant_db(name, db, problems, version))
         tenants = db.execute("SELECT count(*) FROM tenants").fetchone()[0]
         keys = db.execute("SELECT count(*) FROM api_keys").fetchone()[0]
-        return TenantDatabase(int(tenants), int(keys), version)
+        return TenantDatabase(int(tenants), int(keys), version, _identity(db))
     except sqlite3.DatabaseError as err:
         raise NotATenantDatabase(f"{name} is not a usable SQLite database: {err}") from None
     finally:
@@ -729,6 +823,20 @@ def read_model_access(path: Path) -> tuple[SavedAccess, ...] | None:
         return None
 
 
+class IdentityCheck(enum.Enum):
+    """How :func:`restore` compared the backup's database id with the replaced database's."""
+
+    SAME = "same"  # a backup of the database it replaced
+    NO_DATABASE = "no database"  # nothing was replaced
+    # The replaced one held no tenant (a control plane started on an empty volume before the
+    # restore): no tenant of it to lock out.
+    NO_TENANTS = "no tenants"
+    UNREADABLE = "unreadable"  # the replaced one could not be read (damaged): not compared
+    BACKUP_WITHOUT_ID = "backup without id"  # the backup is from before ids: not compared
+    DATABASE_WITHOUT_ID = "database without id"  # the replaced one is from before ids: not compared
+    ANOTHER_DATABASE = "another database"  # ids differ: restored with from_another_database
+
+
 @dataclass(frozen=True)
 class Restored:
     path: Path  # the restored database
@@ -742,19 +850,85 @@ class Restored:
     # The restored database's schema version (PRAGMA user_version, kept as it was): above
     # SCHEMA_VERSION when a later release wrote it (``newer``).
     schema_version: int = SCHEMA_VERSION
+    # The restored database's id (the backup's; None: a backup from before ids, which gets one when
+    # a TenantStore opens it), the replaced database's (None: there was none, or it had none or
+    # could not be read), and what the restore made of the two.
+    identity: DatabaseIdentity | None = None
+    replaced_identity: DatabaseIdentity | None = None
+    identity_check: IdentityCheck = IdentityCheck.SAME
 
     @property
     def newer(self) -> bool:
         return self.schema_version > SCHEMA_VERSION
 
 
+@dataclass(frozen=True)
+class _Replaced:
+    """What the state directory's database holds before a restore replaces it."""
+
+    tenants: int | None  # None: it could not be read
+    identity: DatabaseIdentity | None
+
+
+def _replaced(db_path: Path) -> _Replaced:
+    """Read-only (:func:`_read_only`): a database that is not replaced (the restore is refused)
+    stays as it was."""
+    try:
+        with _read_only(db_path) as db:
+            tenants = 0  # a file without the table (empty: a start that died) holds no tenant
+            if "tenants" in _table_names(db):
+                tenants = int(db.execute("SELECT count(*) FROM tenants").fetchone()[0])
+            return _Replaced(tenants, _identity(db))
+    except sqlite3.Error:
+        return _Replaced(None, None)
+
+
+def _identity_check(
+    name: str, backup: DatabaseIdentity | None, replaced: _Replaced | None, override: bool
+) -> IdentityCheck:
+    """Whether ``backup`` (the id of the backup called ``name``) may replace ``replaced`` (the
+    state directory's database; None: there is none). :class:`AnotherDatabase` when both carry
+    ids, they differ, the replaced one holds tenants and not ``override``."""
+    if replaced is None:
+        return IdentityCheck.NO_DATABASE
+    if replaced.tenants is None:
+        return IdentityCheck.UNREADABLE
+    if replaced.tenants == 0:
+        return IdentityCheck.NO_TENANTS
+    if backup is None:
+        return IdentityCheck.BACKUP_WITHOUT_ID
+    if replaced.identity is None:
+        return IdentityCheck.DATABASE_WITHOUT_ID
+    if backup.database_id == replaced.identity.database_id:
+        return IdentityCheck.SAME
+    if not override:
+        raise AnotherDatabase(name, backup, replaced.identity, replaced.tenants)
+    return IdentityCheck.ANOTHER_DATABASE
+
+
 _SIDE_FILES = ("-wal", "-journal", "-shm")
 
 
-def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -> Restored:
+def restore(
+    state_dir: Path,
+    backup: Path | BinaryIO,
+    name: str | None = None,
+    *,
+    from_another_database: bool = False,
+) -> Restored:
     """Replace ``state_dir``'s tenant database with ``backup``, a file or a readable binary stream
     (stdin) called ``name`` in messages (offline: no control plane may run on ``state_dir``;
     :class:`StateDirInUse` otherwise).
+
+    A backup of another database (its id differs from the current database's) is refused
+    (:class:`AnotherDatabase`, changing nothing) when the current one holds tenants: restored, the
+    other database's tenants' keys would work here and these tenants' would not. Unless
+    ``from_another_database``: moving tenants between state directories, or restoring into one
+    where a database holding tenants was started afresh (``kvfence up`` creates one). Accepted
+    without it: no current database, or one without tenants (a control plane started on an empty
+    volume before the restore), one that cannot be read, a backup or a current database from
+    before ids (not compared: ``Restored.identity_check`` says so), and a backup of the current
+    database, of any age.
 
     The backup is copied next to the database and checked there (:func:`check_database`: one an
     older or a later release took is accepted, ``Restored.newer`` for the latter); only then is it
@@ -789,6 +963,8 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
             else:
                 shutil.copyfileobj(backup, dst)
         checked = check_database(staged, name)
+        replaced = _replaced(db_path) if db_path.exists() else None
+        identity_check = _identity_check(name, checked.identity, replaced, from_another_database)
         access = read_model_access(staged) or ()
         with open(staged, "rb") as f:
             os.fsync(f.fileno())
@@ -825,6 +1001,9 @@ def restore(state_dir: Path, backup: Path | BinaryIO, name: str | None = None) -
             access,
             before,
             checked.schema_version,
+            checked.identity,
+            None if replaced is None else replaced.identity,
+            identity_check,
         )
     finally:
         for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 from rich.console import Console
@@ -392,14 +392,29 @@ def tenants_restore(
         help="The control plane's state directory (control_plane.state_dir; "
         "/var/lib/kvfence in the Helm chart).",
     ),
+    from_another_database: Annotated[
+        bool,
+        typer.Option(
+            "--from-another-database",
+            help="Restore a backup of another tenant database (another id) over this state "
+            "directory's, which holds tenants: that database's tenants and keys then work here, "
+            "and this one's are refused. For moving tenants between state directories, or into "
+            "one where a database was started afresh; refused without it.",
+        ),
+    ] = False,
 ) -> None:
     """Restore the tenant database of a state directory from a backup (offline).
 
-    Refused while a control plane runs on that directory, and for a file that is not a sound
-    kvfence tenant database. The database it replaces is kept beside it as
-    tenants.sqlite3.bak-<time>. The model's kill switch comes back as it was at the backup.
+    Refused while a control plane runs on that directory, for a file that is not a sound
+    kvfence tenant database, and (unless --from-another-database) for a backup of another
+    tenant database than the directory's when that one holds tenants. The database it replaces
+    is kept beside it as tenants.sqlite3.bak-<time>. The model's kill switch comes back as it
+    was at the backup.
     """
     from control_plane.tenants import (
+        IDENTITY_SCHEMA,
+        AnotherDatabase,
+        IdentityCheck,
         NotATenantDatabase,
         StateDirInUse,
         newer_schema_note,
@@ -408,20 +423,51 @@ def tenants_restore(
 
     try:
         if str(backup) == "-":  # e.g. through `kubectl exec -i`, into a pod without tar
-            done = restore(state_dir, sys.stdin.buffer, "the backup on stdin")
+            source: Path | BinaryIO = sys.stdin.buffer
+            name = "the backup on stdin"
         else:
-            done = restore(state_dir, backup)
+            source, name = backup, str(backup)
+        done = restore(state_dir, source, name, from_another_database=from_another_database)
     except StateDirInUse as err:
         raise _fail(f"{err}; stop it first") from None
-    except NotATenantDatabase as err:
+    except (NotATenantDatabase, AnotherDatabase) as err:
         raise _fail(f"refusing to restore: {err}") from None
     except OSError as err:
         raise _fail(f"cannot restore: {_os_error(err)}") from None
     kept = f"the previous one is kept as {done.previous}" if done.previous else "there was none"
-    typer.echo(
-        f"restored {done.tenants} tenants and {done.keys} API keys into {done.path} from "
-        f"{'stdin' if str(backup) == '-' else backup}; {kept}"
+    restored_id = (
+        f"database {done.identity.database_id}, created {done.identity.created_at}"
+        if done.identity
+        else "a database without an id"
     )
+    typer.echo(
+        f"restored {done.tenants} tenants and {done.keys} API keys ({restored_id}) into "
+        f"{done.path} from {'stdin' if str(backup) == '-' else backup}; {kept}"
+    )
+    # Which database the backup is of: said wherever it was not, or could not be, compared.
+    unchecked = "whether the backup is of the database it replaced was not checked"
+    before_ids = f"a release before schema {IDENTITY_SCHEMA}"
+    if done.identity is None:
+        not_compared = done.identity_check is IdentityCheck.BACKUP_WITHOUT_ID
+        typer.echo(
+            f"note: the backup carries no database id ({before_ids} took it)"
+            + (f", so {unchecked}" if not_compared else "")
+            + "; the control plane gives the restored database an id when it opens it"
+        )
+    if done.identity_check is IdentityCheck.DATABASE_WITHOUT_ID:
+        typer.echo(
+            f"note: the database it replaced carries no database id ({before_ids} wrote it, and "
+            f"no control plane of this release has opened it), so {unchecked}"
+        )
+    elif done.identity_check is IdentityCheck.UNREADABLE:
+        typer.echo(f"note: the database it replaced could not be read (damaged?), so {unchecked}")
+    elif done.identity_check is IdentityCheck.ANOTHER_DATABASE and done.replaced_identity:
+        typer.echo(
+            f"warning: --from-another-database: the database it replaced was another one "
+            f"(database {done.replaced_identity.database_id}, created "
+            f"{done.replaced_identity.created_at}): its tenants' keys are refused from now on, "
+            "the restored database's work"
+        )
     if done.newer:  # a backup a later release took, restored after a rollback
         typer.echo(
             f"warning: {newer_schema_note(done.schema_version, 'the backup')}: settings that "

@@ -71,6 +71,7 @@ def old_database(state: Path) -> str:
     store.close()
     db = sqlite3.connect(state / TENANTS_DB)
     db.execute("DROP TABLE IF EXISTS model_access")
+    db.execute("DROP TABLE IF EXISTS database_identity")  # nor an id (schema 2)
     db.execute("PRAGMA user_version = 0")  # from before the schema was versioned
     db.execute("PRAGMA journal_mode=DELETE")
     db.close()

@@ -7,8 +7,9 @@ schema), and serve, create tenants and keys and authenticate on it, without lowe
 What is not a kvfence tenant database (tables or columns this release reads are missing or
 retyped) is still refused, and so is one without the keys and constraints this release relies on
 (primary keys, UNIQUE, the foreign key, NOT NULL), with a column its INSERTs cannot fill (NOT NULL
-without a default), or saying schema 1 or later without model_access. The version is set on a new
-database and on one from before versioning.
+without a default), saying schema 1 or later without model_access, or saying schema 2 or later
+without database_identity (the database's id). The version is set, and the id made, on a new
+database and on one from before versioning or from before ids (schema 1).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from control_plane.tenants import (
     TenantStore,
     check_database,
     hash_key,
+    read_identity,
     read_model_access,
 )
 from kvfence.errors import KvfenceError, NotFound
@@ -100,6 +102,19 @@ def assert_future_kept(path: Path) -> None:
         db.close()
 
 
+def same_database(backup: Path, of: Path) -> None:
+    """``backup`` given the id of the database ``of``: what a later release's backup of that
+    database (after an upgrade, before a rollback) carries."""
+    identity = read_identity(of)
+    assert identity is not None
+    db = sqlite3.connect(backup, isolation_level=None)
+    db.execute(
+        "UPDATE database_identity SET database_id = ?, created_at = ?",
+        (identity.database_id, identity.created_at),
+    )
+    db.close()
+
+
 def newer_warnings(logs: list[dict[str, object]]) -> list[dict[str, object]]:
     return [e for e in logs if "newer kvfence" in str(e["event"])]
 
@@ -153,6 +168,13 @@ async def test_restore_of_a_later_releases_backup_says_so_and_serves(tmp_path: P
     c = await make_cluster(state)  # this release's database, with another acme key
     (tmp_path / "current.backup").write_bytes(c.cp.tenants.snapshot())
     await c.close()
+    # a backup of another database is refused whatever release took it (its id is compared) ...
+    result = await run_cli(
+        "tenants", "restore", "--state-dir", str(state), str(tmp_path / "future.backup")
+    )
+    assert result.exit_code == 1 and "another tenant database" in result.output, result.output
+    # ... the later release's backup of this database (a rollback) is restored
+    same_database(tmp_path / "future.backup", state / TENANTS_DB)
 
     result = await run_cli(
         "tenants", "restore", "--state-dir", str(state), str(tmp_path / "future.backup")
@@ -262,8 +284,40 @@ def test_user_version_is_set_on_a_new_database_and_on_one_from_before_versioning
         store.close()
     assert newer_warnings(logs) == []
     assert user_version(old / TENANTS_DB) == SCHEMA_VERSION
+    identity = read_identity(old / TENANTS_DB)
+    assert identity is not None and store.identity == identity  # given an id
     TenantStore(old / TENANTS_DB).close()  # and opened again, it stays there
     assert user_version(old / TENANTS_DB) == SCHEMA_VERSION
+    assert read_identity(old / TENANTS_DB) == identity  # the id too
+
+
+def test_a_database_of_schema_1_is_upgraded_to_2_with_an_id(tmp_path: Path) -> None:
+    """As the release before ids left it (user_version 1, no database_identity): a TenantStore
+    adds the table with a new id, raises the version, and keeps both on reopening; its tenants
+    and keys are as they were."""
+    store = TenantStore(tmp_path / TENANTS_DB)
+    _, api_key, _ = store.create_tenant("acme", TenantLimits())
+    store.close()
+    db = sqlite3.connect(tmp_path / TENANTS_DB, isolation_level=None)
+    db.execute("DROP TABLE database_identity")
+    db.execute("PRAGMA user_version = 1")
+    db.close()
+    checked = check_database(tmp_path / TENANTS_DB)
+    assert (checked.schema_version, checked.identity) == (1, None)
+
+    store = TenantStore(tmp_path / TENANTS_DB)
+    try:
+        assert store.schema_version == 1
+        assert store.identity is not None
+        found = store.authenticate(api_key)
+        assert found is not None and found.name == "acme"
+    finally:
+        store.close()
+    identity = store.identity
+    assert user_version(tmp_path / TENANTS_DB) == SCHEMA_VERSION == 2
+    assert read_identity(tmp_path / TENANTS_DB) == identity
+    TenantStore(tmp_path / TENANTS_DB).close()
+    assert read_identity(tmp_path / TENANTS_DB) == identity
 
 
 # -- still refused: not a kvfence tenant database --------------------------------------------------
@@ -464,6 +518,10 @@ def without_model_access(db: sqlite3.Connection) -> None:
     db.execute("DROP TABLE model_access")
 
 
+def without_database_identity(db: sqlite3.Connection) -> None:
+    db.execute("DROP TABLE database_identity")
+
+
 UNSOUND: list[tuple[Callable[[sqlite3.Connection], None], str]] = [
     (key_hash_not_unique, "table api_keys has no UNIQUE constraint on (key_sha256)"),
     (key_hash_unique_only_with_the_tenant, "no UNIQUE constraint on (key_sha256)"),
@@ -480,6 +538,11 @@ UNSOUND: list[tuple[Callable[[sqlite3.Connection], None], str]] = [
         without_model_access,
         f"no table model_access, which every database of schema 1 or later has (this one says "
         f"{FUTURE})",
+    ),
+    (
+        without_database_identity,
+        f"no table database_identity, which every database of schema 2 or later has (this one "
+        f"says {FUTURE})",
     ),
 ]
 
@@ -615,6 +678,34 @@ def test_model_access_may_be_missing_only_below_schema_1(tmp_path: Path) -> None
         tmp_path,
         tmp_path / "v1" / TENANTS_DB,
         "no table model_access, which every database of schema 1 or later has (this one says 1)",
+    )
+
+
+def test_database_identity_may_be_missing_only_below_schema_2(tmp_path: Path) -> None:
+    """Before ids (schema 1, and 0) a database may lack database_identity: accepted (with no id),
+    and a TenantStore adds it. From schema 2 on every database has it, so one saying 2 without
+    it is refused (the FUTURE case is in UNSOUND)."""
+    for version in (0, 1, 2):
+        state = tmp_path / f"v{version}"
+        future_database(state)
+        db = sqlite3.connect(state / TENANTS_DB, isolation_level=None)
+        without_database_identity(db)
+        db.execute(f"PRAGMA user_version = {version}")
+        db.close()
+    for version in (0, 1):
+        path = tmp_path / f"v{version}" / TENANTS_DB
+        checked = check_database(path)
+        assert (checked.schema_version, checked.identity) == (version, None)
+        store = TenantStore(path)
+        assert store.identity is not None
+        store.close()
+        assert user_version(path) == SCHEMA_VERSION
+        assert read_identity(path) == store.identity
+    assert_refused_everywhere(
+        tmp_path,
+        tmp_path / "v2" / TENANTS_DB,
+        "no table database_identity, which every database of schema 2 or later has (this one "
+        "says 2)",
     )
 
 
