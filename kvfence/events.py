@@ -39,9 +39,10 @@ that failed before is re-sent alone, acknowledged before anything else goes out;
 ``MAX_SEND_ATTEMPTS`` such connections is dropped, counted (``events_dropped_total``) and logged as
 an error naming its kind and seq, except a security event: that is cut to its header (kind, seq,
 ts, node, ``truncated: true``, ``original_bytes``) and sent so, and dropped only if that fails as
-often. An event that cannot be encoded at all (JSON) is dropped and counted at once. The reconnect backoff starts over only after a connection made progress (the
-broker acknowledged something new, or it stayed up ``BACKOFF_RESET_AFTER_S``): a broker that
-drops every connection at once is retried ever more slowly, up to ``BACKOFF_MAX_S``.
+often. An event that cannot be encoded at all (JSON) is dropped and counted at once. The
+reconnect backoff starts over only after a connection made progress (the broker acknowledged
+something new, or it stayed up ``BACKOFF_RESET_AFTER_S``): a broker that drops every connection at
+once is retried ever more slowly, up to ``BACKOFF_MAX_S``.
 """
 
 from __future__ import annotations
