@@ -268,6 +268,21 @@ class Pipeline:
             left = wait if left is None else min(left, wait)
         return left
 
+    def _reservation_expiring(self, node_wait: float | None) -> KvfenceError:
+        """A request that waited for prefill too long for its decode reservation: NO_NODES when
+        no prefill node takes requests (what it waited for), else NO_CAPACITY (all full)."""
+        bound = f"transfer.reservation_timeout_s, {self.d.reservation_timeout_s:g} s"
+        if node_wait is not None:
+            return Unavailable(
+                f"no {PREFILL} node takes requests, and the decode reservation would expire "
+                f"before one registers ({bound})",
+                reason=NO_NODES,
+            )
+        return ResourceExhausted(
+            f"no prefill node had room before the decode reservation would expire ({bound})",
+            reason=admission.NO_CAPACITY,
+        )
+
     def _check_serving(self) -> None:
         if self.d.draining:
             raise Unavailable("the control plane is shutting down", reason=SHUTTING_DOWN)
@@ -463,21 +478,19 @@ class Pipeline:
                     raise ResourceExhausted(
                         "no prefill node had room within the deadline", reason=admission.NO_CAPACITY
                     )
-                if loop.time() >= expires and node_wait is None:
-                    raise ResourceExhausted(
-                        "no prefill node had room before the decode reservation would expire "
-                        f"(transfer.reservation_timeout_s, {self.d.reservation_timeout_s:g} s)",
-                        reason=admission.NO_CAPACITY,
-                    )
+                if loop.time() >= expires:
+                    raise self._reservation_expiring(node_wait)
                 full.clear()
                 wait = min(
                     give_up - loop.time(),
-                    max(0.0, expires - loop.time()),
+                    expires - loop.time(),
                     self.d.poll_s,
                     node_wait or self.d.poll_s,
                 )
                 await run.guard(self.d.queue.changed(wait))
                 continue
+            if loop.time() >= expires:  # room came, too late for the reservation
+                raise self._reservation_expiring(None)
             node = candidates[0]
             resp = await self._try_prefill(run, node, req, deadline)
             if resp is None:

@@ -148,6 +148,11 @@ class Registry:
         if restarted:
             assert previous is not None
             self._lose(previous, "registered again as a new process")
+        if previous is not None and not restarted:
+            # The same process: the same Node, so that requests holding it (routing compares
+            # by identity: pipeline, NodeClients) still hold the registered node.
+            previous.last_heartbeat = node.last_heartbeat
+            node = previous
         self._nodes[node.node_id] = node
         log.info(
             "node registered",

@@ -204,3 +204,94 @@ async def test_waiting_for_prefill_room_ends_before_the_reservation_expires(
             await eventually(lambda: "Release" in c.decode[0].methods())
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize("again", [True, False])
+async def test_a_node_repeating_its_registration_keeps_the_requests_holding_it(
+    tmp_path: Path, again: bool
+) -> None:
+    """A node that repeats its own registration (a reply lost) is the same process and keeps
+    its requests; the registry made it a new Node object all the same, and a request holding the
+    old one read it as lost (NODE_LOST). Control: without the repeat, the same request."""
+    from kvfence import PROTOCOL_VERSION
+    from kvfence.proto.kvfence.v1 import control_pb2
+
+    c = await make_cluster(tmp_path)
+    try:
+        real = c.cp.clients.decode
+        done = [False]
+
+        def decode(node):  # type: ignore[no-untyped-def]
+            stub = real(node)
+            if done[0]:
+                return stub
+
+            class RegisteredAgain:
+                def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                    return getattr(stub, name)
+
+                def Reserve(self, req, timeout=None):  # type: ignore[no-untyped-def]
+                    async def reserve():  # type: ignore[no-untyped-def]
+                        res = await stub.Reserve(req, timeout=timeout)
+                        done[0] = True
+                        if again:
+                            again_req = control_pb2.RegisterRequest(
+                                node_id=node.node_id,
+                                role=node.role,
+                                grpc_address=node.grpc_address,
+                                ucx_address=node.ucx_address,
+                                model_fingerprint=node.fingerprint,
+                                layout=node.layout,
+                                pool_tokens=node.pool_tokens,
+                                total_pages=node.total_pages,
+                                instance_id=node.instance_id,
+                                protocol_version=PROTOCOL_VERSION,
+                                kvfence_version=node.kvfence_version,
+                            )
+                            assert c.cp.registry.register(again_req).accepted
+                        return res
+
+                    return reserve()
+
+            return RegisteredAgain()
+
+        c.cp.clients.decode = decode  # type: ignore[method-assign]
+        result = await c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
+        assert result.usage.completion_tokens == 2
+        assert not c.events.of("node_lost")
+    finally:
+        await c.close()
+
+
+async def test_past_the_reservation_bound_with_no_prefill_node_it_fails_no_nodes_at_once(
+    tmp_path: Path,
+) -> None:
+    """Waiting for a prefill node to register (none takes requests) went on past the
+    reservation bound with a wait of 0 s: a busy loop (121,185 waits in a review's run), and a
+    node registering then got the Prefill for a reservation about to expire. Now the request
+    fails NO_NODES at the bound. (The control, room coming in time, is the test above.)"""
+    c = await make_cluster(tmp_path, transfer={"reservation_timeout_s": 1.0}, no_node_wait_s=4.0)
+    waits: list[float] = []
+    queue = c.cp.deps.queue
+    real = queue.changed
+
+    async def changed(timeout: float) -> None:
+        waits.append(timeout)
+        await real(timeout)
+
+    queue.changed = changed  # type: ignore[method-assign]
+    try:
+        c.script.prefill_error = ResourceExhausted("prefill full")
+        call = asyncio.create_task(c.client(timeout=20).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: "Prefill" in c.prefill[0].methods())
+        await c.prefill[0].stop_heartbeats()
+        c.cp.registry.lose(c.cp.registry.get("prefill-0"), "the last prefill node went")
+        with pytest.raises(Unavailable) as err:
+            await asyncio.wait_for(call, 5)
+        assert err.value.reason == "NO_NODES"
+        assert "reservation_timeout_s" in err.value.message
+        assert all(w > 0 for w in waits), waits
+        assert len(waits) < 100
+        await eventually(lambda: "Release" in c.decode[0].methods())
+    finally:
+        await c.close()
