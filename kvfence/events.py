@@ -555,7 +555,9 @@ class EventBus:
         self._status: dict[str, Any] | None = None
         self._status_dirty = False  # set: the status must be (re)published
         self._status_version = 0  # bumped on every change of _status
-        self._status_acked = 0  # the newest version the broker acknowledged
+        # The newest version done with: acknowledged, or given up (drained either way).
+        self._status_acked = 0
+        self._status_delivered = 0  # the newest version the broker really acknowledged
         # failed connections the current status version was in flight on
         self._status_failures = 0
         self._status_given_up = 0  # a version dropped after MAX_SEND_ATTEMPTS: not re-sent
@@ -987,7 +989,9 @@ class EventBus:
             self._in_flight.clear()
             if (
                 self._status_version in self._status_in_flight
-                and self._status_version > self._status_acked  # an acknowledged one, re-sent
+                # one the broker acknowledged, re-sent, is not to blame (a given-up one, tried
+                # again after progress, is)
+                and self._status_version > self._status_delivered
             ):
                 self._status_failures += 1
                 if self._status_failures >= MAX_SEND_ATTEMPTS:
@@ -1056,9 +1060,10 @@ class EventBus:
             window.release()
         with self._lock:
             self._status_in_flight.discard(version)
-            if version > self._status_acked:
+            if version > self._status_delivered:
                 self._progressed = True
             self._status_acked = max(self._status_acked, version)
+            self._status_delivered = max(self._status_delivered, version)
             if version == self._status_version:
                 self._status_failures = 0
         self._mark_progress()

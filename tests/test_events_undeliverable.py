@@ -354,9 +354,34 @@ async def test_a_node_status_the_broker_acknowledged_is_never_given_up(acknowled
     bus.publish_node_status({"role": "decode"})
     version = bus._status_version
     if acknowledged:
-        bus._status_acked = version
+        bus._status_acked = bus._status_delivered = version
     err = aiomqtt.MqttError("Disconnected during message iteration")
     for _ in range(MAX_SEND_ATTEMPTS):
         bus._status_in_flight.add(version)
         bus._blame_in_flight(err)
     assert bus._status_given_up == (0 if acknowledged else version)
+
+
+async def test_a_status_given_up_then_tried_again_does_not_block_the_events() -> None:
+    """A status given up counted as acknowledged; tried again after a connection that made
+    progress ended (a broker restart), its failures no longer counted: it was sent first on
+    every connection, killing each, and no event got through again (19 reconnects in 20 s in a
+    review's run). It is given up again now, and the events flow. (The control, a status the
+    broker acknowledged, is test_a_node_status_the_broker_acknowledged_is_never_given_up.)"""
+    with small_packet_broker() as broker:
+        bus = make_bus(broker)
+        await bus.start()
+        try:
+            bus.publish_node_status({"role": "decode", "pad": POISON})
+            async with subscriber(broker, EVENTS) as sub:
+                first = [bus.emit("node_joined", node=f"ok{i}") for i in range(3)]
+                await collect(sub, set(first))
+            assert await bus.wait_drained(5)
+            broker.stop()  # the connection that made progress ends
+            await wait_until(lambda: not bus.connected)
+            broker.start()
+            async with subscriber(broker, EVENTS) as sub:
+                later = bus.emit("node_joined", node="later")
+                assert later in await collect(sub, {later}, timeout=10)
+        finally:
+            await bus.stop()
