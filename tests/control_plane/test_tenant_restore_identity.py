@@ -13,6 +13,8 @@ is accepted.
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,29 @@ def cluster(state: Path, *tenants: str) -> tuple[DatabaseIdentity, dict[str, str
         return store.identity, keys
     finally:
         store.close()
+
+
+def died_after_adding(state: Path, name: str) -> str:
+    """A control plane's store that adds tenant ``name`` and dies without closing: the change
+    is committed in the database's -wal only. Returns the tenant's key."""
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from control_plane.tenants import TenantLimits, TenantStore\n"
+        "store = TenantStore(Path(sys.argv[1]))\n"
+        "print(store.create_tenant(sys.argv[2], TenantLimits())[1], flush=True)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(state / TENANTS_DB), name],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    wal = state / f"{TENANTS_DB}-wal"
+    assert wal.exists() and wal.stat().st_size > 0, "the change should be in the -wal only"
+    return out.stdout.strip()
 
 
 def take_backup(state: Path, out: Path) -> Path:
@@ -131,8 +156,10 @@ def test_another_clusters_backup_is_refused_unless_meant(tmp_path: Path) -> None
     a_id, a_keys = cluster(tmp_path / "a", "acme")
     a_backup = take_backup(tmp_path / "a", tmp_path / "a.backup")
     b = tmp_path / "b"
-    b_id, b_keys = cluster(b, "globex", "initech")
+    b_id, b_keys = cluster(b, "globex")
+    b_keys["initech"] = died_after_adding(b, "initech")  # B's control plane died: a -wal
     before = files(b)
+    assert f"{TENANTS_DB}-wal" in before
 
     with pytest.raises(AnotherDatabase) as err:
         restore(b, a_backup)
@@ -140,7 +167,8 @@ def test_another_clusters_backup_is_refused_unless_meant(tmp_path: Path) -> None
     assert a_id.database_id in message and b_id.database_id in message, message
     assert "2 tenants" in message and "--from-another-database" in message, message
     assert (err.value.backup, err.value.current) == (a_id, b_id)
-    assert files(b) == before  # not even checkpointed
+    assert files(b) == before  # not even checkpointed: the -wal is as the dead one left it
+    assert tenant_of(b, b_keys["initech"]) == "initech"
     assert backups(b) == []
     assert not (b / f"{TENANTS_DB}.restoring").exists()
     assert tenant_of(b, b_keys["globex"]) == "globex"
