@@ -168,3 +168,49 @@ async def test_a_first_token_outside_the_vocabulary_fails_its_own_request_only(
             await pstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
         await _all_free(dec.rt.pool)
         assert dec.servicer.batcher._thread.is_alive()
+
+
+@pytest.mark.parametrize("released", [True, False])
+async def test_a_reservation_released_while_its_decode_waits_is_not_an_integrity_failure(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    released,
+):
+    """Decode waits a moment for the transfer's last acknowledgement before it checks the
+    manifest; a Release (or the reaper) in that moment made the check fail as an integrity
+    failure ("not receiving"). It is RESERVATION_RELEASED now. Control: not released, the same
+    Decode, whose transfer never came, fails the RESERVATION check as before."""
+    from kvfence.proto.kvfence.v1 import decode_pb2
+
+    transfer = {"batch_timeout_s": 1}
+    async with node_pair(tiny_dir, tmp_path, transfer=transfer) as (dec, _, dstub, _pstub):
+        sampling = common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True)
+        res = await dstub.Reserve(
+            decode_pb2.ReserveRequest(
+                request_id="w", tenant_id="t-c", prompt_tokens=20, max_new_tokens=2
+            )
+        )
+        manifest = common_pb2.KvManifest(
+            request_id="w", tenant_id="t-c", reservation_id=res.reservation_id, token_count=20
+        )
+        request = decode_pb2.DecodeRequest(
+            request_id="w",
+            tenant_id="t-c",
+            reservation_id=res.reservation_id,
+            manifest=manifest,
+            sampling=sampling,
+        )
+        decoding = asyncio.create_task(_outcome(dstub.Decode(request)))
+        await asyncio.sleep(0.3)  # in decode's wait for the transfer (no prefill ever sends it)
+        if released:
+            await dstub.Release(prefill_pb2.ReleaseRequest(request_id="w"))
+        _, err = await asyncio.wait_for(decoding, 5)
+        assert err is not None
+        if released:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert error_info(err).reason == RESERVATION_RELEASED
+            assert integrity_failures(dec) == 0
+        else:
+            assert err.code() == grpc.StatusCode.DATA_LOSS
+            assert error_info(err).reason == "RESERVATION"
+        await _all_free(dec.rt.pool)
