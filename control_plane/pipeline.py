@@ -344,7 +344,7 @@ class Pipeline:
                         for node in decode_candidates(self.d.registry, pages, skip=set()):
                             # Listed before the awaits of the earlier candidates: one lost or
                             # registered again since (a new process) is not this node any more.
-                            if self.d.registry.get(node.node_id) is not node or node.draining:
+                            if not self.d.registry.registered(node) or node.draining:
                                 continue
                             res = await self._try_reserve(
                                 run, node, prompt, scrub_on_free, pages, deadline
@@ -393,7 +393,7 @@ class Pipeline:
         try:
             res = await run.guard(self.d.clients.decode(node).Reserve(req, timeout=_left(deadline)))
         except Unavailable as err:
-            if err.reason != "NODE_UNREACHABLE" or self.d.registry.get(node.node_id) is node:
+            if err.reason != "NODE_UNREACHABLE" or self.d.registry.registered(node):
                 raise
             # The node was lost while it had the call (its channel closed under it): a request
             # that reserved nothing elsewhere tries the next node, as for one that refused to
@@ -417,7 +417,7 @@ class Pipeline:
                 self.d.registry.lose(node, "refused connections")
                 return None
             raise node_error(node, err) from None
-        if self.d.registry.get(node.node_id) is not node:
+        if not self.d.registry.registered(node):
             # Answered, then lost before this request went on: the lost node's requests are
             # left to their cut calls (service._node_lost), and this one's was not cut. Its pages
             # went with the node; it stays contacted, so a Release still reaches the node if the

@@ -236,7 +236,7 @@ class Registry:
         node.draining = True
         log.info("node draining", node_id=node.node_id, role=node.role)
         # A node dropped meanwhile (a late refusal) was not among those taking requests.
-        if self._nodes.get(node.node_id) is node and not self.taking_requests(node.role):
+        if self.registered(node) and not self.taking_requests(node.role):
             self._vacant_since[node.role] = time.monotonic()
             # Waiters for room on this role wake to start (or, with no wait, end) the no-node wait.
             self._on_capacity()
@@ -254,7 +254,7 @@ class Registry:
         self._lose(node, why)
 
     def _lose(self, node: Node, why: str) -> None:
-        if self._nodes.get(node.node_id) is not node:
+        if not self.registered(node):
             # Already gone, or registered again since (a new process under the same id): losing
             # an old view of it must not fail the requests running on its successor.
             return
@@ -277,6 +277,11 @@ class Registry:
 
     def get(self, node_id: str) -> Node | None:
         return self._nodes.get(node_id)
+
+    def registered(self, node: Node) -> bool:
+        """Whether ``node`` is the registered view of its id: not lost, and not replaced by a
+        new process registering under it (a request may hold an older view across awaits)."""
+        return self._nodes.get(node.node_id) is node
 
     def nodes(self, role: str | None = None) -> list[Node]:
         # list(): a copy made at once under the GIL; metrics read this from the scrape thread

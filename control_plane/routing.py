@@ -49,15 +49,16 @@ class NodeClients:
         node_token: str,
         credentials: grpc.ChannelCredentials | None = None,
         metrics: Metrics | None = None,
-        current: Callable[[str], Node | None] | None = None,
+        registered: Callable[[Node], bool] | None = None,
     ):
-        """``current(node_id)``: the node registered under that id now (Registry.get)."""
+        """``registered(node)``: whether ``node`` is its id's registered view now
+        (Registry.registered)."""
         if not node_token:
             raise ValueError("the control plane calls nodes with the cluster node token")
         self._node_token = node_token
         self._credentials = credentials
         self._metrics = metrics
-        self._current = current
+        self._registered = registered
         self._channels: dict[str, _NodeChannel] = {}
         self.rpc_counts: Counter[tuple[str, str]] = Counter()
 
@@ -65,7 +66,7 @@ class NodeClients:
         known = self._channels.get(node.node_id)
         if known is not None and known.address == node.grpc_address:
             return known
-        if self._current is not None and self._current(node.node_id) is not node:
+        if self._registered is not None and not self._registered(node):
             # An old view of the node (lost, or registered again by a new process since the
             # request chose it): opening its address in place of the registered node's channel
             # would close that channel and cut every call on it, other requests' included.

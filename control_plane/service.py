@@ -126,7 +126,7 @@ class ControlPlane:
                 self.node_token,
                 tls.internal_channel_credentials(cfg.tls),
                 self.metrics,
-                current=self.registry.get,
+                registered=self.registry.registered,
             )
             self.deps = PipelineDeps(
                 model=self.model,
