@@ -12,7 +12,9 @@ and failed anyway.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cp_fakes import FakeNode
@@ -83,6 +85,35 @@ async def test_a_node_lost_during_reserve_sends_the_request_to_the_next_node(
         await c.close()
 
 
+def after_first_reserve(c: Cluster, then: Callable[[Any], None]) -> None:
+    """Run ``then(node)`` once, right after the first Reserve's answer arrives and before the
+    request goes on: what the registry did meanwhile (a loss, a repeated registration)."""
+    real = c.cp.clients.decode
+    done = [False]
+
+    def decode(node):  # type: ignore[no-untyped-def]
+        stub = real(node)
+        if done[0]:
+            return stub
+
+        class ThenOnAnswer:
+            def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                return getattr(stub, name)
+
+            def Reserve(self, req, timeout=None):  # type: ignore[no-untyped-def]
+                async def reserve():  # type: ignore[no-untyped-def]
+                    res = await stub.Reserve(req, timeout=timeout)
+                    done[0] = True
+                    then(node)
+                    return res
+
+                return reserve()
+
+        return ThenOnAnswer()
+
+    c.cp.clients.decode = decode  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("lose", [True, False])
 async def test_a_reserve_answered_just_before_its_node_was_lost_goes_no_further(
     tmp_path: Path, lose: bool
@@ -93,31 +124,12 @@ async def test_a_reserve_answered_just_before_its_node_was_lost_goes_no_further(
     request with the node kept finishes."""
     c = await make_cluster(tmp_path)
     try:
-        real = c.cp.clients.decode
-        done = [False]
 
-        def decode(node):  # type: ignore[no-untyped-def]
-            stub = real(node)
-            if done[0]:
-                return stub
+        def reaped(node: Any) -> None:  # the reaper, between the answer and the request
+            if lose:
+                c.cp.registry.lose(node, "no heartbeat")
 
-            class AnsweredThenLost:
-                def __getattr__(self, name):  # type: ignore[no-untyped-def]
-                    return getattr(stub, name)
-
-                def Reserve(self, req, timeout=None):  # type: ignore[no-untyped-def]
-                    async def reserve():  # type: ignore[no-untyped-def]
-                        res = await stub.Reserve(req, timeout=timeout)
-                        done[0] = True
-                        if lose:  # the reaper, between the answer and the request
-                            c.cp.registry.lose(node, "no heartbeat")
-                        return res
-
-                    return reserve()
-
-            return AnsweredThenLost()
-
-        c.cp.clients.decode = decode  # type: ignore[method-assign]
+        after_first_reserve(c, reaped)
         call = c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
         if lose:
             with pytest.raises(Unavailable) as err:
@@ -218,44 +230,25 @@ async def test_a_node_repeating_its_registration_keeps_the_requests_holding_it(
 
     c = await make_cluster(tmp_path)
     try:
-        real = c.cp.clients.decode
-        done = [False]
 
-        def decode(node):  # type: ignore[no-untyped-def]
-            stub = real(node)
-            if done[0]:
-                return stub
+        def registers_again(node: Any) -> None:
+            if again:
+                again_req = control_pb2.RegisterRequest(
+                    node_id=node.node_id,
+                    role=node.role,
+                    grpc_address=node.grpc_address,
+                    ucx_address=node.ucx_address,
+                    model_fingerprint=node.fingerprint,
+                    layout=node.layout,
+                    pool_tokens=node.pool_tokens,
+                    total_pages=node.total_pages,
+                    instance_id=node.instance_id,
+                    protocol_version=PROTOCOL_VERSION,
+                    kvfence_version=node.kvfence_version,
+                )
+                assert c.cp.registry.register(again_req).accepted
 
-            class RegisteredAgain:
-                def __getattr__(self, name):  # type: ignore[no-untyped-def]
-                    return getattr(stub, name)
-
-                def Reserve(self, req, timeout=None):  # type: ignore[no-untyped-def]
-                    async def reserve():  # type: ignore[no-untyped-def]
-                        res = await stub.Reserve(req, timeout=timeout)
-                        done[0] = True
-                        if again:
-                            again_req = control_pb2.RegisterRequest(
-                                node_id=node.node_id,
-                                role=node.role,
-                                grpc_address=node.grpc_address,
-                                ucx_address=node.ucx_address,
-                                model_fingerprint=node.fingerprint,
-                                layout=node.layout,
-                                pool_tokens=node.pool_tokens,
-                                total_pages=node.total_pages,
-                                instance_id=node.instance_id,
-                                protocol_version=PROTOCOL_VERSION,
-                                kvfence_version=node.kvfence_version,
-                            )
-                            assert c.cp.registry.register(again_req).accepted
-                        return res
-
-                    return reserve()
-
-            return RegisteredAgain()
-
-        c.cp.clients.decode = decode  # type: ignore[method-assign]
+        after_first_reserve(c, registers_again)
         result = await c.client(timeout=5).generate(prompt_ids=[10], max_new_tokens=2)
         assert result.usage.completion_tokens == 2
         assert not c.events.of("node_lost")
