@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from control_plane.admission import OVER_TENANT_TOKEN_LIMIT, TENANT_CONCURRENCY
+from control_plane.lifecycle import RequestState
 from control_plane.pipeline import PipelineDeps
 from control_plane.registry import Node
 from control_plane.tenants import Tenant, TenantLimits, TenantStore
@@ -24,9 +26,11 @@ from kvfence.config import ControlPlaneConfig
 from kvfence.errors import (
     API_KEY_REVOKED,
     Cancelled,
+    InvalidArgument,
     KvfenceError,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unauthenticated,
 )
 from kvfence.logging import get_logger
@@ -167,8 +171,52 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         self, request: control_pb2.SetLimitsRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.Tenant:
         tenant = self.tenants.set_limits(request.name, limits_from_pb(request.limits))
-        log.info("tenant limits set", tenant=tenant.name)
+        ended = self._apply_limits(tenant)
+        log.info("tenant limits set", tenant=tenant.name, requests_ended=ended)
         return tenant_pb(tenant)
+
+    def _apply_limits(self, tenant: Tenant) -> int:
+        """New limits reach the tenant's requests in flight: each reserves (and chooses
+        scrub_on_free) under them. Running ones (pages reserved) go on; waiting ones (no pages
+        yet) that the limits refuse end as a new request would be refused: over the tokens per
+        request, or, oldest kept first, beyond the concurrency limit less the running ones. An
+        operator lowering an abusive tenant's limits otherwise watches its queue served for up
+        to max_deadline_s. Returns how many requests ended."""
+        runs = [r for r in self.d.table if r.record.tenant_id == tenant.name]
+        for run in runs:
+            run.tenant = tenant
+        waiting_states = (RequestState.RECEIVED, RequestState.ADMITTED)
+        waiting = [r for r in runs if r.record.state in waiting_states]
+        running = [r for r in runs if r.record.state not in waiting_states]
+        held = sum(1 for r in running if not r.record.terminal)
+        limits, ended = tenant.limits, 0
+        for run in waiting:  # in the order they came (the table keeps it)
+            rec = run.record
+            total = rec.prompt_tokens + rec.max_new_tokens
+            err: KvfenceError | None = None
+            if (
+                limits.max_tokens_per_request
+                and rec.prompt_tokens
+                and (total > limits.max_tokens_per_request)
+            ):
+                err = InvalidArgument(
+                    f"prompt_tokens + max_new_tokens = {total} exceeds tenant {tenant.name}'s "
+                    f"limit of {limits.max_tokens_per_request} tokens per request, set while "
+                    "the request waited",
+                    reason=OVER_TENANT_TOKEN_LIMIT,
+                )
+            elif limits.max_concurrent_requests and held >= limits.max_concurrent_requests:
+                err = ResourceExhausted(
+                    f"tenant {tenant.name}'s concurrency limit was set to "
+                    f"{limits.max_concurrent_requests} while the request waited, with {held} "
+                    "older requests in flight",
+                    reason=TENANT_CONCURRENCY,
+                )
+            if err is not None and run.interrupt(err):
+                ended += 1
+            elif not rec.terminal:
+                held += 1
+        return ended
 
     @_admin_only
     async def BackupTenants(

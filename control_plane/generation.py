@@ -113,11 +113,12 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         run = Run(
             RequestRecord("req-" + secrets.token_hex(8), tenant.name),
             key_sha256=hash_key(bearer_token(context) or ""),
+            tenant=tenant,
         )
         out: asyncio.Queue[object] = asyncio.Queue()
         with request_context(run.record.request_id, tenant.name):
             self.table.add(run)
-            task = loop.create_task(self._run(run, request, tenant, deadline, out))
+            task = loop.create_task(self._run(run, request, deadline, out))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
@@ -147,12 +148,11 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         self,
         run: Run,
         request: client_pb2.GenerateRequest,
-        tenant: Tenant,
         deadline: float,
         out: asyncio.Queue[object],
     ) -> None:
         try:
-            await self.pipeline.execute(run, request, tenant, deadline, out.put_nowait)
+            await self.pipeline.execute(run, request, deadline, out.put_nowait)
             out.put_nowait(_DONE)
         except KvfenceError as err:
             out.put_nowait(err)

@@ -21,12 +21,15 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from kvfence.errors import KvfenceError, Unavailable
 from kvfence.logging import get_logger
+
+if TYPE_CHECKING:
+    from control_plane.tenants import Tenant
 
 log = get_logger("lifecycle")
 T = TypeVar("T")
@@ -138,10 +141,13 @@ def transition(record: RequestRecord, dst: RequestState, reason: str = "", **fie
 class Run:
     """A request in flight: its record plus the interrupt that other parties may raise into it."""
 
-    def __init__(self, record: RequestRecord, key_sha256: str = ""):
+    def __init__(self, record: RequestRecord, key_sha256: str = "", tenant: Tenant | None = None):
         self.record = record
         # The API key it came with (its hash): revoking that key ends the request too.
         self.key_sha256 = key_sha256
+        # The tenant as its limits stand now: SetLimits replaces it for the requests in flight,
+        # so one still waiting for pages reserves under the new limits (scrub_on_free included).
+        self.tenant = tenant
         self._interrupt: asyncio.Future[KvfenceError] = asyncio.get_running_loop().create_future()
         self.done = asyncio.Event()
 

@@ -120,19 +120,19 @@ class Pipeline:
         self,
         run: Run,
         req: client_pb2.GenerateRequest,
-        tenant: Tenant,
         deadline: float,
         emit: Emit,
     ) -> None:
-        """Serve ``req``; streams responses through ``emit``, raises KvfenceError on failure."""
+        """Serve ``req`` for ``run.tenant``; streams responses through ``emit``, raises
+        KvfenceError on failure."""
         loop = asyncio.get_running_loop()
         timer = loop.call_at(
             deadline, run.interrupt, DeadlineExceeded("the request deadline passed")
         )
         status = "OK"
         try:
-            prompt = await self._admit(run, req, tenant, deadline)
-            await self._serve(run, prompt, tenant, deadline, emit)
+            prompt = await self._admit(run, req, deadline)
+            await self._serve(run, prompt, deadline, emit)
         except KvfenceError as err:
             status = err.code.name
             self._fail(run, err)
@@ -182,9 +182,7 @@ class Pipeline:
 
     # -- admission (no node contact) ---------------------------------------------------------------
 
-    async def _admit(
-        self, run: Run, req: client_pb2.GenerateRequest, tenant: Tenant, deadline: float
-    ) -> Prompt:
+    async def _admit(self, run: Run, req: client_pb2.GenerateRequest, deadline: float) -> Prompt:
         rec = run.record
         try:
             self._check_serving()
@@ -213,6 +211,8 @@ class Pipeline:
                 self.d.registry.admissible_limit(),
                 self.d.model.context_window,
             )
+            # The tenant as it stands now: SetLimits may have changed it since authentication.
+            tenant = _tenant(run)
             admission.check_tenant(tenant, prompt, self.d.table.active_for_tenant(tenant.name) - 1)
             if await self._wait_for_nodes(run, deadline):
                 # The limit above counted only the nodes registered then.
@@ -312,20 +312,17 @@ class Pipeline:
 
     # -- node work ---------------------------------------------------------------------------------
 
-    async def _serve(
-        self, run: Run, prompt: Prompt, tenant: Tenant, deadline: float, emit: Emit
-    ) -> None:
-        # Both nodes hold the tenant's KV: both zero it when freed, if the tenant asks.
-        scrub = tenant.limits.scrub_on_free or self.d.scrub_on_free
-        node, reservation = await self._reserve(run, prompt, scrub, deadline)
+    async def _serve(self, run: Run, prompt: Prompt, deadline: float, emit: Emit) -> None:
+        node, reservation, scrub = await self._reserve(run, prompt, deadline)
         self._transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
         manifest = await self._prefill(run, prompt, reservation, deadline, scrub)
         await self._decode(run, prompt, node, reservation, manifest, deadline, emit)
 
     async def _reserve(
-        self, run: Run, prompt: Prompt, scrub_on_free: bool, deadline: float
-    ) -> tuple[Node, prefill_pb2.Reservation]:
-        """Reserve decode pages, waiting in the admission queue while no node has room."""
+        self, run: Run, prompt: Prompt, deadline: float
+    ) -> tuple[Node, prefill_pb2.Reservation, bool]:
+        """Reserve decode pages, waiting in the admission queue while no node has room; the
+        node, its reservation and whether the request's pages are zeroed when freed."""
         loop = asyncio.get_running_loop()
         pages = pages_needed(prompt.total_tokens, self.d.model.page_size)
         give_up = _give_up(deadline)
@@ -341,6 +338,9 @@ class Pipeline:
                     # while (module docstring), or fail, rather than wait out the deadline.
                     node_wait = self._node_wait_left((DECODE,), give_up)
                     if self.d.queue.may_try(ticket):
+                        # Both nodes hold the tenant's KV: both zero it when freed, if the tenant
+                        # asks (as it asks now: SetLimits may have changed it while this waited).
+                        scrub_on_free = _tenant(run).limits.scrub_on_free or self.d.scrub_on_free
                         for node in decode_candidates(self.d.registry, pages, skip=set()):
                             # Listed before the awaits of the earlier candidates: one lost or
                             # registered again since (a new process) is not this node any more.
@@ -350,7 +350,7 @@ class Pipeline:
                                 run, node, prompt, scrub_on_free, pages, deadline
                             )
                             if res is not None:
-                                return node, res
+                                return node, res, scrub_on_free
                     now = loop.time()
                     if now >= give_up:
                         raise ResourceExhausted(
@@ -632,6 +632,11 @@ def unreachable(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
         err.details() or ""
     )
+
+
+def _tenant(run: Run) -> Tenant:
+    assert run.tenant is not None, "Generate gives every run its tenant"
+    return run.tenant
 
 
 def _give_up(deadline: float) -> float:

@@ -4,7 +4,10 @@ and the operator's kill switch (``model_access``), which must survive restarts t
 An API key is 256 random bits, shown once at creation; the store keeps only its SHA-256, so a copy
 of the database does not let anyone call the API. Every authentication reads the database, so a
 revoked key is refused from the next request on; the requests already sent with it, queued or
-running, end UNAUTHENTICATED ``API_KEY_REVOKED`` (the admin API's RevokeKey). Calls are short
+running, end UNAUTHENTICATED ``API_KEY_REVOKED`` (the admin API's RevokeKey). New limits
+(SetLimits) reach the requests still waiting for pages too: those the limits refuse end as a new
+request would be refused, the oldest kept first, and the rest reserve under them; running requests
+go on. Calls are short
 and local, so they run inline on the event loop; a backup (:meth:`TenantStore.snapshot`) is not,
 and runs in a worker thread.
 

@@ -222,3 +222,46 @@ async def test_revoking_a_key_ends_the_requests_sent_with_it_and_no_other(
     result = await asyncio.wait_for(kept, 8)
     assert result.usage.completion_tokens == 2
     assert cluster.prefill[0].methods().count("Prefill") == 1  # the revoked one never ran
+
+
+async def test_lowered_limits_end_the_waiting_requests_they_refuse_and_keep_the_rest(
+    cluster: Cluster,
+) -> None:
+    """New limits reach the requests already waiting for pages: one over the new tokens per
+    request ends INVALID_ARGUMENT, the newest beyond the new concurrency limit end
+    RESOURCE_EXHAUSTED, and the ones kept reserve under them (scrub_on_free, asked for while they
+    waited, reaches both nodes). Before, every queued request was served under the old limits.
+    Control: the two oldest small requests, within the new limits, are served."""
+    import asyncio
+
+    from kvfence.errors import InvalidArgument, ResourceExhausted
+
+    admin, auth = cluster.admin()
+    [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=auth)).tenants
+    cluster.script.reserve_error = ResourceExhausted("full")  # every request waits for pages
+    prompts = [[10], [11], [12], list(range(10, 30))]  # the last: 20 + 2 tokens
+    tasks = []
+    for n, ids in enumerate(prompts, start=1):
+        gen = cluster.client(timeout=8).generate(prompt_ids=ids, max_new_tokens=2)
+        tasks.append(asyncio.create_task(gen))
+        await eventually(lambda n=n: cluster.cp.queue.waiting == n)  # arrival order is known
+    limits = control_pb2.TenantLimits(
+        max_concurrent_requests=2, max_tokens_per_request=16, scrub_on_free=True
+    )
+    await admin.SetLimits(
+        control_pb2.SetLimitsRequest(name=tenant.name, limits=limits), metadata=auth
+    )
+    with pytest.raises(InvalidArgument) as too_long:
+        await asyncio.wait_for(tasks[3], 5)
+    assert too_long.value.reason == "OVER_TENANT_TOKEN_LIMIT"
+    with pytest.raises(ResourceExhausted) as too_many:
+        await asyncio.wait_for(tasks[2], 5)
+    assert too_many.value.reason == "TENANT_CONCURRENCY"
+    cluster.script.reserve_error = None  # pages free up
+    for task in tasks[:2]:
+        assert (await asyncio.wait_for(task, 8)).usage.completion_tokens == 2
+    decode = cluster.decode[0].servicer.calls
+    served = [r for m, r in decode if m == "Reserve"][-2:]
+    assert [r.prompt_tokens for r in served] == [1, 1] and all(r.scrub_on_free for r in served)
+    prefills = [r for m, r in cluster.prefill[0].servicer.calls if m == "Prefill"]
+    assert len(prefills) == 2 and all(r.scrub_on_free for r in prefills)
