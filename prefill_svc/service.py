@@ -224,7 +224,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except BaseException:
                 self.pool.end_ops(ids)  # never queued: no pass will end the pass's operation
                 raise
-            job.add_done_callback(lambda _: self.pool.end_ops(ids))
+            loop = asyncio.get_running_loop()
+
+            def pass_over(_: object) -> None:  # on the engine thread
+                self.pool.end_ops(ids)
+                # Pages of a call cancelled mid-pass are freed here, after the call has ended:
+                # the gauge must show it now, not at the node's next call (on an idle node,
+                # KvfencePagesQuarantined for pages that are free).
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody scrapes
+                    loop.call_soon_threadsafe(self._publish_pages)
+
+            job.add_done_callback(pass_over)
             try:
                 first = await asyncio.wrap_future(job)
             except IntegrityError as err:  # this node's own check (a page's generation)

@@ -256,6 +256,57 @@ async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_e
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("cancel_midway", [True, False])
+async def test_the_page_gauge_shows_pages_freed_when_a_cancelled_calls_pass_ends(
+    nodes, cancel_midway
+):
+    """A Prefill call cancelled (client gone, deadline) while its pass runs leaves its pages
+    quarantined until the pass ends; the pass's end freed them but published nothing, so on an
+    idle node the gauge showed them quarantined until the next call (KvfencePagesQuarantined
+    after 30 min, for pages that were free). Control: the same held pass, not cancelled."""
+    import threading
+
+    from asyncwait import eventually
+
+    _, pre, dstub, pstub = nodes
+    pool, engine = pre.rt.pool, pre.rt.engine
+    entered, go = threading.Event(), threading.Event()
+    real_prefill = engine.prefill_many
+
+    def held_prefill(prompts, pages):
+        entered.set()
+        assert go.wait(30)
+        return real_prefill(prompts, pages)
+
+    def gauge(state: str) -> float:
+        return pre.metrics.pages.labels(state=state)._value.get()
+
+    engine.prefill_many = held_prefill
+    try:
+        _, call = await reserve_and_prefill(dstub, pstub, "gauge", list(range(3, 40)))
+        task = asyncio.ensure_future(call)
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        if cancel_midway:
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await eventually(lambda: "gauge" not in pre.servicer.held)
+            assert gauge("quarantined") == 3  # the pass still writes them
+        go.set()
+        if cancel_midway:
+            assert await eventually(lambda: pool.num_free == pool.num_pages)
+        else:
+            assert (await task).manifest.token_count == 37
+            await pstub.Release(prefill_pb2.ReleaseRequest(request_id="gauge"))
+        # no other call on the node: the gauge must follow the pool by itself
+        assert await eventually(lambda: gauge("quarantined") == 0, timeout=2)
+        assert (gauge("free"), gauge("held")) == (pool.num_pages, 0)
+        await dstub.Release(prefill_pb2.ReleaseRequest(request_id="gauge"))
+    finally:
+        go.set()
+        engine.prefill_many = real_prefill
+
+
 @pytest.mark.parametrize(
     "prompt, sampling, ok",
     [
