@@ -11,8 +11,9 @@ import asyncio
 import collections
 import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from control_plane.model_info import ModelInfo
 from control_plane.tenants import Tenant
@@ -244,8 +245,17 @@ class AdmissionQueue:
         elif was_head:  # its turn is over: to the back, behind every other waiting tenant
             self._turns[tenant] = self._turns.pop(tenant)
 
-    async def changed(self, timeout: float) -> None:
-        """Return at the next notify() or after ``timeout`` seconds, whichever comes first."""
-        event = self._changed
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), max(0.0, timeout))
+    def changed(self, timeout: float) -> Coroutine[Any, Any, None]:
+        """Return at the next notify() or after ``timeout`` seconds, whichever comes first.
+
+        "Next" counts from this call, not from when the coroutine first runs: a caller that
+        decides to wait wraps it in a task (``Run.guard``), which starts an iteration later, and a
+        notify() in between (the waiters woken with it leaving and re-queueing) must not be lost.
+        It was: every waiter then slept out its whole timeout (a heartbeat interval) with the head
+        free to reserve."""
+        return _wait_for_event(self._changed, timeout)
+
+
+async def _wait_for_event(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), max(0.0, timeout))

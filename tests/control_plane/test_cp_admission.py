@@ -181,6 +181,41 @@ async def test_a_control_plane_that_just_started_waits_for_its_nodes(tmp_path: P
         await c.close()
 
 
+async def test_requests_released_together_from_a_wait_are_served_without_sleeping_a_poll(
+    tmp_path: Path,
+) -> None:
+    """Three tenants' requests wait for a prefill node; it registers and they all pass to the
+    decode-page wait in one loop iteration, each leaving its first queue place (a notify) and
+    taking a new one. The queue's wait read its event only when its task first ran, after those
+    notifies: every waiter then slept a whole poll (the heartbeat interval, 10 s here) with
+    decode free. Now all are served at once; the control is that they are served at all."""
+    c = await make_cluster(
+        tmp_path,
+        prefill_nodes=0,
+        heartbeat_interval_s=10.0,
+        node_timeout_s=40.0,
+        no_node_wait_s=30.0,
+    )
+    try:
+        keys = [c.api_key] + [
+            c.cp.tenants.create_tenant(name, TenantLimits())[1] for name in ("b", "cc")
+        ]
+        calls = [
+            asyncio.create_task(
+                c.client(key, timeout=30).generate(prompt_ids=[5], max_new_tokens=2)
+            )
+            for key in keys
+        ]
+        await eventually(lambda: c.cp.queue.waiting == 3)
+        assert (await c.add_node(FakeNode("prefill", "prefill-0", c.script))).accepted
+        start = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(asyncio.gather(*calls), 20)
+        assert [r.usage.completion_tokens for r in results] == [2, 2, 2]
+        assert asyncio.get_running_loop().time() - start < 5.0  # not a 10 s poll
+    finally:
+        await c.close()
+
+
 async def test_requests_waiting_for_a_node_keep_the_queue_caps(tmp_path: Path) -> None:
     """Waiting for a node is waiting in the admission queue: a tenant over its share is refused
     QUEUE_FULL at once, another tenant still gets a place up to the queue's capacity, and then
