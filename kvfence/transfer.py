@@ -674,7 +674,11 @@ class KvReceiver:
         problem = None
         if t is None:
             problem = RESERVATION_RELEASED if self.released(rid) else "UNKNOWN_RESERVATION"
-        elif not hmac.compare_digest(authenticator(t.secret, rid), auth):
+        elif not hmac.compare_digest(
+            # As bytes: compare_digest raises on a non-ASCII str, which skipped the report below.
+            authenticator(t.secret, rid).encode(),
+            auth.encode("utf-8", "surrogatepass"),
+        ):
             problem = "BAD_AUTHENTICATOR"
         elif t.state != InboundState.EXPECTING:
             problem = "REPLAY"  # a reservation accepts exactly one transfer

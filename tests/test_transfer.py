@@ -26,6 +26,9 @@ from kvfence.transfer import (
     KvReceiver,
     OutboundPage,
     TransferError,
+    _recv_json,
+    _send_json,
+    _within,
     bind_host_of,
     page_buffer,
     page_tag,
@@ -118,6 +121,37 @@ async def test_bad_authenticator_is_dropped_and_reported_with_control():
         with pytest.raises(TransferError) as err:
             await send(rx, t, make_source(pool, 2))
         assert err.value.reason == "REPLAY"
+    finally:
+        await rx.stop()
+
+
+@pytest.mark.parametrize(
+    "auth", ["0" * 64, "\u00e9" * 64, "\ud800"], ids=["ascii", "non-ascii", "surrogate"]
+)
+async def test_a_forged_authenticator_of_any_characters_is_refused_and_reported(auth):
+    """A hello naming a live reservation (its id travels in the clear) with a non-ASCII
+    authenticator made compare_digest raise TypeError: no answer, no integrity_violation event,
+    the handler's exception loose in ucxx. Control: an ASCII one is refused and reported alike."""
+    import ucxx
+
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    try:
+        refs = pool.allocate(2, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
+        try:
+            hello = {"reservation_id": "res-1", "request_id": "req-1", "auth": auth, "v": 4}
+            await _send_json(ep, hello)
+            [reply] = await _within(ep, [_recv_json(ep, reply=True)], 5)
+        finally:
+            ep.abort()
+        assert reply == {"ok": False, "error": "BAD_AUTHENTICATOR"}
+        assert await eventually(lambda: len(events) == 1)
+        assert events[0][1]["check"] == "BAD_AUTHENTICATOR"
+        assert t.state == InboundState.EXPECTING
+        await send(rx, t, make_source(pool, 2))  # the reservation still takes its transfer
+        assert t.state == InboundState.COMPLETE
     finally:
         await rx.stop()
 
