@@ -89,6 +89,15 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
             f"sliding_window {window}: kvfence attends over the whole context, which gives the "
             f"model's outputs only up to its window"
         )
+    if args.rope.rope_type == "dynamic" and (cfg.model.context_window or 0) > (
+        args.max_position_embeddings
+    ):
+        raise ValueError(
+            f"model.context_window {cfg.model.context_window} is over the checkpoint's "
+            f"max_position_embeddings {args.max_position_embeddings} with dynamic rope scaling: "
+            "past it the model rescales its rotary base by the sequence length, which kvfence "
+            "does not, so the outputs would not be the model's"
+        )
     return ModelInfo(
         name=cfg.model.name,
         context_window=cfg.model.context_window or shape.context_window,

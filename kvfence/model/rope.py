@@ -70,7 +70,8 @@ def inv_freq_and_scale(
     dim = head_dim
     if spec.rope_type in ("default", "dynamic"):
         # Dynamic NTK only changes the base beyond max_position_embeddings, and kvfence never
-        # admits a position past the context window, so inside it dynamic equals default.
+        # admits a position past the context window, which the control plane refuses to set
+        # beyond it for this type (model_info), so inside it dynamic equals default.
         return _base_inv_freq(spec.theta, dim), 1.0
     if spec.rope_type == "linear":
         return _base_inv_freq(spec.theta, dim) / float(spec.get("factor")), 1.0

@@ -77,8 +77,8 @@ def make_hf_checkpoint(directory: Path, case: dict[str, Any], *, std: float = 0.
     }[model_type]
     # No EOS: both sides then generate exactly max_new_tokens without masking any logit.
     config = config_cls(
-        max_position_embeddings=256, initializer_range=std, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None, **kw,
+        max_position_embeddings=kw.pop("max_position_embeddings", 256), initializer_range=std,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **kw,
     )  # fmt: skip
     torch.manual_seed(sum(map(ord, str(sorted(case.items())))))
     model = model_cls(config).eval()
@@ -232,4 +232,35 @@ def test_a_mistral_sliding_window_caps_the_context_window(tmp_path: Path) -> Non
     assert load_model_info(parse_config(cfg, environ={})).context_window == window
     over = {"model": {"path": str(tmp_path), "context_window": window + 1}}
     with pytest.raises(ValueError, match="over the checkpoint's sliding_window 24"):
+        load_model_info(parse_config(over, environ={}))
+
+
+def test_dynamic_rope_is_served_up_to_max_position_embeddings_and_no_further(
+    tmp_path: Path,
+) -> None:
+    """Dynamic NTK rope is the default rotation up to max_position_embeddings and rescales its
+    base past it, which kvfence does not: an operator's model.context_window over it gave tokens
+    that were not the model's (48 positions of 32: logits 3.4 off HF's, another top token). It is
+    refused now. Control: within it, the tokens are HF's, and a window at it is accepted."""
+    from control_plane.model_info import load_model_info
+    from kvfence.config import parse_config
+
+    hf = make_hf_checkpoint(
+        tmp_path,
+        dict(
+            model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rope_theta=10000.0, max_position_embeddings=32,
+            rope_scaling=dict(rope_type="dynamic", factor=2.0),
+        ),
+    )  # fmt: skip
+    engine = ColocatedEngine(load_model(tmp_path), page_size=16, num_pages=64)
+    ids = prompt(32 - NEW_TOKENS, 97, salt=3)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    [out] = engine.generate([GenerationRequest(ids, params)])
+    assert_same(engine, ids, out.token_ids, hf_greedy(hf, ids))
+    at = {"model": {"path": str(tmp_path), "context_window": 32}}
+    assert load_model_info(parse_config(at, environ={})).context_window == 32
+    over = {"model": {"path": str(tmp_path), "context_window": 48}}
+    with pytest.raises(ValueError, match="max_position_embeddings 32 with dynamic rope"):
         load_model_info(parse_config(over, environ={}))
