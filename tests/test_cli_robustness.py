@@ -25,6 +25,7 @@ import psutil
 import pytest
 import structlog
 import typer
+import yaml
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
@@ -144,6 +145,25 @@ def test_up_bad_config_file_is_one_line(tmp_path: Path, stub_stack: list[dict[st
     assert result.exit_code == 0, result.output
     assert stub_stack[-1]["cluster"] == "robust"
     assert stub_stack[-1]["kv"]["page_size"] == 16  # --page-size (default 16) wins
+
+
+def test_up_refuses_a_base_config_with_tls(
+    tmp_path: Path, stub_stack: list[dict[str, Any]]
+) -> None:
+    """up's services and its own admin calls are plain loopback: with a base config's tls the
+    control plane served TLS up could not speak, and up waited 180 s to say "nodes did not
+    register". Control: the same base config without tls is run."""
+    base = {"cluster": "robust", "tls": {"public_cert": "/x/cert.pem", "public_key": "/x/k.pem"}}
+    path = tmp_path / "tls.yaml"
+    path.write_text(yaml.safe_dump(base))
+    result = invoke("up", "--state-dir", str(tmp_path / "s"), "--config", str(path))
+    assert_one_line_error(result, 2, "sets tls (public_cert, public_key)")
+    assert stub_stack == []
+    del base["tls"]
+    path.write_text(yaml.safe_dump(base))
+    result = invoke("up", "--state-dir", str(tmp_path / "s"), "--config", str(path))
+    assert result.exit_code == 0, result.output
+    assert stub_stack[-1]["cluster"] == "robust"
 
 
 def test_up_stops_on_sighup_as_on_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

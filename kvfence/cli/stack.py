@@ -128,6 +128,18 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             port=port,
             state_dir=state_dir,
         )
+        tls = [k for k, v in (cfg.get("tls") or {}).items() if v]
+        if tls:
+            # The local stack's listeners, and `up`'s own admin calls, are plain loopback: with
+            # these set the control plane would serve TLS that `up` cannot speak, and `up` would
+            # wait out its registration timeout reporting "nodes did not register".
+            typer.echo(
+                f"kvfence up: the base config sets tls ({', '.join(sorted(tls))}): up runs "
+                "every service on loopback without TLS; drop the tls section (TLS is for a "
+                "deployment: `kvfence serve ROLE --config` or the Helm chart)",
+                err=True,
+            )
+            raise typer.Exit(2)
         cfg_path = state_dir / "up-config.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
         try:
@@ -266,7 +278,9 @@ def run_stack(
     up_path.unlink(missing_ok=True)
     try:
         procs.append(("control-plane", _spawn("control-plane", cfg_path, env, logs / "cp.log")))
-        token_file = state_dir / "admin_token"
+        # Where the control plane keeps its admin token: the base config's file when it names
+        # one (the control plane only reads that), else the one it writes at first start.
+        token_file = Path(cfg["control_plane"].get("admin_token_file") or state_dir / "admin_token")
         if not _wait(lambda: token_file.exists(), 60, lambda: stopping, procs):
             return _fail("control plane did not start", logs)
         for i in range(n_prefill):

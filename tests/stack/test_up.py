@@ -40,6 +40,24 @@ def test_up_serves_and_stops_cleanly(tmp_path):
     assert (logs / "cp.log.1").read_text() == "an earlier run's line\n"
 
 
+def test_up_serves_with_the_admin_token_file_its_base_config_names(tmp_path):
+    """With control_plane.admin_token_file in the base config the control plane reads that file
+    and writes none in the state directory, where up waited for one: 60 s, then "control plane
+    did not start" of a control plane that had. up now uses the named file (the default, a
+    token written in the state directory, is the test above)."""
+    token = tmp_path / "admin-token"
+    token.write_text("kvfa_operators_own\n")
+    cfg = {"control_plane": {"admin_token_file": str(token)}}
+    stack = Stack(tmp_path / "s", config=cfg).start(timeout=120)
+    try:
+        assert stack.up["admin_token"] == "kvfa_operators_own"
+        with stack.admin() as admin:
+            assert len(admin.list_nodes().nodes) == 2
+        assert not (tmp_path / "s" / "admin_token").exists()
+    finally:
+        stack.stop()
+
+
 def test_up_says_how_to_undo_a_kill_switch_it_starts_with(tmp_path):
     """The kill switch is kept in the state directory: `up` on one where the model was taken
     offline printed "kvfence ready" and a generate command that failed UNAVAILABLE. It now says
