@@ -86,7 +86,14 @@ it), so prefill's pooled endpoints keep working through a flood; a prefill that 
 connection meanwhile has its transfer fail at once (the endpoint is closed under its hello), not
 hang. Before decode sees a connection at all, ucxx exchanges its own peer information on it
 (a send and a receive, up to ``create_listener``'s ``connect_timeout``, 5 s, each), and nothing
-here bounds how many connections are at that stage.
+here bounds how many connections are at that stage. Nor what a connection sends besides its hello:
+messages on tags decode never receives stay in the UCX worker's queue of unexpected messages for
+the life of the process (closing the endpoint does not free them, and UCX offers no way to purge
+one endpoint's). A review's flood, 195 MiB in small messages from 50 short connections with no
+hello, left decode's memory 390 MiB higher for good, and nothing above counted it. So the UCX port
+must be reachable from prefill nodes only: a deployment requirement (a NetworkPolicy for TCP; for
+RDMA, which NetworkPolicy does not reach, the fabric's own partitioning), not a bound decode
+enforces.
 
 The listener listens on every interface, whatever address the node binds its gRPC server to:
 ucxx's ``create_listener`` (0.52, installed here) takes a port only, and binds the wildcard
