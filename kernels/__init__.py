@@ -103,7 +103,8 @@ def paged_decode_attention(
             of ``num_kv_heads``; head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
         kv_pages: the pool; ``layer`` selects the layer read.
         block_tables: int32 ``[B, max_pages]`` page ids; entries at or beyond
-            ``ceil(seq_len / page_size)`` are ignored (any value).
+            ``ceil(seq_len / page_size)`` are ignored (any value). ``max_pages`` may be 0 (every
+            row is then flagged).
         expected_gen: int64 ``[B, max_pages]`` the generation each table entry was allocated at.
         page_gen: int64 ``[num_pages]`` the pool's current generations.
         seq_lens: int32 ``[B]`` valid tokens per sequence (>= 1); later positions are never read.
@@ -115,6 +116,8 @@ def paged_decode_attention(
         expected_gen``, an id outside the pool, ``seq_len`` needs more pages than ``max_pages``,
         or ``seq_len < 1``.
         A flagged row reads no K/V and its output is zeros; the caller must fail that request.
+        A NaN or inf in the q, K or V a row reads is no flag: it reaches that row's output as
+        NaN or inf (in the query heads that read it), never as zeros.
     """
     return plan_decode_attention(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)(
         q, layer

@@ -263,17 +263,21 @@ def _attention_flagging(
     # one with nothing to attend to (seq_len >= 1 is the contract; zeros would pass for an answer).
     bad = (read & stale).any(dim=1) | (n_pages > max_pages) | (seq < 1)  # (B,)
 
+    # No row reads a page (an empty batch, every row flagged, a table of width 0 included): all
+    # rows are zeros. (Gathering nothing would leave K/V with no slots to attend over.)
+    n_read = int(torch.where(bad, 0, n_pages).max()) if batch else 0
+    if n_read == 0:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), bad
     # Flagged rows and unread table entries gather page 0 and are masked out below, so no byte of
     # a page the sequence does not own enters the arithmetic of its output.
-    n_read = int(torch.where(bad, 0, n_pages).max()) if batch else 0
-    n_read = max(n_read, 1)
     use = read[:, :n_read] & ~bad[:, None]  # (B, n_read)
     gather = torch.where(use, safe_pid[:, :n_read], 0)  # (B, n_read)
     k, v = _gather(kv_pages, layer, gather)
     pos = torch.arange(n_read * page_size, device=device)  # (T,)
     valid = (pos[None, :] < seq[:, None]) & ~bad[:, None]  # (B, T)
     out = _attend(q, k, v, valid, scale)
-    # Rows with nothing valid (flagged) come out NaN: zero them.
+    # Rows with nothing valid (flagged) come out NaN: zero them. A row with something valid keeps
+    # its NaN, if any (a NaN or inf in its K/V or q): that is its answer, as in the kernel.
     has_any = valid.any(dim=1)  # (B,)
     out = torch.where(has_any[:, None, None], out, 0.0)
     return out.to(q.dtype), bad

@@ -65,7 +65,11 @@ def _paged_decode_kernel(
     h = tl.program_id(1)
     kvh = h // group
     seq_len = tl.load(seqlen_ptr + b)
-    n_pages = (seq_len + page_size - 1) // page_size
+    # The page count in int64, as the reference has it: in int32, ``seq_len + page_size - 1``
+    # wraps negative for a seq_len within page_size of INT32_MAX, the row escapes the flag
+    # below, and pass 2 would walk ~2**31 tokens past the end of its block table. (Scalars, once
+    # per program; pass 1 runs per page, so its int64 index costs nothing per token.)
+    n_pages = (seq_len.to(tl.int64) + page_size - 1) // page_size
     # Pass 1: every page the sequence reads must carry the generation its block table expects.
     # Done before any K/V load so that a flagged sequence never reads the page it does not own.
     # A seq_len < 1 (the contract is >= 1) or one past the table is flagged as well.
@@ -90,8 +94,12 @@ def _paged_decode_kernel(
     m_i = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([BLOCK_T], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for t0 in range(0, n_tok, BLOCK_T):
-        pos = t0 + tl.arange(0, BLOCK_T)
+    # The loop counts blocks, not tokens: ``t0 += BLOCK_T`` past the last block would wrap int32
+    # for a (valid) n_tok within BLOCK_T of INT32_MAX and loop on with negative positions. The
+    # last block's positions stay below 2**31 (BLOCK_T is a power of two), so pos stays int32.
+    n_blk = ((n_tok.to(tl.int64) + BLOCK_T - 1) // BLOCK_T).to(tl.int32)
+    for blk in range(0, n_blk):
+        pos = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = pos < n_tok
         page = tl.load(bt_ptr + b * bt_stride_b + pos // page_size, mask=tm, other=0)
         row = (
@@ -111,7 +119,11 @@ def _paged_decode_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-    out = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    # Only a row with no tokens (a flagged one: acc is 0) skips the division. Any other row has
+    # l_i >= 1 (the max-score token adds exp(0)), unless a score was NaN or inf: a NaN or inf in K
+    # or q (fp16 overflow) makes l_i and acc NaN, and the output must be that NaN, as in the
+    # reference, not a plausible row of zeros.
+    out = acc / tl.where(n_tok > 0, l_i, 1.0)
     tl.store(out_ptr + b * o_stride_b + h * o_stride_h + d, out, mask=dm)
     tl.store(err_ptr + b, bad, mask=h == 0)
 

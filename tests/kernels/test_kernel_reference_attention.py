@@ -101,6 +101,41 @@ def test_seq_len_below_one_is_flagged(make_pool, make_batch):
     assert torch.equal(got[0], out) and torch.equal(got[1], flags)
 
 
+def test_zero_width_block_table_flags_every_row(make_pool, make_batch):
+    # A table with no columns names no page: every row needs more pages than it holds (or has
+    # seq_len < 1) and is flagged, as the kernel flags it; the reference used to raise instead.
+    pool = make_pool()
+    clean, flags = reference.paged_decode_attention(
+        *make_batch(pool, [1, 17], max_pages=2).args(pool, layer=0)
+    )
+    assert flags.tolist() == [False, False]  # control: the rows with a table are not flagged
+    assert int(clean.count_nonzero()) > 0
+    batch = make_batch(pool, [1, 0, 17], max_pages=0)
+    assert batch.block_tables.shape == (3, 0)
+    out, flags = reference.paged_decode_attention(*batch.args(pool, layer=0))
+    assert flags.tolist() == [True, True, True]
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert int(out.count_nonzero()) == 0
+    attend = kernels.plan_decode_attention(*plan_args(pool, batch))
+    for got in (attend(batch.q, 1), kernels.paged_decode_attention(*batch.args(pool, layer=0))):
+        assert torch.equal(got[0], out) and torch.equal(got[1], flags)
+
+
+def test_nan_in_a_read_slot_comes_out_nan_not_zeros(make_pool, make_batch):
+    # A NaN (an fp16 overflow's inf does the same) in K the row reads is that row's answer, on
+    # both paths: never turned into a plausible zero, never flagged (no page was misused).
+    pool = make_pool()
+    batch = make_batch(pool, [20, 20, 0])
+    pool.kv[int(batch.block_tables[1, 1]), 0, 0, 2, 0] = float("nan")  # token 18, kv head 0
+    nan_heads = [[False] * 4, [True, True, False, False], [False] * 4]  # heads 0-1 read kv head 0
+    for path in (reference.paged_decode_attention, reference._attention_flagging):
+        out, flags = path(*batch.args(pool, layer=0))
+        assert flags.tolist() == [False, False, True]
+        assert out.isnan().any(dim=2).tolist() == nan_heads
+        assert int(out[2].count_nonzero()) == 0  # control: the empty row is still zeros
+        assert bool(torch.isfinite(out[0]).all()) and int(out[0].count_nonzero()) > 0
+
+
 def test_rejects_bad_arguments(make_pool, make_batch):
     pool = make_pool()
     batch = make_batch(pool, [5])

@@ -94,17 +94,8 @@ def _planned_case(make_pool, make_batch) -> tuple:
     return (kv, *rest, batch.q, int(batch.block_tables[1, 1]))
 
 
-@pytest.fixture(scope="module")
-def runs(make_pool, make_batch, tmp_path_factory):
-    """Build all cases, run the Triton launchers once in an interpreter subprocess."""
-    attn = _attention_cases(make_pool, make_batch)
-    pages = _page_cases(make_pool)
-    jobs = {
-        name: ("paged_decode_attention", b.args(p, layer)) for name, (p, b, layer) in attn.items()
-    }
-    jobs.update(pages)
-    jobs["planned"] = ("planned_attention", _planned_case(make_pool, make_batch))
-    tmp = tmp_path_factory.mktemp("interpret")
+def _interpret(jobs: dict, tmp: Path, timeout: float) -> dict:
+    """Run ``jobs`` (name -> (launcher, args)) in an interpreter subprocess; name -> result."""
     torch.save(jobs, tmp / "cases.pt")
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -115,10 +106,28 @@ def runs(make_pool, make_batch, tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return attn, pages, torch.load(tmp / "results.pt")
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-4000:]}"
+    return torch.load(tmp / "results.pt")
+
+
+def _attention_jobs(attn: dict) -> dict:
+    return {
+        name: ("paged_decode_attention", b.args(p, layer)) for name, (p, b, layer) in attn.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(make_pool, make_batch, tmp_path_factory):
+    """Build all cases, run the Triton launchers once in an interpreter subprocess."""
+    attn = _attention_cases(make_pool, make_batch)
+    pages = _page_cases(make_pool)
+    jobs = _attention_jobs(attn)
+    jobs.update(pages)
+    jobs["planned"] = ("planned_attention", _planned_case(make_pool, make_batch))
+    results = _interpret(jobs, tmp_path_factory.mktemp("interpret"), timeout=240)
+    return attn, pages, results
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -213,3 +222,112 @@ def test_a_plan_checks_the_generations_anew_at_every_layer(runs, make_pool, make
     assert flags1.tolist() == want1[1].tolist() == [False, True, False]
     assert int(out1[1].count_nonzero()) == 0
     torch.testing.assert_close(out1, want1[0], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Edge rows: seq_len near INT32_MAX, NaN/inf in K/V a row reads, a block table of width 0.
+
+HUGE_FLAGS = [False, True, True, True, False]  # seq_len 20, 2**31-1, 2**31-15, 2**31-16, 33
+
+
+def _huge_case(make_pool, make_batch) -> tuple:
+    """seq_lens within page_size of INT32_MAX: ``seq_len + page_size - 1`` wraps int32 for the
+    first two (not the third: it was flagged before the fix too). Each row's table names real
+    pages, so a row that escapes the flag would read them."""
+    pool = make_pool(num_pages=12, seed=10)
+    batch = make_batch(pool, [20, 20, 20, 20, 33], seed=11)
+    batch.seq_lens[1:4] = torch.tensor([2**31 - 1, 2**31 - 15, 2**31 - 16], dtype=torch.int32)
+    return pool, batch, 0
+
+
+def _nan_cases(make_pool, make_batch) -> dict:
+    """A NaN (f32) and an inf (f16, what an fp16 overflow gives) in a K slot a row reads, in one
+    kv head only (query heads 0-1 read kv head 0, heads 2-3 kv head 1); beside them a clean row
+    and a seq_len 0 row (flagged: zeros, NaN nowhere)."""
+    cases = {}
+    for name, dtype, value, row, head in (
+        ("attn_nan_k_f32", torch.float32, float("nan"), 1, 0),
+        ("attn_inf_k_f16", torch.float16, float("inf"), 0, 1),
+    ):
+        pool = make_pool(dtype=dtype, num_pages=12, seed=12)
+        batch = make_batch(pool, [20, 20, 5, 33], seed=13)
+        batch.seq_lens[2] = 0
+        page = int(batch.block_tables[row, 1])
+        pool.kv[page, 1, 0, 2, head] = value  # token 18 of 20, layer 1, K
+        cases[name] = (pool, batch, 1)
+    return cases
+
+
+def _width0_case(make_pool, make_batch) -> tuple:
+    """A block table with no columns: every row needs more pages than it names (or has seq_len
+    < 1), so every row is flagged."""
+    pool = make_pool(num_pages=6, seed=14)
+    return pool, make_batch(pool, [1, 0, 17], max_pages=0, seed=15), 0
+
+
+@pytest.fixture(scope="module")
+def huge_runs(make_pool, make_batch, tmp_path_factory):
+    """The near-INT32_MAX rows in a subprocess of their own: without the int64 page count the
+    kernel walks ~2**31 tokens past the block table, and that must not take the other tests'
+    results with it."""
+    attn = {"attn_huge": _huge_case(make_pool, make_batch)}
+    return attn, _interpret(_attention_jobs(attn), tmp_path_factory.mktemp("huge"), timeout=90)
+
+
+@pytest.fixture(scope="module")
+def edge_runs(make_pool, make_batch, tmp_path_factory):
+    attn = _nan_cases(make_pool, make_batch)
+    attn["attn_width0"] = _width0_case(make_pool, make_batch)
+    return attn, _interpret(_attention_jobs(attn), tmp_path_factory.mktemp("edge"), timeout=120)
+
+
+def test_attention_seq_len_near_int32_max_is_flagged_as_the_reference_does(huge_runs):
+    attn, results = huge_runs
+    pool, batch, layer = attn["attn_huge"]
+    out, flags = results["attn_huge"]
+    want, want_flags = reference.paged_decode_attention(*batch.args(pool, layer))
+    assert flags.tolist() == want_flags.tolist() == HUGE_FLAGS
+    assert int(out[torch.tensor(HUGE_FLAGS)].count_nonzero()) == 0
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # Positive control: the valid rows (seq_len 20 and 33) are plain attention, and nonzero.
+    assert bool(torch.isfinite(out).all())
+    assert int(out[0].count_nonzero()) > 0 and int(out[4].count_nonzero()) > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "row", "head"), [("attn_nan_k_f32", 1, 0), ("attn_inf_k_f16", 0, 1)]
+)
+def test_attention_nan_in_a_read_slot_comes_out_nan_as_in_the_reference(
+    edge_runs, dense_attention, name, row, head
+):
+    attn, results = edge_runs
+    pool, batch, layer = attn[name]
+    out, flags = results[name]
+    want, want_flags = reference.paged_decode_attention(*batch.args(pool, layer))
+    # NaN is not a flag (no page was misused): the row's answer is NaN, for the caller to see.
+    assert flags.tolist() == want_flags.tolist() == [False, False, True, False]
+    nan_heads = torch.zeros(out.shape[:2], dtype=torch.bool)
+    nan_heads[row, 2 * head : 2 * head + 2] = True  # the query heads of the poisoned kv head
+    assert torch.equal(want.isnan().all(dim=2), nan_heads)
+    assert torch.equal(out.isnan().any(dim=2), nan_heads)
+    assert torch.equal(out.isnan().all(dim=2), nan_heads)
+    tol = TOL[batch.q.dtype]
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol, equal_nan=True)
+    # Positive control: the legitimately empty row (seq_len 0, flagged) is still zeros, and the
+    # other heads and rows are unchanged: plain attention.
+    assert int(out[2].count_nonzero()) == 0
+    clean = ~nan_heads
+    clean[2] = False
+    dense = dense_attention(pool, batch, layer)
+    torch.testing.assert_close(out[clean].float(), dense[clean], atol=2 * tol, rtol=2 * tol)
+    assert bool(torch.isfinite(out[clean]).all()) and int(out[clean].count_nonzero()) > 0
+
+
+def test_attention_zero_width_block_table_flags_every_row_as_the_reference_does(edge_runs):
+    attn, results = edge_runs
+    pool, batch, layer = attn["attn_width0"]
+    out, flags = results["attn_width0"]
+    want, want_flags = reference.paged_decode_attention(*batch.args(pool, layer))
+    assert flags.tolist() == want_flags.tolist() == [True, True, True]
+    assert out.dtype == want.dtype and out.shape == want.shape == batch.q.shape
+    assert int(out.count_nonzero()) == 0 and int(want.count_nonzero()) == 0
