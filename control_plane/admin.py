@@ -170,7 +170,9 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
     async def SetLimits(
         self, request: control_pb2.SetLimitsRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.Tenant:
-        tenant = self.tenants.set_limits(request.name, limits_from_pb(request.limits))
+        tenant = self.tenants.set_limits(
+            request.name, limits_from_pb(request.limits), request.fields
+        )
         ended = self._apply_limits(tenant)
         log.info("tenant limits set", tenant=tenant.name, requests_ended=ended)
         return tenant_pb(tenant)

@@ -182,6 +182,10 @@ class KeyInfo:
     created_at: str
 
 
+# TenantLimits' fields, which are also the tenants table's columns (SetLimitsRequest.fields).
+LIMIT_FIELDS = ("max_concurrent_requests", "max_tokens_per_request", "scrub_on_free")
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -417,17 +421,28 @@ class TenantStore:
         ).fetchall()
         return [self._tenant(row) for row in rows]
 
-    def set_limits(self, name: str, limits: TenantLimits) -> Tenant:
+    def set_limits(
+        self, name: str, limits: TenantLimits, fields: Iterable[str] | None = None
+    ) -> Tenant:
+        """Set ``fields`` of ``limits`` (all of them when None or empty); the others keep their
+        stored value, in one statement (nobody's change in between is undone)."""
         _check_limits(limits)
+        chosen = set(fields or LIMIT_FIELDS)
+        unknown = sorted(chosen - set(LIMIT_FIELDS))
+        if unknown:
+            raise InvalidArgument(
+                f"unknown limit field(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(LIMIT_FIELDS)}"
+            )
+        values = {
+            "max_concurrent_requests": limits.max_concurrent_requests,
+            "max_tokens_per_request": limits.max_tokens_per_request,
+            "scrub_on_free": int(limits.scrub_on_free),
+        }
+        columns = [f for f in LIMIT_FIELDS if f in chosen]  # names from LIMIT_FIELDS only
         cur = self._db.execute(
-            "UPDATE tenants SET max_concurrent_requests = ?, max_tokens_per_request = ?, "
-            "scrub_on_free = ? WHERE name = ?",
-            (
-                limits.max_concurrent_requests,
-                limits.max_tokens_per_request,
-                int(limits.scrub_on_free),
-                name,
-            ),
+            f"UPDATE tenants SET {', '.join(f'{c} = ?' for c in columns)} WHERE name = ?",
+            (*(values[c] for c in columns), name),
         )
         if cur.rowcount == 0:
             raise NotFound(f"tenant {name!r} does not exist")

@@ -439,16 +439,27 @@ class AdminClient:
         self,
         name: str,
         *,
-        max_concurrent_requests: int = 0,
-        max_tokens_per_request: int = 0,
-        scrub_on_free: bool = False,
+        max_concurrent_requests: int | None = None,
+        max_tokens_per_request: int | None = None,
+        scrub_on_free: bool | None = None,
     ) -> control_pb2.Tenant:
+        """Set the limits given; those left None keep their value (the control plane merges them
+        in one step, so a concurrent change of another limit is not undone)."""
+        given = {
+            "max_concurrent_requests": max_concurrent_requests,
+            "max_tokens_per_request": max_tokens_per_request,
+            "scrub_on_free": scrub_on_free,
+        }
+        fields = [k for k, v in given.items() if v is not None]
+        if not fields:
+            raise ValueError("set_limits: give at least one limit to set")
         limits = control_pb2.TenantLimits(
-            max_concurrent_requests=max_concurrent_requests,
-            max_tokens_per_request=max_tokens_per_request,
-            scrub_on_free=scrub_on_free,
+            max_concurrent_requests=max_concurrent_requests or 0,
+            max_tokens_per_request=max_tokens_per_request or 0,
+            scrub_on_free=bool(scrub_on_free),
         )
-        return self._call("SetLimits", control_pb2.SetLimitsRequest(name=name, limits=limits))
+        request = control_pb2.SetLimitsRequest(name=name, limits=limits, fields=fields)
+        return self._call("SetLimits", request)
 
     def list_nodes(self) -> control_pb2.ListNodesResponse:
         return self._call("ListNodes", control_pb2.ListNodesRequest())

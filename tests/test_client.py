@@ -232,6 +232,45 @@ async def test_admin_client(cluster: Cluster) -> None:
     await asyncio.to_thread(work)
 
 
+async def test_set_limits_changes_only_the_limits_given(cluster: Cluster) -> None:
+    """Two operators changing different limits at once: the CLI read all three, then wrote all
+    three back, so the later call undid the earlier one (a cap on an abusive tenant lifted by a
+    scrub_on_free change, both told they succeeded). Only the limits given travel now and the
+    control plane merges them. Controls: a request without fields (a client from before) still
+    sets all three; an unknown field is refused; the CLI with nothing to change says so."""
+    from control_plane.tenants import TenantLimits
+    from kvfence.proto.kvfence.v1 import control_pb2
+
+    def work() -> None:
+        with AdminClient(cluster.admin_target, cluster.cp.admin_token) as admin:
+            admin.set_limits("acme", max_concurrent_requests=2)  # operator A
+            tenant = admin.set_limits("acme", scrub_on_free=True)  # operator B, after A
+            assert cluster.cp.tenants.get("acme").limits == TenantLimits(2, 0, True)
+            assert tenant.limits.max_concurrent_requests == 2 and tenant.limits.scrub_on_free
+            old_client = control_pb2.SetLimitsRequest(
+                name="acme", limits=control_pb2.TenantLimits(max_tokens_per_request=64)
+            )
+            admin._call("SetLimits", old_client)
+            assert cluster.cp.tenants.get("acme").limits == TenantLimits(0, 64, False)
+            with pytest.raises(InvalidArgument, match="unknown limit field"):
+                admin._call(
+                    "SetLimits",
+                    control_pb2.SetLimitsRequest(
+                        name="acme", fields=["max_tokens_per_request", "x"]
+                    ),
+                )
+            assert cluster.cp.tenants.get("acme").limits == TenantLimits(0, 64, False)
+            with pytest.raises(ValueError):
+                admin.set_limits("acme")
+
+    await asyncio.to_thread(work)
+    auth = ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    code, _, err = await run_cli("tenants", "set-limits", "acme", *auth)
+    assert code == 2 and "nothing to change" in err
+    code, out, _ = await run_cli("tenants", "set-limits", "acme", "--max-concurrent", "3", *auth)
+    assert code == 0 and "max concurrent 3, max tokens 64" in out
+
+
 async def test_cli_generate_json_and_text(cluster: Cluster, quiet_logs: None) -> None:
     base = ["generate", "--target", cluster.target, "--api-key", cluster.api_key]
     code, out, _ = await run_cli(*base, "--prompt-ids", "10,11,12", "-n", "4", "--json")

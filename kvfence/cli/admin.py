@@ -278,18 +278,18 @@ def tenants_set_limits(
     tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
     """Change a tenant's limits; options not given keep their current value."""
+    if max_concurrent is None and max_tokens is None and scrub_on_free is None:
+        raise _fail(
+            "nothing to change: give --max-concurrent, --max-tokens or --scrub-on-free", EXIT_USAGE
+        )
     with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
-        current = {t.name: t for t in admin.list_tenants()}.get(name)
-        if current is None:
-            raise _fail(f"NOT_FOUND: tenant {name!r} does not exist")
-        lim = current.limits
+        # Only the options given travel: the control plane keeps the others as they are then
+        # (reading them here first would undo another operator's change made in between).
         tenant = admin.set_limits(
             name,
-            max_concurrent_requests=lim.max_concurrent_requests
-            if max_concurrent is None
-            else max_concurrent,
-            max_tokens_per_request=lim.max_tokens_per_request if max_tokens is None else max_tokens,
-            scrub_on_free=lim.scrub_on_free if scrub_on_free is None else scrub_on_free,
+            max_concurrent_requests=max_concurrent,
+            max_tokens_per_request=max_tokens,
+            scrub_on_free=scrub_on_free,
         )
     if as_json:
         _print_json(_dict(tenant))

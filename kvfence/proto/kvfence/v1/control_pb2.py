@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfence.proto.kvfence.v1 import common_pb2 as kvfence_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfence/v1/control.proto\x12\nkvfence.v1\x1a\x17kvfence/v1/common.proto\"\x8e\x02\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.kvfence.v1.KvLayout\x12\x13\n\x0bpool_tokens\x18\x07 \x01(\r\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\r\x12\x17\n\x0fkvfence_version\x18\x0b \x01(\t\"S\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"\x8f\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nfree_pages\x18\x02 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x03 \x01(\r\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\"6\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\nsuperseded\x18\x02 \x01(\x08\"f\n\x0cTenantLimits\x12\x1f\n\x17max_concurrent_requests\x18\x01 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x02 \x01(\r\x12\x15\n\rscrub_on_free\x18\x03 \x01(\x08\"A\n\nApiKeyInfo\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\t\"f\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\x12$\n\x04keys\x18\x03 \x03(\x0b\x32\x16.kvfence.v1.ApiKeyInfo\"M\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"[\n\x14\x43reateTenantResponse\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvfence.v1.Tenant\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\x14\n\x12ListTenantsRequest\":\n\x13ListTenantsResponse\x12#\n\x07tenants\x18\x01 \x03(\x0b\x32\x12.kvfence.v1.Tenant\"\"\n\x10\x43reateKeyRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"4\n\x11\x43reateKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\"\"\n\x10RevokeKeyRequest\x12\x0e\n\x06key_id\x18\x01 \x01(\t\"$\n\x11RevokeKeyResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\"J\n\x10SetLimitsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"\xad\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nfree_pages\x18\x07 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x08 \x01(\r\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\n \x01(\x01\x12$\n\x06layout\x18\x0b \x01(\x0b\x32\x14.kvfence.v1.KvLayout\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x17\n\x0fkvfence_version\x18\r \x01(\t\"\x12\n\x10ListNodesRequest\"j\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvfence.v1.NodeInfo\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\"\x14\n\x12ModelStatusRequest\"\x84\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x05 \x01(\r\x12\x15\n\roffline_since\x18\x06 \x01(\t\"7\n\x15SetModelAccessRequest\x12\x0e\n\x06online\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xac\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cprefill_node\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x15\n\x13ListRequestsRequest\"A\n\x14ListRequestsResponse\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvfence.v1.RequestInfo\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x14\x41\x62ortRequestResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x14\n\x12\x43heckConfigRequest\"\\\n\tPoolCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x03 \x01(\r\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x8a\x01\n\x13\x43heckConfigResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\x12\x0f\n\x07\x63lamped\x18\x04 \x01(\x08\x12$\n\x05pools\x18\x05 \x03(\x0b\x32\x15.kvfence.v1.PoolCheck\"\x16\n\x14\x42\x61\x63kupTenantsRequest\"G\n\x12\x42\x61\x63kupTenantsChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t2\x9f\x01\n\x0cNodeRegistry\x12\x45\n\x08Register\x12\x1b.kvfence.v1.RegisterRequest\x1a\x1c.kvfence.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvfence.v1.HeartbeatRequest\x1a\x1d.kvfence.v1.HeartbeatResponse2\xab\x07\n\x05\x41\x64min\x12Q\n\x0c\x43reateTenant\x12\x1f.kvfence.v1.CreateTenantRequest\x1a .kvfence.v1.CreateTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvfence.v1.ListTenantsRequest\x1a\x1f.kvfence.v1.ListTenantsResponse\x12H\n\tRevokeKey\x12\x1c.kvfence.v1.RevokeKeyRequest\x1a\x1d.kvfence.v1.RevokeKeyResponse\x12H\n\tCreateKey\x12\x1c.kvfence.v1.CreateKeyRequest\x1a\x1d.kvfence.v1.CreateKeyResponse\x12=\n\tSetLimits\x12\x1c.kvfence.v1.SetLimitsRequest\x1a\x12.kvfence.v1.Tenant\x12H\n\tListNodes\x12\x1c.kvfence.v1.ListNodesRequest\x1a\x1d.kvfence.v1.ListNodesResponse\x12I\n\x0eGetModelStatus\x12\x1e.kvfence.v1.ModelStatusRequest\x1a\x17.kvfence.v1.ModelStatus\x12L\n\x0eSetModelAccess\x12!.kvfence.v1.SetModelAccessRequest\x1a\x17.kvfence.v1.ModelStatus\x12Q\n\x0cListRequests\x12\x1f.kvfence.v1.ListRequestsRequest\x1a .kvfence.v1.ListRequestsResponse\x12Q\n\x0c\x41\x62ortRequest\x12\x1f.kvfence.v1.AbortRequestRequest\x1a .kvfence.v1.AbortRequestResponse\x12N\n\x0b\x43heckConfig\x12\x1e.kvfence.v1.CheckConfigRequest\x1a\x1f.kvfence.v1.CheckConfigResponse\x12S\n\rBackupTenants\x12 .kvfence.v1.BackupTenantsRequest\x1a\x1e.kvfence.v1.BackupTenantsChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfence/v1/control.proto\x12\nkvfence.v1\x1a\x17kvfence/v1/common.proto\"\x8e\x02\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.kvfence.v1.KvLayout\x12\x13\n\x0bpool_tokens\x18\x07 \x01(\r\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\r\x12\x17\n\x0fkvfence_version\x18\x0b \x01(\t\"S\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"\x8f\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nfree_pages\x18\x02 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x03 \x01(\r\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\"6\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\nsuperseded\x18\x02 \x01(\x08\"f\n\x0cTenantLimits\x12\x1f\n\x17max_concurrent_requests\x18\x01 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x02 \x01(\r\x12\x15\n\rscrub_on_free\x18\x03 \x01(\x08\"A\n\nApiKeyInfo\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\t\"f\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\x12$\n\x04keys\x18\x03 \x03(\x0b\x32\x16.kvfence.v1.ApiKeyInfo\"M\n\x13\x43reateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\"[\n\x14\x43reateTenantResponse\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvfence.v1.Tenant\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\x14\n\x12ListTenantsRequest\":\n\x13ListTenantsResponse\x12#\n\x07tenants\x18\x01 \x03(\x0b\x32\x12.kvfence.v1.Tenant\"\"\n\x10\x43reateKeyRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"4\n\x11\x43reateKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\"\"\n\x10RevokeKeyRequest\x12\x0e\n\x06key_id\x18\x01 \x01(\t\"$\n\x11RevokeKeyResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\"Z\n\x10SetLimitsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06limits\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.TenantLimits\x12\x0e\n\x06\x66ields\x18\x03 \x03(\t\"\xad\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nfree_pages\x18\x07 \x01(\r\x12\x19\n\x11quarantined_pages\x18\x08 \x01(\r\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\n \x01(\x01\x12$\n\x06layout\x18\x0b \x01(\x0b\x32\x14.kvfence.v1.KvLayout\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x17\n\x0fkvfence_version\x18\r \x01(\t\"\x12\n\x10ListNodesRequest\"j\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.kvfence.v1.NodeInfo\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\"\x14\n\x12ModelStatusRequest\"\x84\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06online\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x05 \x01(\r\x12\x15\n\roffline_since\x18\x06 \x01(\t\"7\n\x15SetModelAccessRequest\x12\x0e\n\x06online\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xac\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x14\n\x0cprefill_node\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\"\x15\n\x13ListRequestsRequest\"A\n\x14ListRequestsResponse\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvfence.v1.RequestInfo\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x14\x41\x62ortRequestResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x14\n\x12\x43heckConfigRequest\"\\\n\tPoolCheck\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bpool_tokens\x18\x03 \x01(\r\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x8a\x01\n\x13\x43heckConfigResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\r\x12\x18\n\x10\x61\x64missible_limit\x18\x03 \x01(\r\x12\x0f\n\x07\x63lamped\x18\x04 \x01(\x08\x12$\n\x05pools\x18\x05 \x03(\x0b\x32\x15.kvfence.v1.PoolCheck\"\x16\n\x14\x42\x61\x63kupTenantsRequest\"G\n\x12\x42\x61\x63kupTenantsChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t2\x9f\x01\n\x0cNodeRegistry\x12\x45\n\x08Register\x12\x1b.kvfence.v1.RegisterRequest\x1a\x1c.kvfence.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvfence.v1.HeartbeatRequest\x1a\x1d.kvfence.v1.HeartbeatResponse2\xab\x07\n\x05\x41\x64min\x12Q\n\x0c\x43reateTenant\x12\x1f.kvfence.v1.CreateTenantRequest\x1a .kvfence.v1.CreateTenantResponse\x12N\n\x0bListTenants\x12\x1e.kvfence.v1.ListTenantsRequest\x1a\x1f.kvfence.v1.ListTenantsResponse\x12H\n\tRevokeKey\x12\x1c.kvfence.v1.RevokeKeyRequest\x1a\x1d.kvfence.v1.RevokeKeyResponse\x12H\n\tCreateKey\x12\x1c.kvfence.v1.CreateKeyRequest\x1a\x1d.kvfence.v1.CreateKeyResponse\x12=\n\tSetLimits\x12\x1c.kvfence.v1.SetLimitsRequest\x1a\x12.kvfence.v1.Tenant\x12H\n\tListNodes\x12\x1c.kvfence.v1.ListNodesRequest\x1a\x1d.kvfence.v1.ListNodesResponse\x12I\n\x0eGetModelStatus\x12\x1e.kvfence.v1.ModelStatusRequest\x1a\x17.kvfence.v1.ModelStatus\x12L\n\x0eSetModelAccess\x12!.kvfence.v1.SetModelAccessRequest\x1a\x17.kvfence.v1.ModelStatus\x12Q\n\x0cListRequests\x12\x1f.kvfence.v1.ListRequestsRequest\x1a .kvfence.v1.ListRequestsResponse\x12Q\n\x0c\x41\x62ortRequest\x12\x1f.kvfence.v1.AbortRequestRequest\x1a .kvfence.v1.AbortRequestResponse\x12N\n\x0b\x43heckConfig\x12\x1e.kvfence.v1.CheckConfigRequest\x1a\x1f.kvfence.v1.CheckConfigResponse\x12S\n\rBackupTenants\x12 .kvfence.v1.BackupTenantsRequest\x1a\x1e.kvfence.v1.BackupTenantsChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -63,41 +63,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REVOKEKEYRESPONSE']._serialized_start=1280
   _globals['_REVOKEKEYRESPONSE']._serialized_end=1316
   _globals['_SETLIMITSREQUEST']._serialized_start=1318
-  _globals['_SETLIMITSREQUEST']._serialized_end=1392
-  _globals['_NODEINFO']._serialized_start=1395
-  _globals['_NODEINFO']._serialized_end=1696
-  _globals['_LISTNODESREQUEST']._serialized_start=1698
-  _globals['_LISTNODESREQUEST']._serialized_end=1716
-  _globals['_LISTNODESRESPONSE']._serialized_start=1718
-  _globals['_LISTNODESRESPONSE']._serialized_end=1824
-  _globals['_MODELSTATUSREQUEST']._serialized_start=1826
-  _globals['_MODELSTATUSREQUEST']._serialized_end=1846
-  _globals['_MODELSTATUS']._serialized_start=1849
-  _globals['_MODELSTATUS']._serialized_end=1981
-  _globals['_SETMODELACCESSREQUEST']._serialized_start=1983
-  _globals['_SETMODELACCESSREQUEST']._serialized_end=2038
-  _globals['_REQUESTINFO']._serialized_start=2041
-  _globals['_REQUESTINFO']._serialized_end=2213
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=2215
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=2236
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=2238
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2303
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=2305
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=2346
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=2348
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=2387
-  _globals['_CHECKCONFIGREQUEST']._serialized_start=2389
-  _globals['_CHECKCONFIGREQUEST']._serialized_end=2409
-  _globals['_POOLCHECK']._serialized_start=2411
-  _globals['_POOLCHECK']._serialized_end=2503
-  _globals['_CHECKCONFIGRESPONSE']._serialized_start=2506
-  _globals['_CHECKCONFIGRESPONSE']._serialized_end=2644
-  _globals['_BACKUPTENANTSREQUEST']._serialized_start=2646
-  _globals['_BACKUPTENANTSREQUEST']._serialized_end=2668
-  _globals['_BACKUPTENANTSCHUNK']._serialized_start=2670
-  _globals['_BACKUPTENANTSCHUNK']._serialized_end=2741
-  _globals['_NODEREGISTRY']._serialized_start=2744
-  _globals['_NODEREGISTRY']._serialized_end=2903
-  _globals['_ADMIN']._serialized_start=2906
-  _globals['_ADMIN']._serialized_end=3845
+  _globals['_SETLIMITSREQUEST']._serialized_end=1408
+  _globals['_NODEINFO']._serialized_start=1411
+  _globals['_NODEINFO']._serialized_end=1712
+  _globals['_LISTNODESREQUEST']._serialized_start=1714
+  _globals['_LISTNODESREQUEST']._serialized_end=1732
+  _globals['_LISTNODESRESPONSE']._serialized_start=1734
+  _globals['_LISTNODESRESPONSE']._serialized_end=1840
+  _globals['_MODELSTATUSREQUEST']._serialized_start=1842
+  _globals['_MODELSTATUSREQUEST']._serialized_end=1862
+  _globals['_MODELSTATUS']._serialized_start=1865
+  _globals['_MODELSTATUS']._serialized_end=1997
+  _globals['_SETMODELACCESSREQUEST']._serialized_start=1999
+  _globals['_SETMODELACCESSREQUEST']._serialized_end=2054
+  _globals['_REQUESTINFO']._serialized_start=2057
+  _globals['_REQUESTINFO']._serialized_end=2229
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=2231
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=2252
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=2254
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=2319
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=2321
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=2362
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=2364
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=2403
+  _globals['_CHECKCONFIGREQUEST']._serialized_start=2405
+  _globals['_CHECKCONFIGREQUEST']._serialized_end=2425
+  _globals['_POOLCHECK']._serialized_start=2427
+  _globals['_POOLCHECK']._serialized_end=2519
+  _globals['_CHECKCONFIGRESPONSE']._serialized_start=2522
+  _globals['_CHECKCONFIGRESPONSE']._serialized_end=2660
+  _globals['_BACKUPTENANTSREQUEST']._serialized_start=2662
+  _globals['_BACKUPTENANTSREQUEST']._serialized_end=2684
+  _globals['_BACKUPTENANTSCHUNK']._serialized_start=2686
+  _globals['_BACKUPTENANTSCHUNK']._serialized_end=2757
+  _globals['_NODEREGISTRY']._serialized_start=2760
+  _globals['_NODEREGISTRY']._serialized_end=2919
+  _globals['_ADMIN']._serialized_start=2922
+  _globals['_ADMIN']._serialized_end=3861
 # @@protoc_insertion_point(module_scope)

@@ -152,12 +152,14 @@ class RevokeKeyResponse(_message.Message):
     def __init__(self, revoked: _Optional[bool] = ...) -> None: ...
 
 class SetLimitsRequest(_message.Message):
-    __slots__ = ("name", "limits")
+    __slots__ = ("name", "limits", "fields")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     limits: TenantLimits
-    def __init__(self, name: _Optional[str] = ..., limits: _Optional[_Union[TenantLimits, _Mapping]] = ...) -> None: ...
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., limits: _Optional[_Union[TenantLimits, _Mapping]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "pool_tokens", "total_pages", "free_pages", "quarantined_pages", "healthy", "last_heartbeat_age_s", "layout", "draining", "kvfence_version")
