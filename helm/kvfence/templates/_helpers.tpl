@@ -219,6 +219,63 @@ the pre-install hook checks those with the same code kvfence runs (`kvfence chec
 {{- end }}
 {{- end }}
 
+{{/*
+control_plane.default_deadline_s must not exceed control_plane.max_deadline_s (kvfence/config.py
+refuses it at start, and the pre-install hook with it); JSON schema cannot compare two values.
+*/}}
+{{- define "kvfence.checkDeadlines" -}}
+{{- $cp := .Values.controlPlane }}
+{{- if gt (float64 $cp.defaultDeadlineS) (float64 $cp.maxDeadlineS) }}
+{{- fail (printf "controlPlane.defaultDeadlineS %v exceeds controlPlane.maxDeadlineS %v: kvfence refuses a default deadline over the longest one a client may ask; lower defaultDeadlineS or raise maxDeadlineS" $cp.defaultDeadlineS $cp.maxDeadlineS) }}
+{{- end }}
+{{- end }}
+
+{{/*
+"true" when a UCX_TLS value lets UCX use its TCP transport: a list naming tcp or all, or a
+"^..." list (all but those) that does not exclude tcp. A name may carry a ":aux" suffix.
+*/}}
+{{- define "kvfence.ucxUsesTcp" -}}
+{{- $tls := . | trim | lower }}
+{{- $names := list }}
+{{- range splitList "," (trimPrefix "^" $tls) }}
+{{- $names = append $names (. | trim | splitList ":" | first) }}
+{{- end }}
+{{- if hasPrefix "^" $tls }}
+{{- if not (has "tcp" $names) }}true{{ end }}
+{{- else if or (has "tcp" $names) (has "all" $names) }}true{{ end }}
+{{- end }}
+
+{{/*
+A role's ucx.tcpPortRange; call with (dict "root" $ "role" "decode"). The schema takes two
+numbers of up to five digits; their bounds and order are checked here: they become the
+NetworkPolicy's port and endPort, which the API server would refuse at install. "" leaves UCX's
+TCP transport on an ephemeral port, which no NetworkPolicy can name: with the policy on and TCP
+in ucx.tls every connection to it would be dropped. Decode's range takes prefill's connections
+(the KV transfers); prefill's takes decode's, as UCX's TCP transport may connect from either
+side of an endpoint (networkpolicy.yaml opens it to decode).
+*/}}
+{{- define "kvfence.checkUcxPortRange" -}}
+{{- $role := .role }}
+{{- $v := index .root.Values $role }}
+{{- $peer := ternary "prefill" "decode" (eq $role "decode") }}
+{{- $example := ternary "13440-13449" "13340-13349" (eq $role "decode") }}
+{{- with $v.ucx.tcpPortRange }}
+{{- $r := splitList "-" . }}
+{{- $lo := atoi (first $r) }}
+{{- $hi := atoi (last $r) }}
+{{- if or (lt $lo 1) (gt $lo 65535) (lt $hi 1) (gt $hi 65535) }}
+{{- fail (printf "%s.ucx.tcpPortRange %q: both ports must lie within 1-65535 (e.g. %q)" $role . $example) }}
+{{- end }}
+{{- if gt $lo $hi }}
+{{- fail (printf "%s.ucx.tcpPortRange %q is reversed: give the low port first (%d-%d)" $role . $hi $lo) }}
+{{- end }}
+{{- else }}
+{{- if and .root.Values.networkPolicy.enabled (include "kvfence.ucxUsesTcp" $v.ucx.tls) }}
+{{- fail (printf "%s.ucx.tcpPortRange is \"\" with networkPolicy.enabled and %s.ucx.tls %q (UCX's TCP transport): the transport would listen on an ephemeral port, which the %s NetworkPolicy cannot open to %s pods, and every KV transfer would be blocked. Set %s.ucx.tcpPortRange (e.g. %q), or networkPolicy.enabled=false" $role $role $v.ucx.tls $role $peer $role $example) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* max_position_embeddings of the embedded tiny model (kvfence/model/tiny.py); a test keeps them equal. */}}
 {{- define "kvfence.tinyContextWindow" -}}
 2048
@@ -229,6 +286,7 @@ the pre-install hook checks those with the same code kvfence runs (`kvfence chec
 {{- include "kvfence.checkPools" . }}
 {{- include "kvfence.checkMqttAuth" . }}
 {{- include "kvfence.checkMqttTls" . }}
+{{- include "kvfence.checkDeadlines" . }}
 {{- $m := .Values.model -}}
 {{- $cp := .Values.controlPlane -}}
 cluster: {{ .Values.clusterName | quote }}
@@ -277,6 +335,7 @@ control_plane:
   admission_queue_per_tenant: {{ int64 $cp.admissionQueuePerTenant }}
   no_node_wait_s: {{ $cp.noNodeWaitS }}
   default_deadline_s: {{ $cp.defaultDeadlineS }}
+  max_deadline_s: {{ $cp.maxDeadlineS }}
   heartbeat_interval_s: {{ $cp.heartbeatIntervalS }}
   node_timeout_s: {{ $cp.nodeTimeoutS }}
   admin_token_file: /etc/kvfence/admin/{{ .Values.adminToken.key }}

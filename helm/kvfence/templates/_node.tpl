@@ -19,6 +19,32 @@ file; the role, identity and addresses of each pod come from KVFENCE__NODE__* en
 {{- end }}
 {{- $_ := set $resources "limits" $limits }}
 {{- $_ := set $resources "requests" $requests }}
+{{- include "kvfence.checkUcxPortRange" (dict "root" $root "role" $role) }}
+{{- /* A pod holding a device (an extended resource: a name with a domain, as gpu and rdma add;
+       or a resource claim) may have no spare one to surge into: Kubernetes' default rollout
+       (maxSurge 25% rounded up, maxUnavailable 25% rounded down: 1 and 0 under 4 replicas)
+       starts a new pod first, which stays Pending, and removes no old one. The chart's strategy
+       replaces pods instead (values.yaml, prefill.strategy). Native resources (cpu, memory,
+       ephemeral-storage, hugepages-*) have no "/". */}}
+{{- $devices := $resources.claims }}
+{{- range $name, $_ := merge (dict) $limits $requests }}
+{{- if contains "/" $name }}{{ $devices = true }}{{ end }}
+{{- end }}
+{{- $strategy := $v.strategy }}
+{{- /* What the API server would refuse at install. */}}
+{{- with $strategy }}
+{{- if and (eq (.type | default "RollingUpdate") "Recreate") (hasKey . "rollingUpdate") }}
+{{- fail (printf "%s.strategy: type Recreate takes no rollingUpdate (drop one of the two)" $role) }}
+{{- end }}
+{{- $ru := .rollingUpdate | default dict }}
+{{- $zero := list "0" "0%" }}
+{{- if and (has (toString $ru.maxSurge) $zero) (has (toString $ru.maxUnavailable) $zero) }}
+{{- fail (printf "%s.strategy.rollingUpdate: maxSurge and maxUnavailable are both 0, so a rollout could never replace a pod: give maxUnavailable 1 (each old pod stopped frees its device for its replacement) or a maxSurge (needs a spare device)" $role) }}
+{{- end }}
+{{- end }}
+{{- if and (not $strategy) $devices }}
+{{- $strategy = dict "type" "RollingUpdate" "rollingUpdate" (dict "maxSurge" 0 "maxUnavailable" 1) }}
+{{- end }}
 {{- /* On SIGTERM a node drains for at most drainTimeoutS (node.drain_timeout_s), then stops: the
        pod's grace period must outlast both, or Kubernetes kills it with its requests running.
        The stop after the drain takes at most 15 s (kvfence.node_main.STOP_TAIL_S) when the
@@ -36,6 +62,10 @@ metadata:
     {{- include "kvfence.componentLabels" $sel | nindent 4 }}
 spec:
   replicas: {{ int $v.replicas }}
+  {{- with $strategy }}
+  strategy:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   selector:
     matchLabels:
       {{- include "kvfence.componentSelector" $sel | nindent 6 }}
