@@ -453,11 +453,15 @@ class AdminClient:
         fields = [k for k, v in given.items() if v is not None]
         if not fields:
             raise ValueError("set_limits: give at least one limit to set")
-        limits = control_pb2.TenantLimits(
-            max_concurrent_requests=max_concurrent_requests or 0,
-            max_tokens_per_request=max_tokens_per_request or 0,
-            scrub_on_free=bool(scrub_on_free),
-        )
+        # The limits not given are sent as they stand now: a control plane from before
+        # SetLimitsRequest.fields writes all three, and must write those back, not zeros (that
+        # lifted caps and scrub_on_free). One that knows ``fields`` ignores them.
+        current = {t.name: t.limits for t in self.list_tenants()}.get(name)
+        limits = control_pb2.TenantLimits()
+        if current is not None:
+            limits.CopyFrom(current)
+        for key in fields:
+            setattr(limits, key, given[key])
         request = control_pb2.SetLimitsRequest(name=name, limits=limits, fields=fields)
         return self._call("SetLimits", request)
 

@@ -147,17 +147,22 @@ def test_up_bad_config_file_is_one_line(tmp_path: Path, stub_stack: list[dict[st
     assert stub_stack[-1]["kv"]["page_size"] == 16  # --page-size (default 16) wins
 
 
-def test_up_refuses_a_base_config_with_tls(
-    tmp_path: Path, stub_stack: list[dict[str, Any]]
+def test_up_refuses_a_config_with_tls(
+    tmp_path: Path, stub_stack: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """up's services and its own admin calls are plain loopback: with a base config's tls the
-    control plane served TLS up could not speak, and up waited 180 s to say "nodes did not
-    register". Control: the same base config without tls is run."""
+    """up's services and its own admin calls are plain loopback: with tls in the base config
+    (or in KVFENCE__TLS__* variables, which the services read too) the control plane served TLS
+    up could not speak, and up waited 180 s to say "nodes did not register". Control: the same
+    base config without tls is run."""
     base = {"cluster": "robust", "tls": {"public_cert": "/x/cert.pem", "public_key": "/x/k.pem"}}
     path = tmp_path / "tls.yaml"
     path.write_text(yaml.safe_dump(base))
     result = invoke("up", "--state-dir", str(tmp_path / "s"), "--config", str(path))
     assert_one_line_error(result, 2, "sets tls (public_cert, public_key)")
+    with monkeypatch.context() as env:
+        env.setenv("KVFENCE__TLS__INTERNAL_CA", "/x/ca.pem")
+        result = invoke("up", "--state-dir", str(tmp_path / "s"))
+        assert_one_line_error(result, 2, "sets tls (internal_ca)")
     assert stub_stack == []
     del base["tls"]
     path.write_text(yaml.safe_dump(base))

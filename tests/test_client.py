@@ -271,6 +271,30 @@ async def test_set_limits_changes_only_the_limits_given(cluster: Cluster) -> Non
     assert code == 0 and "max concurrent 3, max tokens 64" in out
 
 
+async def test_set_limits_against_a_control_plane_without_fields_keeps_the_others(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A control plane from before SetLimitsRequest.fields writes all three limits it is sent:
+    a client sending zeros for the limits not given lifted the tenant's caps (and turned
+    scrub_on_free off) there. The client sends them as they stand. (The merge on a control plane
+    that knows fields is the test above.)"""
+    from control_plane.tenants import TenantLimits
+
+    store = cluster.cp.tenants
+    real = store.set_limits
+    monkeypatch.setattr(store, "set_limits", lambda name, limits, fields=None: real(name, limits))
+
+    def work() -> None:
+        with AdminClient(cluster.admin_target, cluster.cp.admin_token) as admin:
+            admin.set_limits("acme", max_concurrent_requests=2, max_tokens_per_request=512)
+            admin.set_limits("acme", scrub_on_free=True)
+            assert store.get("acme").limits == TenantLimits(2, 512, True)
+            admin.set_limits("acme", max_concurrent_requests=4)
+            assert store.get("acme").limits == TenantLimits(4, 512, True)
+
+    await asyncio.to_thread(work)
+
+
 async def test_cli_generate_json_and_text(cluster: Cluster, quiet_logs: None) -> None:
     base = ["generate", "--target", cluster.target, "--api-key", cluster.api_key]
     code, out, _ = await run_cli(*base, "--prompt-ids", "10,11,12", "-n", "4", "--json")

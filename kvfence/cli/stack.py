@@ -128,26 +128,29 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             port=port,
             state_dir=state_dir,
         )
-        tls = [k for k, v in (cfg.get("tls") or {}).items() if v]
+        cfg_path = state_dir / "up-config.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        try:
+            # As the services will read it: the file plus KVFENCE__* environment overrides.
+            resolved = load_config(cfg_path)
+        except ConfigError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
+        tls = [k for k, v in resolved.tls.model_dump().items() if v]
         if tls:
             # The local stack's listeners, and `up`'s own admin calls, are plain loopback: with
             # these set the control plane would serve TLS that `up` cannot speak, and `up` would
             # wait out its registration timeout reporting "nodes did not register".
             typer.echo(
-                f"kvfence up: the base config sets tls ({', '.join(sorted(tls))}): up runs "
-                "every service on loopback without TLS; drop the tls section (TLS is for a "
+                f"kvfence up: the config sets tls ({', '.join(sorted(tls))}): up runs "
+                "every service on loopback without TLS; drop the tls settings (the base config's, "
+                "KVFENCE__TLS__* variables: TLS is for a "
                 "deployment: `kvfence serve ROLE --config` or the Helm chart)",
                 err=True,
             )
             raise typer.Exit(2)
-        cfg_path = state_dir / "up-config.yaml"
-        cfg_path.write_text(yaml.safe_dump(cfg))
-        try:
-            load_config(cfg_path)
-        except ConfigError as err:
-            typer.echo(str(err), err=True)
-            raise typer.Exit(2) from None
-        raise typer.Exit(run_stack(cfg_path, cfg, state_dir, prefill, decode))
+        token_file = resolved.control_plane.admin_token_file
+        raise typer.Exit(run_stack(cfg_path, cfg, state_dir, prefill, decode, token_file))
 
 
 async def _run_service(cfg: Any, role: Role) -> None:
@@ -245,9 +248,15 @@ def local_threads(n_nodes: int) -> int:
 
 
 def run_stack(
-    cfg_path: Path, cfg: dict[str, Any], state_dir: Path, n_prefill: int, n_decode: int
+    cfg_path: Path,
+    cfg: dict[str, Any],
+    state_dir: Path,
+    n_prefill: int,
+    n_decode: int,
+    admin_token_file: Path | None = None,
 ) -> int:
-    """Start every process, wait for registration, serve until a signal; returns the exit code."""
+    """Start every process, wait for registration, serve until a signal; returns the exit code.
+    ``admin_token_file``: the config's ``control_plane.admin_token_file`` (overrides included)."""
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
 
@@ -280,7 +289,7 @@ def run_stack(
         procs.append(("control-plane", _spawn("control-plane", cfg_path, env, logs / "cp.log")))
         # Where the control plane keeps its admin token: the base config's file when it names
         # one (the control plane only reads that), else the one it writes at first start.
-        token_file = Path(cfg["control_plane"].get("admin_token_file") or state_dir / "admin_token")
+        token_file = admin_token_file or state_dir / "admin_token"
         if not _wait(lambda: token_file.exists(), 60, lambda: stopping, procs):
             return _fail("control plane did not start", logs)
         for i in range(n_prefill):
