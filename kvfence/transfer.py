@@ -725,6 +725,11 @@ class KvReceiver:
                 if not isinstance(first, dict):
                     raise TransferError("hello batch is not an object", reason="PROTOCOL")
             await self._receive_batches(ep, t, first, frame, strays)
+            if t.state != InboundState.RECEIVING:  # released as the last receives completed
+                raise TransferError(
+                    "the reservation was released during the transfer",
+                    reason=RESERVATION_RELEASED,
+                )
             t.state = InboundState.COMPLETE
             t.done.set()
             # The sender closes first (or sends the next hello): closing here could cancel the
@@ -839,9 +844,18 @@ class KvReceiver:
     async def _receive_pages(
         self, ep: Any, t: InboundTransfer, batch: int, indices: list[int]
     ) -> None:
-        pids = [t.pages[i].page_id for i in indices]
+        refs = [t.pages[i] for i in indices]
+        pids = [r.page_id for r in refs]
         # The tags of the version this decode said it speaks (read now: tests play older ones).
         tags = page_tags(t.reservation_id, batch, len(pids), PROTOCOL_VERSION)
+        # The reservation may have been released while this handler awaited the batch header
+        # (decode's Release: cancel, free, forget), and its pages reserved again for another
+        # request: a receive posted now would land in that request's pages. Only the endpoint's
+        # abort stood in the way. Checked with no await before the receives are posted.
+        if t.state != InboundState.RECEIVING or not self.pool.owns(t.reservation_id, refs):
+            raise TransferError(
+                "the reservation was released during the transfer", reason=RESERVATION_RELEASED
+            )
         self.pool.begin_ops(pids)
         try:
             # Every receive lands straight in a reserved page; on any failure the endpoint is

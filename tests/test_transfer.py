@@ -156,6 +156,69 @@ async def test_a_forged_authenticator_of_any_characters_is_refused_and_reported(
         await rx.stop()
 
 
+@pytest.mark.parametrize("abort_takes", [True, False], ids=["abort", "abort-fails"])
+@pytest.mark.parametrize("release", [True, False], ids=["released", "control"])
+async def test_a_reservation_released_while_its_batch_header_arrives_gets_no_receive(
+    abort_takes, release
+):
+    """Decode's Release (cancel, free, forget) can run between a batch header arriving and the
+    handler posting that batch's receives, and a Reserve can take the pages at once. The
+    receives were then posted into the new owner's pages: only the endpoint's abort (inside
+    ucxx) kept the old transfer's bytes out; with an abort that did not take effect, they
+    landed there and the transfer read COMPLETE. The handler now checks, before posting, that
+    the reservation still receives and owns its pages. Control: not released, the same batch
+    lands."""
+    import ucxx
+
+    from kvfence.transfer import _expect_ok, _send_json, authenticator
+
+    pool = make_pool(pages=2)
+    rx, events = await make_receiver(pool, max_batch_bytes=4 * pool.page_bytes)
+    refs = pool.allocate(2, "A")
+    t = rx.expect("A", "reqA", b"k" * 32, refs)
+    real = rx._receive_pages
+    other: list = []
+
+    async def release_first(ep, tr, batch, indices):
+        if release:  # what decode's Release, then another request's Reserve, do in the window
+            if not abort_takes:
+                tr.ep = None  # an abort that does not happen (cancel() suppresses its errors)
+            rx.cancel("A")
+            pool.release("A")
+            rx.forget("A")
+            other.extend(pool.allocate(2, "B"))
+            for r in other:
+                pool.kv[r.page_id].fill_(7.0)  # B's own KV
+        return await real(ep, tr, batch, indices)
+
+    rx._receive_pages = release_first
+    ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
+    try:
+        hello = {"reservation_id": "A", "request_id": "reqA", "auth": authenticator(b"k" * 32, "A")}
+        await _send_json(ep, hello)
+        await _expect_ok(ep, 5)
+        await _send_json(ep, {"indices": [0, 1], "last": True})
+        sources = make_source(pool, 2, fill=1.0)
+        sends = [
+            ep.send(page_buffer(s), tag=page_tag("A", 0, k, PROTOCOL_VERSION))
+            for k, s in enumerate(sources)
+        ]
+        await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 5)
+        await asyncio.wait_for(t.done.wait(), 5)
+        await asyncio.sleep(0.2)  # anything still to land
+        if release:
+            assert t.state == InboundState.CANCELLED
+            assert all(float(pool.kv[r.page_id].flatten()[0]) == 7.0 for r in other)
+            assert pool.outstanding_ops("B") == 0
+            assert "integrity_violation" not in [k for k, _ in events]  # a release, not forged
+        else:
+            assert t.state == InboundState.COMPLETE
+            assert all(torch.equal(pool.kv[r.page_id], sources[i]) for i, r in enumerate(refs))
+    finally:
+        ep.abort()
+        await rx.stop()
+
+
 async def test_a_hello_for_a_released_reservation_is_late_not_forged():
     """A reservation decode issued and released (expired, or the request aborted) gets a hello
     when prefill ran late: that is UNAVAILABLE-grade, reported as a failed transfer, not as an
