@@ -51,6 +51,8 @@ class ModelInfo:
     vocab_size: int
     tokenizer: Tokenizer
     eos_ids: frozenset[int] = frozenset()
+    # kvfence.model.loader.text_fingerprint of the EOS ids and tokenizer above ("": not compared)
+    text_fingerprint: str = ""
 
     @property
     def page_size(self) -> int:
@@ -73,7 +75,7 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
     """
     # Imported here: they pull in torch, which tests that inject a ModelInfo never need.
     from kvfence.model.llama import ModelArgs
-    from kvfence.model.loader import fingerprint, generation_eos, read_config
+    from kvfence.model.loader import fingerprint, generation_eos, read_config, text_fingerprint
     from kvfence.node import kv_layout, model_dir
     from kvfence.tokenizer import load_tokenizer
 
@@ -98,6 +100,7 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
             "past it the model rescales its rotary base by the sequence length, which kvfence "
             "does not, so the outputs would not be the model's"
         )
+    eos = generation_eos(path) or args.eos_token_ids  # as the nodes' load_model resolves it
     return ModelInfo(
         name=cfg.model.name,
         context_window=cfg.model.context_window or shape.context_window,
@@ -105,7 +108,8 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
         layout=layout,
         vocab_size=args.vocab_size,
         tokenizer=load_tokenizer(path),
-        eos_ids=frozenset(generation_eos(path) or args.eos_token_ids),
+        eos_ids=frozenset(eos),
+        text_fingerprint=text_fingerprint(path, eos),
     )
 
 

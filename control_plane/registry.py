@@ -191,6 +191,16 @@ class Registry:
                 f"model fingerprint {req.model_fingerprint or '<empty>'} differs from the model's "
                 f"{model.fingerprint} ({model.name})"
             )
+        if (
+            req.text_fingerprint
+            and model.text_fingerprint
+            and (req.text_fingerprint != model.text_fingerprint)
+        ):
+            return (
+                "the node's EOS ids or tokenizer differ from the control plane's (same weights, "
+                "another generation_config.json or tokenizer.json: a model folder changed under "
+                "running pods?); restart them all on the same folder"
+            )
         if req.layout != model.layout:
             return (
                 f"KV layout ({layout_text(req.layout)}) differs from the model's "

@@ -70,6 +70,7 @@ class NodeRuntime:
     pool: PagePool
     engine: Engine
     loaded: object
+    text_fingerprint: str = ""  # kvfence.model.loader.text_fingerprint: EOS ids and tokenizer
 
     @classmethod
     def build(cls, cfg: ClusterConfig, role: Role) -> NodeRuntime:
@@ -92,7 +93,9 @@ class NodeRuntime:
         layout = kv_layout(cfg, shape)
         node_id = cfg.node.node_id or f"{role.value}-{os.getpid()}"
         engine = Engine(loaded.model, pool)
-        return cls(role, node_id, loaded.fingerprint, layout, pool, engine, loaded)
+        return cls(
+            role, node_id, loaded.fingerprint, layout, pool, engine, loaded, loaded.text_fingerprint
+        )
 
 
 class NodeTokenCheck:

@@ -202,6 +202,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             grpc_address=grpc_address,
             ucx_address=ucx_address,
             model_fingerprint=rt.fingerprint,
+            text_fingerprint=rt.text_fingerprint,
             layout=rt.layout,
             pool_tokens=rt.pool.pool_tokens,
             total_pages=rt.pool.num_pages,

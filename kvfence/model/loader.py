@@ -101,6 +101,22 @@ def fingerprint(path: Path | str) -> str:
     return h.hexdigest()
 
 
+def text_fingerprint(path: Path | str, eos_ids: tuple[int, ...]) -> str:
+    """sha256 hex of what turns a model's token ids into a tenant's text and ends its
+    generations: the EOS ids in force (``generation_config.json`` over ``config.json``) and the
+    tokenizer file's bytes. Not in :func:`fingerprint` (the weights): a folder whose
+    generation_config.json or tokenizer.json changed keeps its weights, and a decode node with
+    other EOS ids than the control plane ended requests the control plane called forged (or ran
+    past an EOS it would have cut), while one with another tokenizer found stop strings in
+    another text."""
+    path = Path(path)
+    h = hashlib.sha256(b"kvfence-text-v1\0")
+    h.update(canonical_json(sorted(set(eos_ids))))
+    tokenizer = path / "tokenizer.json"
+    h.update(tokenizer.read_bytes() if tokenizer.exists() else b"\0byte-tokenizer")
+    return h.hexdigest()
+
+
 @dataclass
 class LoadedModel:
     """A checkpoint in memory: its architecture, weights, config and fingerprint."""
@@ -111,6 +127,7 @@ class LoadedModel:
     config: dict[str, Any]
     fingerprint: str
     eos_token_ids: tuple[int, ...]
+    text_fingerprint: str = ""  # text_fingerprint(): EOS ids and tokenizer
 
     @property
     def shape(self) -> ModelShape:
@@ -170,4 +187,4 @@ def load_model(
     model.tie_weights()
     model.eval().requires_grad_(False)
     eos = generation_eos(path) or args.eos_token_ids
-    return LoadedModel(path, args, model, cfg, fingerprint(path), eos)
+    return LoadedModel(path, args, model, cfg, fingerprint(path), eos, text_fingerprint(path, eos))

@@ -33,6 +33,7 @@ from kvfence.proto.kvfence.v1 import (
 from kvfence.server import abort, bearer_token
 
 FINGERPRINT = "sha256:test-model"
+TEXT_FINGERPRINT = "sha256:test-model-text"  # EOS ids and tokenizer (ModelInfo.text_fingerprint)
 TEXT = "héllo wörld ✓ kvfence"  # multi-byte characters on purpose
 
 
@@ -51,6 +52,7 @@ def make_model_info(context_window: int = 256) -> ModelInfo:
         vocab_size=384,
         tokenizer=ByteTokenizer(),
         eos_ids=frozenset({2}),
+        text_fingerprint=TEXT_FINGERPRINT,
     )
 
 
@@ -204,6 +206,7 @@ class FakeNode:
         pool_tokens: int = 4096,
         page_size: int = 16,
         fingerprint: str = FINGERPRINT,
+        text_fingerprint: str = TEXT_FINGERPRINT,
         layout: common_pb2.KvLayout | None = None,
         heartbeat_s: float = 0.05,
     ):
@@ -213,6 +216,7 @@ class FakeNode:
         self.total_pages = pool_tokens // page_size
         self.free_pages = self.total_pages
         self.fingerprint = fingerprint
+        self.text_fingerprint = text_fingerprint
         self.layout = layout or make_layout(page_size=page_size)
         self.heartbeat_s = heartbeat_s
         self.servicer: FakeDecode | FakePrefill
@@ -259,6 +263,7 @@ class FakeNode:
                 grpc_address=f"127.0.0.1:{self.port}",
                 ucx_address="127.0.0.1:1" if self.role == "decode" else "",
                 model_fingerprint=self.fingerprint,
+                text_fingerprint=self.text_fingerprint,
                 layout=self.layout,
                 pool_tokens=self.pool_tokens,
                 total_pages=self.total_pages,

@@ -29,6 +29,23 @@ async def test_node_with_other_fingerprint_is_refused(cluster: Cluster) -> None:
     assert refused["node"] == "rogue"
 
 
+async def test_node_with_other_eos_ids_or_tokenizer_is_refused(cluster: Cluster) -> None:
+    """Same weights, another generation_config.json or tokenizer.json (a model folder changed
+    under running pods): the weights' fingerprint matched, and the node ended requests with EOS
+    ids the control plane called forged (DATA_LOSS, the integrity alert) or ran past its EOS.
+    Controls: the same text fingerprint is accepted, and a node of a release that sends none."""
+    node = FakeNode("decode", "drifted", Script(), text_fingerprint="sha256:other-eos")
+    resp = await cluster.add_node(node)
+    assert not resp.accepted and "EOS ids or tokenizer differ" in resp.reason
+    assert (await cluster.add_node(FakeNode("decode", "same", Script()))).accepted
+    older = FakeNode("decode", "older", Script(), text_fingerprint="")
+    assert (await cluster.add_node(older)).accepted
+    ids = [n.node_id for n in cluster.cp.registry.nodes()]
+    assert "drifted" not in ids and {"same", "older"} <= set(ids)
+    [refused] = cluster.events.of("node_refused")
+    assert refused["node"] == "drifted"
+
+
 async def test_node_with_other_layout_is_refused(cluster: Cluster) -> None:
     node = FakeNode("prefill", "odd", Script(), layout=make_layout(head_dim=64))
     resp = await cluster.add_node(node)

@@ -48,6 +48,31 @@ def test_fingerprint_changes_with_one_weight_byte(tmp_path: Path) -> None:
     assert fingerprint(d) != before
 
 
+def test_the_text_fingerprint_follows_eos_ids_and_tokenizer_not_weights(tmp_path: Path) -> None:
+    """Registration compares the weights' fingerprint and, beside it, the text fingerprint: the
+    EOS ids in force and the tokenizer. A folder whose generation_config.json or tokenizer.json
+    changed keeps its weights' fingerprint. Control: the control plane's view of a folder and a
+    node's load of it agree (else every node would be refused)."""
+    from control_plane.model_info import load_model_info
+    from kvfence.config import parse_config
+
+    a = write_tiny_model(tmp_path / "a")
+    node = load_model(a)
+    cp = load_model_info(parse_config({"model": {"path": str(a)}}, environ={}))
+    assert node.text_fingerprint and node.text_fingerprint == cp.text_fingerprint
+    b = write_tiny_model(tmp_path / "b")
+    gen = json.loads((b / "generation_config.json").read_text())
+    (b / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 250]}))
+    assert fingerprint(b) == fingerprint(a)
+    assert load_model(b).text_fingerprint != node.text_fingerprint
+    c = write_tiny_model(tmp_path / "c")
+    tok = json.loads((c / "tokenizer.json").read_text())
+    tok["added_tokens"] = tok.get("added_tokens", [])[:-1]  # one special token fewer
+    (c / "tokenizer.json").write_text(json.dumps(tok))
+    assert fingerprint(c) == fingerprint(a)
+    assert load_model(c).text_fingerprint != node.text_fingerprint
+
+
 @pytest.mark.parametrize("kind", ["json", "bytes"])
 def test_tokenizer_round_trip_and_unrenderable_ids(kind: str, tiny_dir: Path) -> None:
     tok = HFTokenizer(tiny_dir / "tokenizer.json") if kind == "json" else ByteTokenizer()

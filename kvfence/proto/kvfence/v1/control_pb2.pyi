@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "model_fingerprint", "layout", "pool_tokens", "total_pages", "instance_id", "protocol_version", "kvfence_version")
+    __slots__ = ("node_id", "role", "grpc_address", "ucx_address", "model_fingerprint", "layout", "pool_tokens", "total_pages", "instance_id", "protocol_version", "kvfence_version", "text_fingerprint")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class RegisterRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KVFENCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
@@ -31,7 +32,8 @@ class RegisterRequest(_message.Message):
     instance_id: str
     protocol_version: int
     kvfence_version: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., instance_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kvfence_version: _Optional[str] = ...) -> None: ...
+    text_fingerprint: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., pool_tokens: _Optional[int] = ..., total_pages: _Optional[int] = ..., instance_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kvfence_version: _Optional[str] = ..., text_fingerprint: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("accepted", "reason", "heartbeat_interval_ms")
