@@ -204,16 +204,12 @@ async def test_a_duplicate_prefill_is_refused_without_freeing_the_first(nodes):
     pool.check_integrity()
 
 
-@pytest.mark.parametrize("release_midway", [True, False])
-async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_ends(
-    nodes, release_midway
-):
+@contextlib.contextmanager
+def held_pass(engine):
+    """Hold prefill's forward passes at their start until ``go`` is set: yields (entered, go),
+    threading events (the pass runs on the engine thread); restores the engine on exit."""
     import threading
 
-    from kvfence.kv.pool import PageState
-
-    _, pre, dstub, pstub = nodes
-    pool, engine = pre.rt.pool, pre.rt.engine
     entered, go = threading.Event(), threading.Event()
     real_prefill = engine.prefill_many
 
@@ -224,6 +220,21 @@ async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_e
 
     engine.prefill_many = held_prefill
     try:
+        yield entered, go
+    finally:
+        go.set()
+        engine.prefill_many = real_prefill
+
+
+@pytest.mark.parametrize("release_midway", [True, False])
+async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_ends(
+    nodes, release_midway
+):
+    from kvfence.kv.pool import PageState
+
+    _, pre, dstub, pstub = nodes
+    pool = pre.rt.pool
+    with held_pass(pre.rt.engine) as (entered, go):
         prompt = list(range(3, 40))  # 3 pages
         _, call = await reserve_and_prefill(dstub, pstub, "mid", prompt)
         task = asyncio.ensure_future(call)
@@ -250,9 +261,6 @@ async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_e
             await pstub.Release(prefill_pb2.ReleaseRequest(request_id="mid"))
         assert pool.num_free == pool.num_pages  # every page back once the pass ended
         await dstub.Release(prefill_pb2.ReleaseRequest(request_id="mid"))
-    finally:
-        go.set()
-        engine.prefill_many = real_prefill
     pool.check_integrity()
 
 
@@ -264,25 +272,15 @@ async def test_the_page_gauge_shows_pages_freed_when_a_cancelled_calls_pass_ends
     quarantined until the pass ends; the pass's end freed them but published nothing, so on an
     idle node the gauge showed them quarantined until the next call (KvfencePagesQuarantined
     after 30 min, for pages that were free). Control: the same held pass, not cancelled."""
-    import threading
-
     from asyncwait import eventually
 
     _, pre, dstub, pstub = nodes
-    pool, engine = pre.rt.pool, pre.rt.engine
-    entered, go = threading.Event(), threading.Event()
-    real_prefill = engine.prefill_many
-
-    def held_prefill(prompts, pages):
-        entered.set()
-        assert go.wait(30)
-        return real_prefill(prompts, pages)
+    pool = pre.rt.pool
 
     def gauge(state: str) -> float:
         return pre.metrics.pages.labels(state=state)._value.get()
 
-    engine.prefill_many = held_prefill
-    try:
+    with held_pass(pre.rt.engine) as (entered, go):
         _, call = await reserve_and_prefill(dstub, pstub, "gauge", list(range(3, 40)))
         task = asyncio.ensure_future(call)
         assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
@@ -302,9 +300,6 @@ async def test_the_page_gauge_shows_pages_freed_when_a_cancelled_calls_pass_ends
         assert await eventually(lambda: gauge("quarantined") == 0, timeout=2)
         assert (gauge("free"), gauge("held")) == (pool.num_pages, 0)
         await dstub.Release(prefill_pb2.ReleaseRequest(request_id="gauge"))
-    finally:
-        go.set()
-        engine.prefill_many = real_prefill
 
 
 @pytest.mark.parametrize(
