@@ -201,11 +201,14 @@ class PagePool:
 
     # ---- outstanding operations --------------------------------------------------------------
     def begin_ops(self, page_ids: list[int]) -> None:
-        """Count an operation that may write into each page (e.g. a posted receive)."""
+        """Count an operation that may write into each page (e.g. a posted receive); all of
+        them or, when one is free (ValueError), none: a count left on the others would keep
+        them from ever being freed."""
         with self._lock:
             for pid in page_ids:
                 if self._owner[pid] is None:
                     raise ValueError(f"operation on free page {pid}")
+            for pid in page_ids:
                 self._ops[pid] += 1
 
     def end_ops(self, page_ids: list[int]) -> list[int]:

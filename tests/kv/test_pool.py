@@ -181,6 +181,31 @@ def test_quarantined_page_waits_for_its_last_operation() -> None:
     assert pool.generation(refs[0].page_id) == refs[0].generation + 1
 
 
+def test_an_operation_refused_on_a_free_page_counts_on_no_page() -> None:
+    """begin_ops counted the pages before a free one and then raised: nobody ended those
+    counts, so the owner's pages stayed QUARANTINED for good after its release. Control: the
+    same pages without the free one are counted, and freed when their operation ends."""
+    pool = make_pool()
+    refs = pool.allocate(2, "a")
+    assert refs is not None
+    held = [r.page_id for r in refs]
+    free = next(p for p in range(NUM_PAGES) if p not in held)
+    try:
+        pool.begin_ops([*held, free])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an operation on a free page was counted")
+    assert sorted(pool.release("a")) == sorted(held)  # nothing outstanding: freed at once
+    refs = pool.allocate(2, "b")
+    assert refs is not None
+    held = [r.page_id for r in refs]
+    pool.begin_ops(held)
+    assert pool.release("b") == []
+    assert sorted(pool.end_ops(held)) == sorted(held)
+    pool.check_integrity()
+
+
 def test_page_buffer_and_page_gen_are_the_pool_tensors_memory() -> None:
     """UCX receives into ``page_buffer`` and the kernels read ``page_gen``: both must alias the
     pool's tensors, not copies (the CPU pool keeps numpy views of them)."""
