@@ -5,16 +5,20 @@
  *   ControlPlane(r)  one per request (request r belongs to tenant r): admission, Reserve RPC
  *                    to decode, hand-off to prefill, client cancel / operator abort (a Release
  *                    RPC to decode, or the Decode stream cancelled: both end in _release)
- *   Prefill          runs a handed-off request, sends one message per page, then a manifest
+ *   Prefill          runs a handed-off request: its hello (which decode verifies: the transfer
+ *                    is RECEIVING), the batch header, one message per page, then a manifest
  *   Network          the data path: delivers any in-flight message (reordering), drops any
  *                    (loss); also UCX finishing a requested cancel of a posted receive. It also
  *                    carries the Decode call (which holds the manifest): delivered, lost, or
  *                    delivered with a duplicate left in flight that may arrive at any later time
  *   Decode           the event loop: the page pool, the reservations, the posted receives and
- *                    the Decode streams: verifies, times out, quarantines and releases; a
- *                    verified stream re-checks its reservation after the `verified` message and
- *                    only then adds its sequence to the batch; a stream that reads finish or an
- *                    error ends, and its `finally` releases the reservation
+ *                    the Decode streams: posts a batch's receives (a step of its own after the
+ *                    hello, which a Release and a new Reserve can come before; it checks that
+ *                    the transfer still receives and owns its pages), verifies, times out,
+ *                    quarantines and releases; a verified stream re-checks its reservation
+ *                    after the `verified` message and only then adds its sequence to the batch;
+ *                    a stream that reads finish or an error ends, and its `finally` releases
+ *                    the reservation
  *   Batcher          the decode engine thread: per step and sequence, claims the page the step
  *                    writes into (ownership check + begin_ops under the batcher lock), writes it
  *                    and attends over the sequence's pages, then end_ops, then finishes or goes on
@@ -37,6 +41,13 @@
  *   MUTANT_ADD_AFTER_RELEASE   the Decode stream adds its sequence to the batch without
  *                              re-checking, after the `verified` yield, that its reservation is
  *                              still held
+ *   MUTANT_POST_AFTER_RELEASE  the transfer handler posts a batch's receives without checking
+ *                              that the transfer is still RECEIVING and the pool still gives its
+ *                              pages to the reservation (kvfence before 4da9b7c), and the
+ *                              endpoint abort of the Release did not take effect: receives
+ *                              posted after a Release are live, and land in the pages of the
+ *                              request that reserved them next (pool.begin_ops still refuses a
+ *                              page that is free)
  *   NO_P2, NO_P3               leave those assertions out, to see what the bug leads to next
  *   WITNESS                    assert that the hazardous-but-safe path is unreachable; pan must
  *                              refute it, which shows the real model exercises that path
@@ -45,6 +56,10 @@
  *                              outstanding write + concurrent Release race is reachable)
  *   WITNESS_DUPLICATE_DECODE   assert that no duplicate Decode arrives while the first one's
  *                              sequence is in the batch (refuted: the race is reachable)
+ *   WITNESS_POST_AFTER_RELEASE assert that the transfer handler never finds, when it is about to
+ *                              post a batch's receives, its reservation released and a page of
+ *                              the batch reserved by the other request (refuted: the race the
+ *                              post_batch check closes is reachable)
  *
  * Invariants; every assertion starts with a hidden, always-1 tag so pan's message names it
  *   P1_isolation   when request r's decode reads page p (its index i) the page is owned by r at
@@ -111,6 +126,7 @@ hidden byte P4_pool_drained = 1;
 hidden byte WITNESS_late_write_page_reused = 1;
 hidden byte WITNESS_release_during_decode_write = 1;
 hidden byte WITNESS_duplicate_decode_while_decoding = 1;
+hidden byte WITNESS_post_after_release_and_reserve = 1;
 hidden byte j;                  /* loop index inside d_steps (no value survives a step) */
 
 /* control plane request lifecycle; states >= CP_FINISHED are terminal */
@@ -181,6 +197,8 @@ byte rs_page[NREQ * NEED];      /* block table: page id of index i ... */
 byte rs_gen[NREQ * NEED];       /* ... and its generation at allocation */
 byte rs_listed[NREQ];           /* pages covered by the accepted manifest */
 byte rx[NREQ * NEED];           /* receive k = r * NEED + i lands in rs_page[k] */
+byte tx_batch[NREQ];            /* hello verified and a batch header of this many pages read:
+                                 * its receives are not posted yet (0: no batch pending) */
 
 bit pf_start[NREQ];             /* the control plane handed the reservation to prefill */
 byte pf_tokens[NREQ];           /* prompt tokens prefill is told to run */
@@ -240,7 +258,8 @@ inline leave_receiving(r) {
 /* ----------------------------------------------------------------------- decode */
 
 /* Reserve RPC. Any free page may be picked (the allocator policy is not part of the proof);
- * allocation bumps the generation; one tagged receive is posted per page. */
+ * allocation bumps the generation. No receive is posted yet: decode posts a batch's receives
+ * only after the transfer's hello is verified and its batch header read (post_batch). */
 inline decode_reserve(r, i, p) {
     i = 0;
     do
@@ -257,7 +276,6 @@ inline decode_reserve(r, i, p) {
         nfree--;
         rs_page[r * NEED + i] = p;
         rs_gen[r * NEED + i] = pg_gen[p];
-        rx[r * NEED + i] = RX_POSTED;
         i++
     :: else -> break
     od;
@@ -290,11 +308,12 @@ inline put_page(p) {
 }
 
 /* The block table and receive slots of a released reservation are forgotten once nothing
- * refers to them any more: no receive outstanding (mutants only) and no decode step open. */
+ * refers to them any more: no receive outstanding (mutants only), no batch waiting to be
+ * posted (the transfer handler still holds the page refs) and no decode step open. */
 inline forget_table(r) {
     if
     :: rs_state[r] == RS_GONE && !rx_outstanding(r * NEED) && !rx_outstanding(r * NEED + 1) &&
-       wr[r] == WR_IDLE ->
+       tx_batch[r] == 0 && wr[r] == WR_IDLE ->
         rx[r * NEED] = RX_NONE;
         rx[r * NEED + 1] = RX_NONE;
         rs_page[r * NEED] = 0;
@@ -391,6 +410,49 @@ inline on_manifest(r) {
             leave_receiving(r);
             quarantine(r)                /* DATA_LOSS */
         fi
+    fi
+}
+
+/* pool.owns(rid, refs) for the receive of index i */
+#define owns_rx(r, i) \
+    (pg_owner[rs_page[(r) * NEED + (i)]] == (r) && \
+     pg_gen[rs_page[(r) * NEED + (i)]] == rs_gen[(r) * NEED + (i)] && \
+     !pg_rel[rs_page[(r) * NEED + (i)]])
+
+/* _receive_pages: the handler resumes after the awaits of the hello's answer and the batch
+ * header, which a Release (cancel, pool.release, forget) and a Reserve of the same pages by
+ * another request may have come between. With no await between check and post, it posts the
+ * batch's receives only if the transfer is still RECEIVING (the model's reservation receiving
+ * or verifying: not cancelled) and the pool still gives every page of the batch to it at the
+ * generation the handler holds; else RESERVATION_RELEASED and nothing is posted. The pages of a
+ * batch whose receives will never be posted are dead (tags are never reused): forgotten. */
+inline post_batch(r) {
+#ifdef MUTANT_POST_AFTER_RELEASE
+    /* bug: no check, and the Release's endpoint abort did nothing; only pool.begin_ops, which
+     * raises on a free page, still refuses a batch (a page reserved again passes it) */
+    if
+    :: pg_owner[rs_page[r * NEED]] != NONE &&
+       (tx_batch[r] < 2 || pg_owner[rs_page[r * NEED + 1]] != NONE) ->
+#else
+    if
+    :: (rs_state[r] == RS_RECEIVING || rs_state[r] == RS_VERIFYING) &&
+       owns_rx(r, 0) && (tx_batch[r] < 2 || owns_rx(r, 1)) ->
+#endif
+        rx[r * NEED] = RX_POSTED;
+        if
+        :: tx_batch[r] > 1 -> rx[r * NEED + 1] = RX_POSTED
+        :: else
+        fi;
+        tx_batch[r] = 0
+    :: else ->
+#ifdef WITNESS_POST_AFTER_RELEASE
+        assert(WITNESS_post_after_release_and_reserve &&
+               !(pg_owner[rs_page[r * NEED]] != NONE && pg_owner[rs_page[r * NEED]] != r));
+#endif
+        tx_batch[r] = 0;
+        net_data[r * NEED] = 0;
+        net_data[r * NEED + 1] = 0;
+        forget_table(r)
     fi
 }
 
@@ -571,6 +633,7 @@ inline on_abort(r) {
 }
 
 #define DECODE_EVENTS(r) \
+    :: d_step { tx_batch[r] > 0 -> post_batch(r) } \
     :: d_step { rs_state[r] == RS_VERIFYING && listed_done(r) -> on_data_complete(r) } \
     :: d_step { sm[r] == SM_VERIFIED -> stream_start(r) } \
     :: d_step { sm[r] >= SM_FINISH -> stream_end(r) } \
@@ -644,11 +707,14 @@ done:
 
 /* ----------------------------------------------------------------------- prefill */
 
-/* Runs the prompt and puts one message per written page and then the manifest in flight. One
- * step suffices: the network may hold any message back arbitrarily long. A sender bug may
- * truncate the page list (as Mooncake does on a count mismatch) while still claiming the full
- * token count. Messages for a receive that is no longer outstanding, and a manifest for a
- * reservation no longer RECEIVING, could never be used and are not put in flight. */
+/* Runs the prompt and sends its hello, which decode verifies (the reservation is known and its
+ * transfer EXPECTING: now RECEIVING), the batch header (the indices of the pages it sends),
+ * one message per written page and then the manifest. One step suffices: the network may hold
+ * any message back arbitrarily long, and a page message waits in UCX, unmatched, until decode
+ * posts its receive (post_batch, a later step). A sender bug may truncate the page list (as
+ * Mooncake does on a count mismatch) while still claiming the full token count. For a
+ * reservation no longer RECEIVING decode refuses the hello (RESERVATION_RELEASED): nothing of
+ * it could ever be received, so nothing is put in flight. */
 inline prefill_run(r, n) {
     pf_start[r] = 0;
     n = (pf_tokens[r] + PAGE_TOKENS - 1) / PAGE_TOKENS;
@@ -656,15 +722,13 @@ inline prefill_run(r, n) {
     :: skip
     :: n > 1 -> n = 1                   /* sender fault: truncated page list */
     fi;
-    for (j : 0 .. n - 1) {
-        if
-        :: rx_outstanding(r * NEED + j) -> net_data[r * NEED + j] = 1
-        :: else
-        fi
-    };
-    j = 0;
     if
     :: rs_state[r] == RS_RECEIVING ->
+        tx_batch[r] = n;                /* the handler reads the header of a batch of n pages */
+        for (j : 0 .. n - 1) {
+            net_data[r * NEED + j] = 1
+        };
+        j = 0;
         mf_tokens[r] = pf_tokens[r];
         mf_npages[r] = n;
         mf_page[r * NEED] = rs_page[r * NEED];    /* the descriptor handed over at reserve */
@@ -693,7 +757,8 @@ end_prefill:
 
 /* ----------------------------------------------------------------------- network / UCX */
 
-/* A page message meets its posted receive and lands in that receive's page. */
+/* A page message meets its posted receive and lands in that receive's page (a message sent
+ * before its receive was posted waits for it). */
 inline deliver_data(k) {
     assert_p2(pg_owner[rs_page[k]] == k / NEED && pg_gen[rs_page[k]] == rs_gen[k]);
 #ifdef WITNESS
@@ -708,7 +773,7 @@ inline deliver_data(k) {
 }
 
 #define NET_DATA(k) \
-    :: d_step { net_data[k] -> deliver_data(k) } \
+    :: d_step { net_data[k] && rx_outstanding(k) -> deliver_data(k) } \
     :: d_step { net_data[k] -> net_data[k] = 0 } \
     :: d_step { rx[k] == RX_CANCELLING -> rx_finish(k) }
 

@@ -35,7 +35,8 @@ P4 = "P4_pool_drained"
 WITNESS = "WITNESS_late_write_page_reused"
 W_DECODE_RELEASE = "WITNESS_release_during_decode_write"
 W_DUPLICATE_DECODE = "WITNESS_duplicate_decode_while_decoding"
-TAGS = (P1, P2, P3, P4, WITNESS, W_DECODE_RELEASE, W_DUPLICATE_DECODE)
+W_POST_AFTER_RELEASE = "WITNESS_post_after_release_and_reserve"
+TAGS = (P1, P2, P3, P4, WITNESS, W_DECODE_RELEASE, W_DUPLICATE_DECODE, W_POST_AFTER_RELEASE)
 INVALID_END = "invalid_end_state"
 
 MAX_DEPTH = 10_000  # the real model needs < 100; pan says so if this is ever too small
@@ -143,6 +144,28 @@ VARIANTS: tuple[Variant, ...] = (
         ("MUTANT_ADD_AFTER_RELEASE", "NO_P3"),
         None,
         "same, P3 not asserted: the batcher's ownership check at claim stops it (defence in depth)",
+    ),
+    # Decode posts a batch's receives only after the hello and the batch header (awaits), so a
+    # Release and a Reserve of the same pages by another request can come in between.
+    Variant(
+        "witness_post_after_release",
+        ("WITNESS_POST_AFTER_RELEASE",),
+        W_POST_AFTER_RELEASE,
+        "non-vacuity: the transfer handler resumes to post a batch whose reservation was "
+        "released and whose page another request has reserved (the check refuses it)",
+    ),
+    Variant(
+        "mutant_post_after_release",
+        ("MUTANT_POST_AFTER_RELEASE",),
+        P2,
+        "the transfer handler posts a batch's receives without re-checking that the transfer "
+        "still receives and owns its pages, and the Release's endpoint abort did not take effect",
+    ),
+    Variant(
+        "mutant_post_after_release_no_p2",
+        ("MUTANT_POST_AFTER_RELEASE", "NO_P2"),
+        P1,
+        "same, P2 not asserted: the released transfer's page lands in the next owner's page",
     ),
 )
 

@@ -7,6 +7,7 @@ with one bug switched on fails, on the assertion that names the property that bu
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -124,3 +125,34 @@ def test_decode_mutants_break_deferred_free_and_entry(results):
     assert results["mutant_release_ignores_ops_no_p2"].violated == run.P1
     assert results["mutant_add_after_release"].violated == run.P3
     assert results["mutant_add_after_release_no_p3"].errors == 0
+
+
+def test_late_post_race_is_reachable_and_the_check_closes_it(results):
+    """Decode posts a batch's receives only after the hello and the batch header (awaits), so a
+    Release and another request's Reserve of the same pages can come in between. The handler
+    does reach that point in the real model (the witness); without the check, and with the
+    Release's endpoint abort not taking effect, the late receive lands in a page the reservation
+    no longer owns (P2) and, P2 not asserted, in the next owner's verified page, which its decode
+    reads (P1). With the check the real model verifies."""
+    w = results["witness_post_after_release"]
+    assert w.errors is not None and w.errors >= 1, "the late-post race is unreachable"
+    assert w.violated == run.W_POST_AFTER_RELEASE and w.replay_tag == run.W_POST_AFTER_RELEASE
+    assert results["mutant_post_after_release"].violated == run.P2
+    assert results["mutant_post_after_release"].replay_tag == run.P2
+    assert results["mutant_post_after_release_no_p2"].violated == run.P1
+    assert results["mutant_post_after_release_no_p2"].replay_tag == run.P1
+    assert results["model"].errors == 0 and results["model"].complete
+
+
+def test_every_mutant_is_checked():
+    """Every MUTANT_ switch the model defines is built by a variant, and each is refuted by one,
+    but for the control-plane half of the placeholder bug, which decode's count/coverage check
+    stops (that variant must verify)."""
+    text = (FORMAL / "kvfence.pml").read_text()
+    switches = set(re.findall(r"#ifn?def (MUTANT_\w+)", text))
+    switches |= set(re.findall(r"defined\((MUTANT_\w+)\)", text))
+    built = {d for v in run.VARIANTS for d in v.defines}
+    refuted = {d for v in run.VARIANTS if v.expect is not None for d in v.defines}
+    assert "MUTANT_POST_AFTER_RELEASE" in switches
+    assert switches <= built, sorted(switches - built)
+    assert switches - refuted == {"MUTANT_PLACEHOLDER_CP_ONLY"}, sorted(switches - refuted)
