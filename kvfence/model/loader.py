@@ -103,18 +103,46 @@ def fingerprint(path: Path | str) -> str:
 
 def text_fingerprint(path: Path | str, eos_ids: tuple[int, ...]) -> str:
     """sha256 hex of what turns a model's token ids into a tenant's text and ends its
-    generations: the EOS ids in force (``generation_config.json`` over ``config.json``) and the
-    tokenizer file's bytes. Not in :func:`fingerprint` (the weights): a folder whose
-    generation_config.json or tokenizer.json changed keeps its weights, and a decode node with
-    other EOS ids than the control plane ended requests the control plane called forged (or ran
-    past an EOS it would have cut), while one with another tokenizer found stop strings in
-    another text."""
+    generations: the EOS ids in force (``generation_config.json`` over ``config.json``) and how
+    the tokenizer decodes (:func:`_decoding`). Not in :func:`fingerprint` (the weights): a folder
+    whose generation_config.json or tokenizer.json changed keeps its weights, and a decode node
+    with other EOS ids than the control plane ended requests the control plane called forged (or
+    ran past an EOS it would have cut)."""
     path = Path(path)
     h = hashlib.sha256(b"kvfence-text-v1\0")
     h.update(canonical_json(sorted(set(eos_ids))))
-    tokenizer = path / "tokenizer.json"
-    h.update(tokenizer.read_bytes() if tokenizer.exists() else b"\0byte-tokenizer")
+    h.update(_decoding(path / "tokenizer.json"))
     return h.hexdigest()
+
+
+def _decoding(tokenizer: Path) -> bytes:
+    """What decides how ids become text, read from ``tokenizer.json``: the model's vocabulary,
+    the added tokens (id, content, special: specials render as nothing) and the decoder, as
+    canonical JSON. Not the file's bytes: the same tokenizer written by another ``tokenizers``
+    release (which adds default-valued keys such as ``ignore_merges``), re-saved, minified or
+    with other line endings must not read as another one, or a control plane and nodes on
+    different images, or on copies of a folder, refuse each other. Encoding (normalizer,
+    pre-tokenizer, merges) happens on the control plane only."""
+    if not tokenizer.exists():
+        return b"\0byte-tokenizer"
+    raw = tokenizer.read_bytes()
+    try:
+        spec = json.loads(raw)
+        model = spec.get("model") or {}
+        added = [
+            [int(a["id"]), str(a["content"]), bool(a.get("special", False))]
+            for a in spec.get("added_tokens") or []
+        ]
+        return canonical_json(
+            {
+                "type": model.get("type"),
+                "vocab": model.get("vocab"),
+                "added": sorted(added),
+                "decoder": spec.get("decoder"),
+            }
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return raw  # not a tokenizer this release reads: the services refuse it at load anyway
 
 
 @dataclass

@@ -71,6 +71,13 @@ def test_the_text_fingerprint_follows_eos_ids_and_tokenizer_not_weights(tmp_path
     (c / "tokenizer.json").write_text(json.dumps(tok))
     assert fingerprint(c) == fingerprint(a)
     assert load_model(c).text_fingerprint != node.text_fingerprint
+    # the same tokenizer written otherwise (another tokenizers release adds default-valued
+    # keys; re-saved, minified, CRLF) is the same: refusing it refused a whole deployment
+    d = write_tiny_model(tmp_path / "d")
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["model"].pop("ignore_merges", None)  # as tokenizers 0.15 writes it
+    (d / "tokenizer.json").write_bytes(json.dumps(tok, indent=1).replace("\n", "\r\n").encode())
+    assert load_model(d).text_fingerprint == node.text_fingerprint
 
 
 @pytest.mark.parametrize("kind", ["json", "bytes"])
