@@ -171,6 +171,26 @@ def test_up_refuses_a_config_with_tls(
     assert stub_stack[-1]["cluster"] == "robust"
 
 
+def test_up_refuses_environment_overrides_of_what_it_sets(
+    tmp_path: Path, stub_stack: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The services read KVFENCE__* overrides over up's config: with the state directory or a
+    listener moved, up waited 60 s for the admin token where it was not (or called an admin
+    port nobody listened on) and said the control plane did not start. Control: without the
+    override, up runs."""
+    for name, value in (
+        ("KVFENCE__CONTROL_PLANE__STATE_DIR", str(tmp_path / "elsewhere")),
+        ("KVFENCE__CONTROL_PLANE__ADMIN_LISTEN", "127.0.0.1:6000"),
+    ):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            result = invoke("up", "--state-dir", str(tmp_path / "s"))
+            assert_one_line_error(result, 2, f"{name} overrides what up sets")
+    assert stub_stack == []
+    result = invoke("up", "--state-dir", str(tmp_path / "s"))
+    assert result.exit_code == 0, result.output
+
+
 def test_up_stops_on_sighup_as_on_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every stop signal gets `up`'s handler (which stops the services it started)."""
     handled: dict[int, Any] = {}

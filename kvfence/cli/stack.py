@@ -136,6 +136,21 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         except ConfigError as err:
             typer.echo(str(err), err=True)
             raise typer.Exit(2) from None
+        cp = resolved.control_plane
+        owned = {
+            "control_plane.state_dir": (Path(cp.state_dir).resolve(), state_dir.resolve()),
+            "control_plane.listen": (cp.listen, cfg["control_plane"]["listen"]),
+            "control_plane.admin_listen": (cp.admin_listen, cfg["control_plane"]["admin_listen"]),
+        }
+        overridden = [k for k, (theirs, ours) in owned.items() if theirs != ours]
+        if overridden:
+            # up waits for the control plane, and calls it, where it told it to be.
+            names = ", ".join(f"KVFENCE__{k.upper().replace('.', '__')}" for k in overridden)
+            typer.echo(
+                f"kvfence up: {names} overrides what up sets (--state-dir, --port): unset it",
+                err=True,
+            )
+            raise typer.Exit(2)
         tls = [k for k, v in resolved.tls.model_dump().items() if v]
         if tls:
             # The local stack's listeners, and `up`'s own admin calls, are plain loopback: with
