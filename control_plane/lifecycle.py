@@ -278,7 +278,14 @@ class RequestTable:
         return self._runs.get(request_id)
 
     def active_for_tenant(self, tenant_id: str) -> int:
-        return sum(1 for r in self._runs.values() if r.record.tenant_id == tenant_id)
+        """The tenant's requests not yet ended: one that has (its status sent) while its
+        releases still run does not count against its concurrency limit, or a client retrying
+        at once after an error would be refused for the request it just lost."""
+        return sum(
+            1
+            for r in self._runs.values()
+            if r.record.tenant_id == tenant_id and not r.record.terminal
+        )
 
     def using_node(self, node_id: str) -> list[Run]:
         return [r for r in self._runs.values() if node_id in r.record.contacted]

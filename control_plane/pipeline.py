@@ -81,7 +81,9 @@ class EventSink(Protocol):
     def emit(self, kind: str, **payload: Any) -> int: ...
 
 
-Emit = Callable[[client_pb2.GenerateResponse], None]
+# Responses, in order, then possibly the request's error: the client hears its status as soon as
+# it is decided, not after the releases on the nodes (each up to RELEASE_TIMEOUT_S).
+Emit = Callable[[client_pb2.GenerateResponse | KvfenceError], None]
 
 
 @dataclass
@@ -136,12 +138,18 @@ class Pipeline:
         except KvfenceError as err:
             status = err.code.name
             self._fail(run, err)
+            # Before the releases below: a node slow to answer Release (one in trouble, when
+            # requests fail) held a DATA_LOSS back until the client's deadline, which it then
+            # heard instead.
+            emit(err)
             raise
         except Exception as err:
             status = "INTERNAL"
             log.exception("request crashed")
             self._fail(run, KvfenceError("internal error"))
-            raise KvfenceError(f"internal error ({type(err).__name__})") from err
+            internal = KvfenceError(f"internal error ({type(err).__name__})")
+            emit(internal)
+            raise internal from err
         except asyncio.CancelledError:  # the task itself cancelled (the loop shutting down)
             status = "CANCELLED"
             self._fail(run, Cancelled("the control plane cancelled the request", reason=status))

@@ -41,6 +41,31 @@ async def test_data_loss_from_decode_keeps_code_and_reason(cluster: Cluster) -> 
     assert (failed["code"], failed["reason"]) == ("DATA_LOSS", "CHECKSUM_MISMATCH")
 
 
+async def test_a_failed_requests_status_does_not_wait_for_its_releases(cluster: Cluster) -> None:
+    """The status went to the client only after every Release had answered (up to 5 s each):
+    with decode slow to answer, as a node in trouble is, a DATA_LOSS reached a client with a
+    2 s deadline as DEADLINE_EXCEEDED. The releases still happen, after. The tenant's retry at
+    once is not refused for the request it just lost (limit 1). Control: with Release
+    answering, the same failure, as the test above."""
+    from control_plane.tenants import TenantLimits
+
+    cluster.cp.tenants.set_limits("acme", TenantLimits(max_concurrent_requests=1))
+    cluster.script.decode_error = IntegrityError("checksum of page 3", reason="CHECKSUM_MISMATCH")
+    cluster.script.release_hold = asyncio.Event()
+    try:
+        with pytest.raises(IntegrityError) as err:
+            await cluster.client(timeout=2).generate(prompt_ids=[10, 11], max_new_tokens=4)
+        assert err.value.reason == "CHECKSUM_MISMATCH"
+        await eventually(lambda: released(cluster.decode[0]))  # asked, not answered yet
+        assert len(cluster.cp.table) == 1  # its releases go on
+        cluster.script.decode_error = None
+        retry = await cluster.client(timeout=5).generate(prompt_ids=[10, 11], max_new_tokens=4)
+        assert retry.usage.completion_tokens == 4
+    finally:
+        cluster.script.release_hold.set()
+    await eventually(lambda: not cluster.cp.table, 8)
+
+
 def integrity_failures(cluster: Cluster, check: str) -> float:
     labels = {"service": "control-plane", "check": check}
     value = cluster.cp.metrics.registry.get_sample_value("kvfence_integrity_failures_total", labels)
@@ -87,8 +112,9 @@ async def test_node_lost_mid_request_is_unavailable_and_releases_the_other(
         await asyncio.wait_for(call, 3)
     assert err.value.reason == "NODE_LOST"
     assert "prefill node prefill-0 was lost" in err.value.message
-    # The decode node held a reservation: it is released; the lost node is not called again.
-    assert cluster.decode[0].methods() == ["Reserve", "Release"]
+    # The decode node held a reservation: it is released (after the client heard why); the
+    # lost node is not called again.
+    await eventually(lambda: cluster.decode[0].methods() == ["Reserve", "Release"])
     assert cluster.prefill[0].methods() == ["Prefill"]
     assert [e["node"] for e in cluster.events.of("node_lost")] == ["prefill-0"]
     cluster.script.prefill_hold.set()
