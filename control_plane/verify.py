@@ -57,6 +57,12 @@ def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
     base = from_rpc_error(err)
     if err.code() == grpc.StatusCode.UNAVAILABLE and base.reason == "UNAVAILABLE":
         base.reason = "NODE_UNREACHABLE"
+    if err.code() == grpc.StatusCode.CANCELLED:
+        # The node's, never the client's: a call the control plane cancels (client gone,
+        # deadline, abort) ends as that interrupt before it gets here. As CANCELLED the client
+        # took it for its own cancel (no retry) and the failure alerts ignored it.
+        reason = "NODE_CANCELLED" if base.reason == "CANCELLED" else base.reason
+        base = Unavailable(base.message, reason=reason, metadata=base.metadata)
     out = type(base)(
         f"{node.role} node {node.node_id}: {base.message}",
         reason=base.reason,

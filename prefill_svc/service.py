@@ -44,7 +44,7 @@ from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
     NODE_DRAINING,
-    Cancelled,
+    RESERVATION_RELEASED,
     DeadlineExceeded,
     IntegrityError,
     InvalidArgument,
@@ -244,7 +244,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise
             held = self.held.get(req.request_id)
             if held is None or held.call is not call:
-                raise Cancelled("released while prefilling")
+                # Released by this node's reaper (a queue longer than
+                # transfer.reservation_timeout_s) or by the control plane: the reservation is
+                # over, as decode says of a late transfer.
+                raise Unavailable("released while prefilling", reason=RESERVATION_RELEASED)
             return await self._finish(req, refs, first, len(tokens))
         finally:
             self.pool.end_ops(ids)

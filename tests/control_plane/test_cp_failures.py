@@ -66,6 +66,27 @@ async def test_a_failed_requests_status_does_not_wait_for_its_releases(cluster: 
     await eventually(lambda: not cluster.cp.table, 8)
 
 
+@pytest.mark.parametrize("node", ["prefill", "decode"])
+async def test_a_nodes_own_cancel_is_unavailable_not_the_clients_cancel(
+    cluster: Cluster, node: str
+) -> None:
+    """A node that ends a call CANCELLED itself (prefill's reaper releasing a request whose pass
+    waited past transfer.reservation_timeout_s; a node's server stopping) reached the client as
+    CANCELLED, its own cancel to its eyes (no retry), counted as a client cancel. Now UNAVAILABLE
+    NODE_CANCELLED (retry). Control: the client's own cancel stays CANCELLED (the test below)."""
+    if node == "prefill":
+        cluster.script.prefill_error = Cancelled("released while prefilling")
+    else:
+        cluster.script.decode_error = Cancelled("stopping")
+    with pytest.raises(Unavailable) as err:
+        await cluster.client().generate(prompt_ids=[10], max_new_tokens=4)
+    assert err.value.reason == "NODE_CANCELLED"
+    assert f"{node} node {node}-0" in err.value.message
+    [failed] = cluster.events.of("request_failed")
+    assert failed["code"] == "UNAVAILABLE"
+    await eventually(lambda: released(cluster.decode[0]))
+
+
 def integrity_failures(cluster: Cluster, check: str) -> float:
     labels = {"service": "control-plane", "check": check}
     value = cluster.cp.metrics.registry.get_sample_value("kvfence_integrity_failures_total", labels)
