@@ -323,7 +323,14 @@ class Pipeline:
     async def _serve(self, run: Run, prompt: Prompt, deadline: float, emit: Emit) -> None:
         node, reservation, scrub = await self._reserve(run, prompt, deadline)
         self._transition(run.record, RequestState.RESERVED, decode_node=node.node_id)
-        manifest = await self._prefill(run, prompt, reservation, deadline, scrub)
+        try:
+            manifest = await self._prefill(run, prompt, reservation, deadline, scrub)
+        except ResourceExhausted as err:
+            # No prefill room in time: counted where a decode-side NO_CAPACITY is, or a
+            # saturated prefill tier would refuse every request with no capacity alert.
+            if err.reason == admission.NO_CAPACITY:
+                self._count_rejection(run.record, err)
+            raise
         await self._decode(run, prompt, node, reservation, manifest, deadline, emit)
 
     async def _reserve(
@@ -469,13 +476,14 @@ class Pipeline:
             reservation=reservation,
             scrub_on_free=scrub_on_free,
         )
+        pages = pages_needed(len(prompt.token_ids), self.d.model.page_size)
         full: set[str] = set()
         while True:
             run.check()
             # A request waiting here for prefill room is as queued as one waiting for decode
             # pages: an operator's offline (or a shutdown) reaches it too.
             self._check_serving()
-            candidates = prefill_candidates(self.d.registry, skip=full)
+            candidates = prefill_candidates(self.d.registry, pages, skip=full)
             if not candidates:
                 # Wait (within the deadline) for room, or, with no prefill node taking requests
                 # (none registered: one refused connections, restarted; or all draining), for one
@@ -504,6 +512,8 @@ class Pipeline:
             if resp is None:
                 full.add(node.node_id)
                 continue
+            node.reserved_since_heartbeat += pages
+            rec.prefill_pages = pages
             check_manifest(rec, resp.manifest, len(prompt.token_ids))
             return resp.manifest
 
@@ -530,6 +540,9 @@ class Pipeline:
                 if first_contact:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""
+                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # "No room now": full until its next heartbeat says otherwise (routing).
+                    node.reserved_since_heartbeat = node.free_pages
                 if gone:
                     self.d.registry.lose(node, "refused connections")
                 return None
@@ -603,11 +616,21 @@ class Pipeline:
         rec.contacted.pop(rec.prefill_node, None)
         if node is None:
             return
+        self._prefill_pages_back(node, rec)
         task = asyncio.create_task(
             self.d.clients.release(node, rec.request_id, "kv verified by decode")
         )
         self.d.background.add(task)
         task.add_done_callback(self.d.background.discard)
+
+    def _prefill_pages_back(self, node: Node, rec: RequestRecord) -> None:
+        """The request's source pages on its prefill node are being released: routing may count
+        them free again before the node's next heartbeat says so, and requests waiting for
+        prefill room try now."""
+        if rec.prefill_pages:
+            node.reserved_since_heartbeat -= rec.prefill_pages
+            rec.prefill_pages = 0
+            self.d.queue.notify()
 
     async def _release_all(self, run: Run) -> None:
         rec = run.record
@@ -620,6 +643,8 @@ class Pipeline:
             if node is None:  # lost: nothing to call, its pages went with it
                 log.info("not releasing on lost node", node_id=node_id)
                 continue
+            if node_id == rec.prefill_node:
+                self._prefill_pages_back(node, rec)
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
                 if rec.state == RequestState.FINISHED:

@@ -1,8 +1,10 @@
 """Channels to the nodes, node choice, and the count of node RPCs (tests assert on it).
 
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
-(shortest first). The estimates only order and pre-filter the candidates; the node's own answer to
-Reserve / Prefill (RESOURCE_EXHAUSTED = "not now") is authoritative. A draining node (shutting
+(shortest first) among those whose estimated free pages hold the prompt. The estimates only order
+and pre-filter the candidates; the node's own answer to Reserve / Prefill (RESOURCE_EXHAUSTED =
+"not now", and the node counts as full until its next heartbeat) is authoritative. A draining
+node (shutting
 down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took nothing for
 the request, is marked draining at once (``refused_draining``) and the request tries another node
 or waits, as after RESOURCE_EXHAUSTED.
@@ -152,9 +154,16 @@ def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[No
     return sorted(nodes, key=lambda n: (-n.free_estimate, n.node_id))
 
 
-def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
-    """Prefill nodes, shortest queue first; never a draining one."""
-    nodes = [n for n in registry.taking_requests(PREFILL) if n.node_id not in skip]
+def prefill_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
+    """Prefill nodes that could hold ``pages`` now, shortest queue first; never a draining one.
+    One that refused for room counts as full until its next heartbeat (Pipeline._try_prefill):
+    requests waiting for prefill room would otherwise send it their whole prompt again at
+    every wake-up, each request's end being one."""
+    nodes = [
+        n
+        for n in registry.taking_requests(PREFILL)
+        if n.node_id not in skip and n.free_estimate >= pages
+    ]
     return sorted(nodes, key=lambda n: (n.queue_length + n.in_flight, n.node_id))
 
 

@@ -216,6 +216,62 @@ async def test_requests_released_together_from_a_wait_are_served_without_sleepin
         await c.close()
 
 
+async def test_requests_waiting_for_prefill_room_do_not_resend_to_a_full_node(
+    tmp_path: Path,
+) -> None:
+    """Every prefill node refuses for room while its last heartbeat still showed free pages.
+    Requests waiting for room sent their whole prompt to every prefill node again at every
+    wake-up, and every other request's end is one: 10 waiters and 30 ends, 600 refused
+    Prefills. A node that refused counts as full until its next heartbeat now; one that shows
+    room again is tried, and serves (the control). Prefill's NO_CAPACITY is counted where the
+    capacity alert looks."""
+    from kvfence.proto.kvfence.v1 import control_pb2
+
+    c = await make_cluster(tmp_path, prefill_nodes=0, admission_queue=16, node_timeout_s=60.0)
+    try:
+        nodes = [FakeNode("prefill", f"prefill-{i}", c.script, heartbeat_s=30.0) for i in (0, 1)]
+        for node in nodes:
+            assert (await c.add_node(node)).accepted
+            node.servicer.refuse = ResourceExhausted("pool full", reason="PREFILL_POOL_FULL")
+        prefills = lambda: sum(n.methods().count("Prefill") for n in nodes)  # noqa: E731
+        calls = [
+            asyncio.create_task(
+                c.client(timeout=20).generate(prompt_ids=[10, 11], max_new_tokens=2)
+            )
+            for _ in range(10)
+        ]
+        await eventually(
+            lambda: len(c.cp.table) == 10
+            and all(r.record.state == RequestState.PREFILLING for r in c.cp.table)
+        )
+        await asyncio.sleep(0.2)
+        assert 2 <= prefills() <= 20  # each node refused, and at most once per request
+        before = prefills()
+        for _ in range(30):  # other requests ending
+            c.cp.queue.notify()
+            await asyncio.sleep(0.02)
+        assert prefills() - before == 0
+        nodes[1].servicer.refuse = None  # room again, and its heartbeat says so
+        beat = control_pb2.HeartbeatRequest(
+            node_id="prefill-1", free_pages=nodes[1].free_pages, instance_id=nodes[1].instance_id
+        )
+        c.cp.registry.heartbeat(beat)
+        results = await asyncio.wait_for(asyncio.gather(*calls), 15)
+        assert [r.usage.completion_tokens for r in results] == [2] * 10
+        # one expired waiting for prefill room is seen where the capacity alert looks
+        nodes[1].servicer.refuse = ResourceExhausted("pool full", reason="PREFILL_POOL_FULL")
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client(timeout=1).generate(prompt_ids=[10, 11], max_new_tokens=2)
+        assert err.value.reason == "NO_CAPACITY"
+        labels = {"service": "control-plane", "reason": "NO_CAPACITY"}
+        counted = c.cp.metrics.registry.get_sample_value(
+            "kvfence_admission_rejections_total", labels
+        )
+        assert counted == 1
+    finally:
+        await c.close()
+
+
 async def test_requests_waiting_for_a_node_keep_the_queue_caps(tmp_path: Path) -> None:
     """Waiting for a node is waiting in the admission queue: a tenant over its share is refused
     QUEUE_FULL at once, another tenant still gets a place up to the queue's capacity, and then
