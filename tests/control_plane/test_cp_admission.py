@@ -241,8 +241,10 @@ async def test_requests_waiting_for_prefill_room_do_not_resend_to_a_full_node(
             for _ in range(10)
         ]
         await eventually(
-            lambda: len(c.cp.table) == 10
-            and all(r.record.state == RequestState.PREFILLING for r in c.cp.table)
+            lambda: (
+                len(c.cp.table) == 10
+                and all(r.record.state == RequestState.PREFILLING for r in c.cp.table)
+            )
         )
         await asyncio.sleep(0.2)
         assert 2 <= prefills() <= 20  # each node refused, and at most once per request
