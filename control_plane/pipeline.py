@@ -40,11 +40,12 @@ from control_plane.registry import DECODE, PREFILL, Node, Registry
 from control_plane.routing import (
     NodeClients,
     decode_candidates,
+    node_failed,
     prefill_candidates,
     refused_draining,
 )
 from control_plane.tenants import Tenant
-from control_plane.verify import DecodeStream, check_manifest, check_reservation, node_error
+from control_plane.verify import DecodeStream, check_manifest, check_reservation
 from kvfence.config import pages_needed
 from kvfence.errors import (
     Cancelled,
@@ -431,7 +432,7 @@ class Pipeline:
                     del rec.contacted[node.node_id]
                 self.d.registry.lose(node, "refused connections")
                 return None
-            raise node_error(node, err) from None
+            raise node_failed(node, err) from None
         if not self.d.registry.registered(node):
             # Answered, then lost before this request went on: the lost node's requests are
             # left to their cut calls (service._node_lost), and this one's was not cut. Its pages
@@ -546,7 +547,7 @@ class Pipeline:
                 if gone:
                     self.d.registry.lose(node, "refused connections")
                 return None
-            raise node_error(node, err) from None
+            raise node_failed(node, err) from None
         finally:
             node.in_flight -= 1
 
@@ -593,7 +594,7 @@ class Pipeline:
                         last = now
                         emit(out)
         except grpc.aio.AioRpcError as err:
-            raise node_error(node, err) from None
+            raise node_failed(node, err) from None
         finally:
             if not call.done():
                 call.cancel()

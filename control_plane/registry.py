@@ -74,6 +74,8 @@ class Node:
     kvfence_version: str = ""  # the node's release, as registered
     # Shutting down: finishing what it holds, sent no new Reserve / Prefill (module docstring).
     draining: bool = False
+    # time.monotonic() of its last call that failed on its side (routing.node_failed); 0: none.
+    failed_at: float = 0.0
 
     @property
     def free_estimate(self) -> int:

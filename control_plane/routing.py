@@ -16,6 +16,7 @@ Every call to a node carries the cluster node token (the nodes refuse calls with
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 import grpc
 
 from control_plane.registry import DECODE, PREFILL, Node, Registry
+from control_plane.verify import node_error
 from kvfence.auth import with_token
-from kvfence.errors import NODE_DRAINING, Unavailable, error_info
+from kvfence.errors import NODE_DRAINING, KvfenceError, Unavailable, error_info
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -144,14 +146,36 @@ class NodeClients:
             log.exception("release failed", node_id=node.node_id, role=node.role)
 
 
+# A node whose call failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX
+# path down) goes behind every other candidate for this long. It answers fast and heartbeats on,
+# so by queue length or free pages it looked the best node and drew every request to fail.
+FAILURE_COOLDOWN_S = 10.0
+_NODE_FAULTS = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
+)
+
+
+def node_failed(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
+    """``node_error``, and a failure on the node's side puts it behind the others for
+    FAILURE_COOLDOWN_S (it is still chosen when it is the only candidate)."""
+    if err.code() in _NODE_FAULTS:
+        node.failed_at = time.monotonic()
+    return node_error(node, err)
+
+
+def _cooling(node: Node) -> bool:
+    return bool(node.failed_at) and time.monotonic() - node.failed_at < FAILURE_COOLDOWN_S
+
+
 def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
-    """Decode nodes that could hold ``pages`` now, most free pages first; never a draining one."""
+    """Decode nodes that could hold ``pages`` now, most free pages first (a node cooling down
+    from a failure last); never a draining one."""
     nodes = [
         n
         for n in registry.taking_requests(DECODE)
         if n.node_id not in skip and n.total_pages >= pages and n.free_estimate >= pages
     ]
-    return sorted(nodes, key=lambda n: (-n.free_estimate, n.node_id))
+    return sorted(nodes, key=lambda n: (_cooling(n), -n.free_estimate, n.node_id))
 
 
 def prefill_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
@@ -164,7 +188,7 @@ def prefill_candidates(registry: Registry, pages: int, skip: set[str]) -> list[N
         for n in registry.taking_requests(PREFILL)
         if n.node_id not in skip and n.free_estimate >= pages
     ]
-    return sorted(nodes, key=lambda n: (n.queue_length + n.in_flight, n.node_id))
+    return sorted(nodes, key=lambda n: (_cooling(n), n.queue_length + n.in_flight, n.node_id))
 
 
 def refused_draining(registry: Registry, node: Node, err: grpc.aio.AioRpcError) -> bool:

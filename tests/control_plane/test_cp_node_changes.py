@@ -288,3 +288,41 @@ async def test_past_the_reservation_bound_with_no_prefill_node_it_fails_no_nodes
         await eventually(lambda: "Release" in c.decode[0].methods())
     finally:
         await c.close()
+
+
+async def test_a_node_that_fails_every_call_stops_drawing_the_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill node failing every Prefill at once (its engine or UCX path broken) while it
+    heartbeats on had the shortest queue, so it drew every request: 10 of 10 failed with a
+    healthy node beside it. After a failure on its side it goes behind the others for a while.
+    Controls: the cool-down ends (it is tried again), and a node alone is still used."""
+    from control_plane import routing
+
+    c = await make_cluster(tmp_path, prefill_nodes=2)
+    try:
+        broken = Unavailable("KV transfer to decode failed", reason="TRANSFER_FAILED")
+        c.prefill[0].servicer.refuse = broken
+        outcomes = []
+        for _ in range(10):
+            try:
+                await c.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
+                outcomes.append("ok")
+            except Unavailable:
+                outcomes.append("failed")
+        assert outcomes == ["failed"] + ["ok"] * 9
+        assert c.prefill[0].methods().count("Prefill") == 1
+        monkeypatch.setattr(routing, "FAILURE_COOLDOWN_S", 0.0)  # the cool-down is over
+        c.prefill[0].servicer.refuse = None
+        await c.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
+        assert c.prefill[0].methods().count("Prefill") == 2
+        monkeypatch.setattr(routing, "FAILURE_COOLDOWN_S", 60.0)  # cooling again
+        await c.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
+        assert c.prefill[0].methods().count("Prefill") == 2  # the other one served it
+        await c.prefill[1].stop()  # the healthy one goes: the cooling one is all there is
+        c.cp.registry.lose(c.cp.registry.get("prefill-1"), "gone")
+        result = await c.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
+        assert result.usage.completion_tokens == 2
+        assert c.prefill[0].methods().count("Prefill") == 3
+    finally:
+        await c.close()
