@@ -87,7 +87,7 @@ class RequestRecord:
     prefill_node: str = ""
     reservation_id: str = ""
     reserved_pages: int = 0
-    prefill_pages: int = 0  # source pages the prefill node holds for it (0: none, or released)
+    prefill_held: bool = False  # its prefill node holds source pages for it (until released)
     # node_id -> role of every node that received a request-carrying RPC and may hold something.
     contacted: dict[str, str] = field(default_factory=dict)
     reason: str = ""

@@ -477,14 +477,13 @@ class Pipeline:
             reservation=reservation,
             scrub_on_free=scrub_on_free,
         )
-        pages = pages_needed(len(prompt.token_ids), self.d.model.page_size)
         full: set[str] = set()
         while True:
             run.check()
             # A request waiting here for prefill room is as queued as one waiting for decode
             # pages: an operator's offline (or a shutdown) reaches it too.
             self._check_serving()
-            candidates = prefill_candidates(self.d.registry, pages, skip=full)
+            candidates = prefill_candidates(self.d.registry, skip=full)
             if not candidates:
                 # Wait (within the deadline) for room, or, with no prefill node taking requests
                 # (none registered: one refused connections, restarted; or all draining), for one
@@ -513,8 +512,7 @@ class Pipeline:
             if resp is None:
                 full.add(node.node_id)
                 continue
-            node.reserved_since_heartbeat += pages
-            rec.prefill_pages = pages
+            rec.prefill_held = True
             check_manifest(rec, resp.manifest, len(prompt.token_ids))
             return resp.manifest
 
@@ -542,12 +540,13 @@ class Pipeline:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    # "No room now": full until its next heartbeat says otherwise (routing).
-                    node.reserved_since_heartbeat = node.free_pages
+                    # "No room now": left out until its next heartbeat or a release on it.
+                    node.refused_room = True
                 if gone:
                     self.d.registry.lose(node, "refused connections")
                 return None
-            raise node_failed(node, err) from None
+            decode = self.d.registry.get(rec.decode_node)
+            raise node_failed(node, err, decode) from None
         finally:
             node.in_flight -= 1
 
@@ -617,20 +616,20 @@ class Pipeline:
         rec.contacted.pop(rec.prefill_node, None)
         if node is None:
             return
-        self._prefill_pages_back(node, rec)
+        self._prefill_room_back(node, rec)
         task = asyncio.create_task(
             self.d.clients.release(node, rec.request_id, "kv verified by decode")
         )
         self.d.background.add(task)
         task.add_done_callback(self.d.background.discard)
 
-    def _prefill_pages_back(self, node: Node, rec: RequestRecord) -> None:
-        """The request's source pages on its prefill node are being released: routing may count
-        them free again before the node's next heartbeat says so, and requests waiting for
-        prefill room try now."""
-        if rec.prefill_pages:
-            node.reserved_since_heartbeat -= rec.prefill_pages
-            rec.prefill_pages = 0
+    def _prefill_room_back(self, node: Node, rec: RequestRecord) -> None:
+        """The request's source pages on its prefill node are being released: a node that
+        refused for room may have it now, and requests waiting for prefill room try at once
+        rather than at its next heartbeat."""
+        if rec.prefill_held:
+            rec.prefill_held = False
+            node.refused_room = False
             self.d.queue.notify()
 
     async def _release_all(self, run: Run) -> None:
@@ -645,7 +644,7 @@ class Pipeline:
                 log.info("not releasing on lost node", node_id=node_id)
                 continue
             if node_id == rec.prefill_node:
-                self._prefill_pages_back(node, rec)
+                self._prefill_room_back(node, rec)
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
                 if rec.state == RequestState.FINISHED:

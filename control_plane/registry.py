@@ -76,6 +76,9 @@ class Node:
     draining: bool = False
     # time.monotonic() of its last call that failed on its side (routing.node_failed); 0: none.
     failed_at: float = 0.0
+    # A prefill node that refused a Prefill for room: left out of routing until its next
+    # heartbeat or a release of pages on it (routing.prefill_candidates).
+    refused_room: bool = False
 
     @property
     def free_estimate(self) -> int:
@@ -228,7 +231,8 @@ class Registry:
                     draining=req.draining,
                 )
             return control_pb2.HeartbeatResponse(known=False, superseded=True)
-        grew = req.free_pages > node.free_estimate
+        grew = req.free_pages > node.free_estimate or node.refused_room
+        node.refused_room = False
         node.free_pages = req.free_pages
         node.quarantined_pages = req.quarantined_pages
         node.queue_length = req.queue_length

@@ -1,13 +1,14 @@
 """Channels to the nodes, node choice, and the count of node RPCs (tests assert on it).
 
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
-(shortest first) among those whose estimated free pages hold the prompt. The estimates only order
-and pre-filter the candidates; the node's own answer to Reserve / Prefill (RESOURCE_EXHAUSTED =
-"not now", and the node counts as full until its next heartbeat) is authoritative. A draining
-node (shutting
-down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took nothing for
-the request, is marked draining at once (``refused_draining``) and the request tries another node
-or waits, as after RESOURCE_EXHAUSTED.
+(shortest first); a node whose call failed on its side is left out for FAILURE_COOLDOWN_S while
+another of its role takes requests (logged: "node cooling down after a failure"). The
+estimates only order and pre-filter the candidates; the node's own answer to Reserve / Prefill
+(RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill node is left out
+until its next heartbeat or a release of pages on it) is authoritative. A draining node
+(shutting down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took
+nothing for the request, is marked draining at once (``refused_draining``) and the request tries
+another node or waits, as after RESOURCE_EXHAUSTED.
 
 Every call to a node carries the cluster node token (the nodes refuse calls without it): the stubs
 ``NodeClients`` hands out add it themselves, so a caller cannot forget it.
@@ -26,7 +27,13 @@ import grpc
 from control_plane.registry import DECODE, PREFILL, Node, Registry
 from control_plane.verify import node_error
 from kvfence.auth import with_token
-from kvfence.errors import NODE_DRAINING, KvfenceError, Unavailable, error_info
+from kvfence.errors import (
+    NODE_DRAINING,
+    RESERVATION_RELEASED,
+    KvfenceError,
+    Unavailable,
+    error_info,
+)
 from kvfence.logging import get_logger
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -155,40 +162,72 @@ _NODE_FAULTS = frozenset(
 )
 
 
-def node_failed(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
-    """``node_error``, and a failure on the node's side puts it behind the others for
-    FAILURE_COOLDOWN_S (it is still chosen when it is the only candidate)."""
-    if err.code() in _NODE_FAULTS:
-        node.failed_at = time.monotonic()
-    return node_error(node, err)
+# A prefill node's UNAVAILABLE with one of these reasons is its KV transfer to decode failing:
+# the decode node may be the broken one (every prefill node then fails to it), so it cools too.
+_TRANSFER_TO_DECODE = frozenset({"TRANSFER_FAILED", "UNREACHABLE"})
+
+
+def node_failed(node: Node, err: grpc.aio.AioRpcError, decode: Node | None = None) -> KvfenceError:
+    """``node_error``, and a failure on the node's side cools it down for FAILURE_COOLDOWN_S:
+    left out of routing while a node of its role that is not cooling takes requests. ``decode``:
+    the request's decode node, cooled with a prefill node whose transfer to it failed."""
+    failure = node_error(node, err)
+    # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node.
+    if err.code() in _NODE_FAULTS and failure.reason != RESERVATION_RELEASED:
+        now = time.monotonic()
+        if not _cooling(node):
+            log.warning(
+                "node cooling down after a failure",
+                node_id=node.node_id,
+                role=node.role,
+                reason=failure.reason,
+                seconds=FAILURE_COOLDOWN_S,
+            )
+        node.failed_at = now
+        if decode is not None and failure.reason in _TRANSFER_TO_DECODE:
+            decode.failed_at = now
+    return failure
 
 
 def _cooling(node: Node) -> bool:
     return bool(node.failed_at) and time.monotonic() - node.failed_at < FAILURE_COOLDOWN_S
 
 
+def _unless_cooling(registry: Registry, role: str, nodes: list[Node]) -> list[Node]:
+    """``nodes`` less the cooling ones, while a node of ``role`` that is not cooling takes
+    requests (full or not: a request waits for its room rather than go to a node that just
+    failed); all of them when every node of the role is cooling."""
+    if any(not _cooling(n) for n in registry.taking_requests(role)):
+        return [n for n in nodes if not _cooling(n)]
+    return nodes
+
+
 def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
-    """Decode nodes that could hold ``pages`` now, most free pages first (a node cooling down
-    from a failure last); never a draining one."""
+    """Decode nodes that could hold ``pages`` now, most free pages first; never a draining one,
+    nor a cooling one while another takes requests (``node_failed``)."""
     nodes = [
         n
         for n in registry.taking_requests(DECODE)
         if n.node_id not in skip and n.total_pages >= pages and n.free_estimate >= pages
     ]
-    return sorted(nodes, key=lambda n: (_cooling(n), -n.free_estimate, n.node_id))
+    return sorted(
+        _unless_cooling(registry, DECODE, nodes), key=lambda n: (-n.free_estimate, n.node_id)
+    )
 
 
-def prefill_candidates(registry: Registry, pages: int, skip: set[str]) -> list[Node]:
-    """Prefill nodes that could hold ``pages`` now, shortest queue first; never a draining one.
-    One that refused for room counts as full until its next heartbeat (Pipeline._try_prefill):
-    requests waiting for prefill room would otherwise send it their whole prompt again at
-    every wake-up, each request's end being one."""
+def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
+    """Prefill nodes, shortest queue first; never a draining one, nor a cooling one while
+    another takes requests (``node_failed``), nor one that refused for room since its last
+    heartbeat or release
+    (``Node.refused_room``): requests waiting for prefill room would otherwise send it their
+    whole prompt again at every wake-up, each request's end being one."""
     nodes = [
-        n
-        for n in registry.taking_requests(PREFILL)
-        if n.node_id not in skip and n.free_estimate >= pages
+        n for n in registry.taking_requests(PREFILL) if n.node_id not in skip and not n.refused_room
     ]
-    return sorted(nodes, key=lambda n: (_cooling(n), n.queue_length + n.in_flight, n.node_id))
+    return sorted(
+        _unless_cooling(registry, PREFILL, nodes),
+        key=lambda n: (n.queue_length + n.in_flight, n.node_id),
+    )
 
 
 def refused_draining(registry: Registry, node: Node, err: grpc.aio.AioRpcError) -> bool:

@@ -326,3 +326,61 @@ async def test_a_node_that_fails_every_call_stops_drawing_the_requests(
         assert c.prefill[0].methods().count("Prefill") == 3
     finally:
         await c.close()
+
+
+async def test_a_cooling_node_is_not_used_while_another_of_its_role_takes_requests(
+    tmp_path: Path,
+) -> None:
+    """With the healthy prefill node out of room, a first version sent the overflow to the
+    node that had just failed (in a burst, 8 of 10 failed). Requests now wait for the healthy
+    node's room. Control: the cooling node is still used when it is all there is (the test
+    above)."""
+    from kvfence.proto.kvfence.v1 import control_pb2
+
+    c = await make_cluster(tmp_path, prefill_nodes=2, node_timeout_s=60.0)
+    try:
+        broken, healthy = c.prefill
+        broken.servicer.refuse = KvfenceError("engine broken")  # INTERNAL
+        with pytest.raises(KvfenceError):
+            await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert broken.methods().count("Prefill") == 1  # it is cooling now
+        await healthy.stop_heartbeats()
+        healthy.servicer.refuse = ResourceExhausted("pool full", reason="PREFILL_POOL_FULL")
+        call = asyncio.create_task(c.client(timeout=10).generate(prompt_ids=[11], max_new_tokens=2))
+        await eventually(lambda: healthy.methods().count("Prefill") >= 1)
+        await asyncio.sleep(0.3)
+        assert not call.done() and broken.methods().count("Prefill") == 1  # waits for room
+        healthy.servicer.refuse = None
+        c.cp.registry.heartbeat(
+            control_pb2.HeartbeatRequest(
+                node_id=healthy.node_id,
+                free_pages=healthy.free_pages,
+                instance_id=healthy.instance_id,
+            )
+        )
+        assert (await asyncio.wait_for(call, 5)).usage.completion_tokens == 2
+        assert broken.methods().count("Prefill") == 1
+    finally:
+        await c.close()
+
+
+async def test_a_failed_transfer_cools_the_decode_node_it_went_to(tmp_path: Path) -> None:
+    """Prefill's transfer to a decode node fails (its UCX receiver down) from every prefill
+    node alike; the failed request gave that decode node its pages back, so it had the most free
+    pages and drew every request (10 of 10 failed beside a healthy decode node). It cools with
+    the prefill node now. Control: the next request is served, on the other decode node."""
+    c = await make_cluster(tmp_path, decode_nodes=2)
+    try:
+        c.script.prefill_error = Unavailable(
+            "KV transfer to decode failed: Endpoint timeout", reason="TRANSFER_FAILED"
+        )
+        with pytest.raises(Unavailable):
+            await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        [first] = [n for n in c.decode if "Reserve" in n.methods()]
+        c.script.prefill_error = None
+        result = await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert result.usage.completion_tokens == 2
+        [other] = [n for n in c.decode if n is not first]
+        assert first.methods().count("Reserve") == 1 and other.methods().count("Reserve") == 1
+    finally:
+        await c.close()
