@@ -181,6 +181,7 @@ def test_up_refuses_environment_overrides_of_what_it_sets(
     for name, value in (
         ("KVFENCE__CONTROL_PLANE__STATE_DIR", str(tmp_path / "elsewhere")),
         ("KVFENCE__CONTROL_PLANE__ADMIN_LISTEN", "127.0.0.1:6000"),
+        ("KVFENCE__CONTROL_PLANE__ADDRESS", "10.0.0.9:50051"),
     ):
         with monkeypatch.context() as env:
             env.setenv(name, value)
@@ -189,6 +190,12 @@ def test_up_refuses_environment_overrides_of_what_it_sets(
     assert stub_stack == []
     result = invoke("up", "--state-dir", str(tmp_path / "s"))
     assert result.exit_code == 0, result.output
+    # a base config's control_plane.address is this stack's own: the nodes register here
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"control_plane": {"address": "10.0.0.9:50051"}}))
+    result = invoke("up", "--state-dir", str(tmp_path / "s"), "--config", str(base))
+    assert result.exit_code == 0, result.output
+    assert stub_stack[-1]["control_plane"]["address"] == stub_stack[-1]["control_plane"]["listen"]
 
 
 def test_up_stops_on_sighup_as_on_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -141,6 +141,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             "control_plane.state_dir": (Path(cp.state_dir).resolve(), state_dir.resolve()),
             "control_plane.listen": (cp.listen, cfg["control_plane"]["listen"]),
             "control_plane.admin_listen": (cp.admin_listen, cfg["control_plane"]["admin_listen"]),
+            "control_plane.address": (cp.address, cfg["control_plane"]["address"]),
         }
         overridden = [k for k, (theirs, ours) in owned.items() if theirs != ours]
         if overridden:
@@ -208,6 +209,7 @@ def build_up_config(
     cp = cfg.setdefault("control_plane", {})
     cp["listen"] = f"127.0.0.1:{port}"
     cp["admin_listen"] = f"127.0.0.1:{port + 1 if port else 0}"
+    cp["address"] = cp["listen"]  # where the nodes register: this stack's control plane
     cp["state_dir"] = str(state_dir.resolve())
     # Running requests get a shorter grace than a pod's, within the STOP_GRACE_S after which
     # `up` kills what is left: a stopping control plane fails them cleanly (SHUTTING_DOWN)
