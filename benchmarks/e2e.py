@@ -257,13 +257,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         with stack, RssSampler(stack.services()) as sampler:
             metrics = StackMetrics(stack)
-            rss["idle"] = sampler.peaks_mb()
+            rss["idle"] = sampler.peaks_mib()
             for conc in levels_c:
                 n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
                 benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
                 sampler.reset()
                 levels.append(level(stack, metrics, colo, hf, conc, n, new, rounds))
-                rss[str(conc)] = sampler.peaks_mb()
+                rss[str(conc)] = sampler.peaks_mib()
     lo, hi = rss[str(levels_c[0])], rss[str(max_c)]
     decode_growth = (hi["decode"] - lo["decode"]) / lo["decode"]
     ratio_levels = [lv for lv in levels if lv["concurrency"] >= GOAL_MIN_CONCURRENCY]
@@ -277,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
             "decode_pool_tokens": decode_pool_tokens,
         },
         "levels": levels,
-        "rss_mb": {
+        "rss_mib": {
             "peak_by_concurrency": rss,
-            "decode_pool_mb": round(
+            "decode_pool_mib": round(
                 decode_pool_tokens // PAGE_SIZE * colo.pool.page_bytes / 2**20, 1
             ),
             "decode_growth_fraction": benchlib.r(decode_growth),

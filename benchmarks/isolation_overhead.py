@@ -1,42 +1,55 @@
 """Isolation overhead benchmark: what kvfence's protections cost, against a 1% goal.
 
 Two measurements. First, end to end: two ``kvfence up`` stacks side by side on the same
-checkpoint, one as shipped ("on") and one whose prefill and decode nodes run with every protection
-removed ("off"; the services have no switch for that and get none: ``benchlib/unprotected.py``
-patches the node processes at start-up, and the script checks from their reports that the off
-stack's nodes, and only they, ran the patches). The same requests drive one stack at a time, in a
-new seeded order every round, at concurrency 1 and ``--batch``: tokens/s, inter-token latency
-p50/p99, TTFT, and the CPU time each process spends per delivered token, on and off. On a shared
-2-core machine a round's tokens/s moves by several percent with nothing changed, more than the 1%
-sought; the stacks' CPU time per delivered token moves less (not always: see RESULTS.md), so the
-goal is judged on it (``cpu_overhead_fraction``: stack CPU per token on over off, minus 1)
-together with the estimate below, and tokens/s is reported beside it. ``--a-a`` runs the same
+checkpoint, one as shipped ("on") and one whose prefill and decode nodes run with the
+protections priced below removed ("off"; the services have no switch for that and get none:
+``benchlib/unprotected.py`` patches the node processes at start-up, and the script checks from
+their reports that the off stack's nodes, and only they, ran the patches). The same requests
+drive one stack at a time, in a new seeded order every round, at concurrency 1 and ``--batch``:
+tokens/s, inter-token latency p50/p99, TTFT, and the CPU time each process spends per delivered
+token, on and off. On a shared 2-core machine a round's tokens/s moves by several percent with
+nothing changed, more than the 1% sought; the stacks' CPU time per delivered token moves less
+(not always: see RESULTS.md), so the goal is judged on it (``cpu_overhead_fraction``: stack CPU
+per token on over off, minus 1) together with the estimate below, and tokens/s is reported
+beside it. ``--a-a`` runs the same
 two stacks both protected and nothing else: how far two identical stacks read apart on the
 machine at hand, the noise floor of every end-to-end figure.
 
-Second, in-process, each protection on its own against none, on the same engine and data, to say
-where the cost is:
+Second, in-process, each protection the off stack removes, on its own against none, on the same
+engine and data, to say where the cost is:
 
-(a) tag check: ``kernels`` reference paged attention (generation compare inside) against the same
-    gather + attention arithmetic with the compare removed; and whole ``Engine.decode_step`` calls
-    with either attention (so the decode inter-token latency on/off is measured directly), the
-    step's attention plan and its calls (one a layer) timed inside those steps (what the
-    estimate below counts: between a step's matmuls the check is out of cache and dearer than in
-    a loop), and colocated end-to-end
-    generation (tokens/s) with either, repetitions interleaved;
-(b) manifest verification per transfer (``kvfence.manifest.verify``: MAC, coverage, generations,
-    checksums recomputed over the received pages) against none;
+(a) decode steps: the tag check, ``kernels`` reference paged attention (generation compare
+    inside) against the same gather + attention arithmetic with the compare removed, timed in a
+    loop; and whole decode steps as the decode node runs them (``DecodeBatch.step_and_sample``)
+    with every check the off stack removes from them on or off (so the decode inter-token latency
+    on/off is measured directly), and inside those steps (what the estimate counts: between a
+    step's matmuls a check is out of cache and dearer than in a loop) the step's attention plan
+    and its calls (one a layer), and decode's write-side checks: the generation check of the
+    page each row writes, the OR of every layer's flags into the step's, the step's flags read
+    back (the lines the off stack removes, clocked in place in copies of the engine's methods,
+    ``benchlib.unprotected.rewrite``); and colocated end-to-end generation (tokens/s) with the
+    engine's checks on or off, repetitions interleaved;
+(b) the manifest MAC prefill signs (``kvfence.manifest.sign``) and decode's verification
+    (``kvfence.manifest.verify``: MAC, coverage, generations, checksums recomputed over the
+    received pages), each against none;
 (c) the checksums prefill computes for the manifest, and the tail scrub of the last page, per
-    request, against none (beside the prefill forward pass for scale);
+    request, against none (beside the prefill forward pass for scale), and prefill's generation
+    check of the pages it writes, timed inside real prefill passes as (a)'s write-side checks;
 (d) deferred-release bookkeeping (``PagePool.begin_ops``/``end_ops`` per transfer batch and per
-    decode step) against none.
+    decode step) against none;
+(e) ``PagePool.owns``: the decode batcher's per row and step, the receiver's per transfer batch,
+    timed in a loop.
 
-The per-request sum of (a)-(d) is divided by the end-to-end seconds per request of the "on" stack
-at concurrency 1 (latency view) and at the batch size (throughput view): the ``estimate``. The
-goal (<= 1%) is met when both the estimate and the measured CPU overhead are within it; it is
-reported, never asserted. Prints one JSON object; ``--quick`` for a smoke run, ``--png PATH`` a
-chart, ``--model small`` the same on a 24.5M-parameter random Llama instead of the embedded tiny
-model.
+The per-request sum of (a)-(e) (``estimate``) is divided by the end-to-end seconds per request
+of the "on" stack at concurrency 1 (latency view) and at the batch size (throughput view). A
+decode step's costs are shared by the rows it carries, and under load it carries fewer than the
+concurrency (requests wait in prefill meanwhile): the estimate shares them by the mean rows per
+step the on stack's decode node reported over the same runs (its ``kvfence_decode_step_rows``
+metric), at the cost of a step of that many rows (timed at 1 and at ``--batch`` rows, linear in
+between). The goal (<= 1%) is met when both the estimate and the measured CPU overhead are within
+it; it is reported, never asserted. Prints one JSON object; ``--quick`` for a smoke run, ``--png
+PATH`` a chart, ``--model small`` the same on a 24.5M-parameter random Llama instead of the
+embedded tiny model.
 """
 
 from __future__ import annotations
@@ -54,8 +67,17 @@ import benchlib
 import torch
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, CpuMeter
-from benchlib.unprotected import KERNELS_WITHOUT_CHECK, UncheckedPlan, read_report, stack_env
+from benchlib.stack import METRICS_CONFIG, BenchStack, CpuMeter, StackMetrics
+from benchlib.unprotected import (
+    DECODE_ROWS_EDITS,
+    KERNELS_WITHOUT_CHECK,
+    PREFILL_MANY_EDITS,
+    STEP_AND_SAMPLE_EDITS,
+    UncheckedPlan,
+    read_report,
+    rewrite,
+    stack_env,
+)
 
 import kernels
 import kvfence.model.engine as engine_mod
@@ -64,7 +86,7 @@ from kvfence import manifest as mf
 from kvfence.config import pages_needed
 from kvfence.kv.pool import PagePool
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
-from kvfence.model.engine import DecodeItem, Engine
+from kvfence.model.engine import DecodeBatch, Engine
 from kvfence.model.sampling import SamplingParams
 from kvfence.proto.kvfence.v1 import common_pb2
 
@@ -79,9 +101,26 @@ def attention_unchecked(
     return UncheckedPlan(kv_pages, *shared)(q, layer)
 
 
-def set_tag_check(on: bool) -> None:
-    # The engine reads ``kernels.<fn>`` at call time: swapping its module reference toggles it.
+# The engine's methods as shipped, and as the off stack runs them (benchlib/unprotected.py).
+SHIPPED = {
+    (Engine, "decode_rows"): Engine.decode_rows,
+    (DecodeBatch, "step_and_sample"): DecodeBatch.step_and_sample,
+    (Engine, "prefill_many"): Engine.prefill_many,
+}
+UNCHECKED = {
+    (Engine, "decode_rows"): rewrite(Engine.decode_rows, DECODE_ROWS_EDITS),
+    (DecodeBatch, "step_and_sample"): rewrite(DecodeBatch.step_and_sample, STEP_AND_SAMPLE_EDITS),
+    (Engine, "prefill_many"): rewrite(Engine.prefill_many, PREFILL_MANY_EDITS),
+}
+
+
+def set_engine_checks(on: bool) -> None:
+    """The engine's checks on (as shipped) or off (as the off stack's nodes run): the tag check
+    in attention (the engine reads ``kernels.<fn>`` at call time: swapping its module reference
+    toggles it), decode's write-side checks and prefill's generation check."""
     engine_mod.kernels = kernels if on else KERNELS_WITHOUT_CHECK  # type: ignore[assignment]
+    for (cls, name), fn in (SHIPPED if on else UNCHECKED).items():
+        setattr(cls, name, fn)
 
 
 def _timed_plan(plan: Any, plans: list[float], calls: list[float]) -> Any:
@@ -119,8 +158,16 @@ class Workload:
         # the middle of generation: half the new tokens are in the pages
         self.position = prompt + new // 2
 
-    def decode_items(self) -> list[DecodeItem]:
-        return [DecodeItem(7, self.position, refs) for refs in self.refs]  # type: ignore[arg-type]
+    def decode_batch(self) -> DecodeBatch:
+        """The decode node's batch of these sequences (``DecodeBatch``, as its batcher keeps)."""
+        batch = DecodeBatch(self.engine)
+        batch.sync(self.refs)  # type: ignore[arg-type]
+        return batch
+
+    def step_args(self) -> tuple[list[int], list[int], list[SamplingParams], list[int]]:
+        """``DecodeBatch.step_and_sample``'s arguments for one step of every sequence."""
+        b = self.batch
+        return [7] * b, [self.position] * b, [SamplingParams()] * b, [0] * b
 
     def attention_args(self) -> tuple[Any, ...]:
         a = self.args
@@ -132,8 +179,15 @@ class Workload:
         return (q, self.pool.kv, 0, table, gens, self.pool.page_gen, lens, a.head_dim**-0.5)
 
 
-def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
-    """(a) attention and whole decode steps with the generation check on and off."""
+def _median_us(times: list[float]) -> float:
+    return benchlib.median(times) * 1e6
+
+
+def bench_decode_checks(w: Workload, reps: int) -> dict[str, Any]:
+    """(a) the tag check in attention, and decode's write-side checks, on and off: attention
+    calls in a loop, and whole decode steps as the decode node runs them
+    (``DecodeBatch.step_and_sample``) with every check the off stack removes from them on or off,
+    each check timed inside those steps."""
     args = w.attention_args()
     out_on, flags = kernels.paged_decode_attention(*args)
     out_off, _ = attention_unchecked(*args)
@@ -150,13 +204,15 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
         reps,
     )
     arg_checks = benchlib.median(attn["off_with_arg_checks"]) - benchlib.median(attn["off"])
-    items = w.decode_items()
-    # The attention calls are also timed inside whole decode steps, between the step's matmuls:
-    # there the check's code and data are no longer in cache and it costs 1.5-3x what it costs
-    # timed in a loop. A whole step's on/off difference would show that too, but on a model whose
-    # step is milliseconds long it drowns in the step's own noise. A step plans its attention
-    # once and calls it once per layer; both are timed.
+    # The checks are also timed inside whole decode steps, between the step's matmuls: there
+    # their code and data are no longer in cache and they cost 1.5-3x what they cost timed in a
+    # loop. A whole step's on/off difference would show that too, but on a model whose step is
+    # milliseconds long it drowns in the step's own noise. A step plans its attention once and
+    # calls it once per layer; both are timed. The write-side checks are lines inside the
+    # engine's methods: copies of those methods (``benchlib.unprotected.rewrite``), with the
+    # lines kept (on) or removed (off), clock the lines in place (``spans``).
     in_step: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    spans: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
     kernels_in_step = {
         on: types.SimpleNamespace(
             write_kv_pages=kernels.write_kv_pages,
@@ -166,13 +222,30 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
         )
         for on in (True, False)
     }
+    rows = {
+        on: types.MethodType(
+            rewrite(Engine.decode_rows, DECODE_ROWS_EDITS, off=not on, times=spans[on]), w.engine
+        )
+        for on in (True, False)
+    }
+    batches = {on: w.decode_batch() for on in (True, False)}
+    for on, batch in batches.items():
+        batch.step_and_sample = types.MethodType(  # type: ignore[method-assign]
+            rewrite(DecodeBatch.step_and_sample, STEP_AND_SAMPLE_EDITS, off=not on,
+                    times=spans[on]),
+            batch,
+        )  # fmt: skip
+    step_args = w.step_args()
 
     def step(on: bool) -> None:
         engine_mod.kernels = kernels_in_step[on]  # type: ignore[assignment]
+        w.engine.decode_rows = rows[on]  # type: ignore[method-assign]
         try:
-            w.engine.decode_step(items)
+            tokens = batches[on].step_and_sample(*step_args)
         finally:
-            set_tag_check(True)
+            del w.engine.decode_rows
+            set_engine_checks(True)
+        assert None not in tokens, "a decode row was flagged"
 
     steps = benchlib.interleaved({"on": lambda: step(True), "off": lambda: step(False)}, reps)
     attn_on, attn_off = benchlib.median(attn["on"]), benchlib.median(attn["off"])
@@ -180,7 +253,11 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
     plan_on, plan_off = (benchlib.median(in_step[on][0]) for on in (True, False))
     situ_on, situ_off = (benchlib.median(in_step[on][1]) for on in (True, False))
     layers = w.args.num_layers
-    per_step = (plan_on - plan_off) + (situ_on - situ_off) * layers
+    tag_per_step = (plan_on - plan_off) + (situ_on - situ_off) * layers
+    span_us = {k: {"on": _median_us(spans[True][k]), "off": _median_us(spans[False][k])}
+               for k in ("write_check", "flags_or", "flags_read")}  # fmt: skip
+    per_step_calls = {"write_check": 1, "flags_or": layers, "flags_read": 1}
+    write_per_step = sum((v["on"] - v["off"]) * per_step_calls[k] for k, v in span_us.items()) / 1e6
     return {
         "attention_us": {"on": benchlib.r(attn_on * 1e6, 2), "off": benchlib.r(attn_off * 1e6, 2)},
         "attention_check_us_per_step": benchlib.r((attn_on - attn_off) * layers * 1e6, 2),
@@ -192,22 +269,31 @@ def bench_tag_check(w: Workload, reps: int) -> dict[str, Any]:
             "on": benchlib.r(situ_on * 1e6, 2),
             "off": benchlib.r(situ_off * 1e6, 2),
         },
-        "attention_in_step_check_us_per_step": benchlib.r(per_step * 1e6, 2),
+        "attention_in_step_check_us_per_step": benchlib.r(tag_per_step * 1e6, 2),
         # of "attention_us" (one unplanned call): argument validation (shapes/dtypes only),
         # also removed from "off"; within a step, the shared arguments are checked at planning
         "arg_checks_us_per_call": benchlib.r(arg_checks * 1e6, 2),
+        # decode's write-side checks, each span timed inside real steps: the generation check of
+        # the page each row writes (once a step), the OR of a layer's attention flags into the
+        # step's (once a layer), the step's flags read back to the host (once a step)
+        "write_side_in_step_us": {
+            k: {side: benchlib.r(us, 2) for side, us in v.items()} for k, v in span_us.items()
+        },
+        "write_side_check_us_per_step": benchlib.r(write_per_step * 1e6, 2),
         "decode_step_itl": {
             "on": benchlib.summary_ms(steps["on"]),
             "off": benchlib.summary_ms(steps["off"]),
         },
         "decode_step_delta_us": benchlib.r((step_on - step_off) * 1e6, 2),
         "decode_step_overhead_fraction": benchlib.r((step_on - step_off) / step_off),
-        "_per_step_s": max(0.0, per_step),
+        "_tag_per_step_s": max(0.0, tag_per_step),
+        "_write_per_step_s": max(0.0, write_per_step),
     }
 
 
 def bench_colocated(w: Workload, n_requests: int, rounds: int) -> dict[str, Any]:
-    """Colocated end-to-end generation, check on and off, rounds interleaved."""
+    """Colocated end-to-end generation, the engine's checks on and off (``set_engine_checks``),
+    rounds interleaved."""
     prompts = make_prompts(n_requests, w.prompt, w.prompt, seed=1)
     reqs = [
         GenerationRequest(p, SamplingParams(max_new_tokens=w.new, ignore_eos=True)) for p in prompts
@@ -215,11 +301,11 @@ def bench_colocated(w: Workload, n_requests: int, rounds: int) -> dict[str, Any]
     colo = ColocatedEngine(w.colo.loaded, tokenizer=w.colo.tokenizer, max_batch_size=w.batch)
 
     def run(on: bool) -> None:
-        set_tag_check(on)
+        set_engine_checks(on)
         try:
             colo.generate(reqs)
         finally:
-            set_tag_check(True)
+            set_engine_checks(True)
 
     times = benchlib.interleaved({"on": lambda: run(True), "off": lambda: run(False)}, rounds)
     tokens = n_requests * w.new
@@ -292,10 +378,14 @@ def prefill_checksums(pool: PagePool, page_ids: list[int], rid: str) -> list[int
 
 
 def bench_per_request(w: Workload, reps: int) -> dict[str, Any]:
-    """(b) verify, (c) prefill checksum and tail scrub, (d) bookkeeping, and the prefill pass."""
+    """(b) sign and verify, (c) prefill checksum and tail scrub, (d) bookkeeping, (e) page
+    ownership checks, each in a loop; and the prefill pass with its generation check on and off,
+    the check timed inside the pass (``prefill_gen_check_span``: the lines the off stack
+    removes, on, and what it runs instead, off)."""
     refs = w.refs[0]
     assert refs is not None
-    m, exp = make_manifest(w, refs, b"k" * 32)
+    secret = b"k" * 32
+    m, exp = make_manifest(w, refs, secret)
     n = pages_needed(w.prompt, PAGE_SIZE)
     ids = [r.page_id for r in refs[:n]]
 
@@ -308,11 +398,33 @@ def bench_per_request(w: Workload, reps: int) -> dict[str, Any]:
                   checksum_seed=kernels.checksum_seed)  # fmt: skip
 
     batch_ids = [r[0].page_id for r in w.refs if r is not None]
+    # the decode batcher checks, per row and step, that the row's sequence still owns the page
+    # the step writes; the transfer receiver checks a batch's pages once
+    index = w.position // PAGE_SIZE
+    rows = [(f"b{w.batch}-seq-{i}", [r[index]]) for i, r in enumerate(w.refs) if r is not None]
+    owner = f"b{w.batch}-seq-0"
     tail = w.prompt % PAGE_SIZE
     prefill_refs = w.refs[-1]
     prompt = make_prompts(1, w.prompt, w.prompt, seed=2)[0]
+    spans: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+    prefill_many = {
+        on: types.MethodType(
+            rewrite(Engine.prefill_many, PREFILL_MANY_EDITS, off=not on, times=spans[on]),
+            w.engine,
+        )
+        for on in (True, False)
+    }
+
+    def prefill(on: bool) -> None:
+        w.engine.prefill_many = prefill_many[on]  # type: ignore[method-assign]
+        try:
+            w.engine.prefill(prompt, prefill_refs)  # type: ignore[arg-type]
+        finally:
+            del w.engine.prefill_many
+
     times = benchlib.interleaved(
         {
+            "sign": lambda: mf.sign(m, secret),
             "verify": verify,
             "prefill_checksum": lambda: prefill_checksums(w.pool, ids, "res-bench"),
             "tail_scrub": lambda: (
@@ -325,13 +437,19 @@ def bench_per_request(w: Workload, reps: int) -> dict[str, Any]:
                 w.pool.begin_ops(batch_ids[:1]),
                 w.pool.end_ops(batch_ids[:1]),
             ),
-            "prefill_forward": lambda: w.engine.prefill(prompt, prefill_refs),  # type: ignore[arg-type]
+            "owns_transfer": lambda: w.pool.owns(owner, refs[:n]),
+            "owns_decode_step": lambda: [w.pool.owns(o, r) for o, r in rows],
+            "owns_decode_step_1": lambda: [w.pool.owns(o, r) for o, r in rows[:1]],
+            "prefill_forward": lambda: prefill(True),
+            "prefill_forward_unchecked": lambda: prefill(False),
             "nothing": lambda: None,
         },
         reps,
     )
     med = {k: benchlib.median(v) for k, v in times.items()}
-    return {k: v for k, v in med.items()}
+    for on, side in ((True, "on"), (False, "off")):
+        med[f"prefill_gen_check_span_{side}"] = benchlib.median(spans[on]["prefill_gen_check"])
+    return med
 
 
 def bench_stacks(
@@ -344,7 +462,9 @@ def bench_stacks(
     rounds), inter-token latency and TTFT over all rounds, CPU µs per delivered token of each
     process; ``overhead_fraction``: tokens/s off over on, minus 1, with the spread of that ratio
     round by round (the machine's noise); ``cpu_overhead_fraction``: the stack's CPU per token
-    (control plane, prefill, decode) on over off, minus 1.
+    (control plane, prefill, decode) on over off, minus 1; ``decode_rows_per_step``: the mean
+    rows of the decode node's steps over the runs (its ``kvfence_decode_step_rows`` metric; both
+    stacks serve their metrics), which ``estimate`` shares a step's costs by.
 
     ``a_a``: the second stack is protected too (named ``on_again``), which measures how far two
     identical stacks read apart here: the noise floor of every figure above. The "on" stack is
@@ -357,9 +477,10 @@ def bench_stacks(
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         report = Path(tmp) / "unprotected.jsonl"
         args = ["--model", str(model), "--decode-pool-tokens", str(pool_tokens)]
+        env = {} if a_a else stack_env(report)
         stacks = {
-            "on": BenchStack(Path(tmp) / "on", args=args),
-            second: BenchStack(Path(tmp) / second, args=args, env={} if a_a else stack_env(report)),
+            "on": BenchStack(Path(tmp) / "on", config=METRICS_CONFIG, args=args),
+            second: BenchStack(Path(tmp) / second, config=METRICS_CONFIG, args=args, env=env),
         }
         benchlib.log(f"starting two kvfence up stacks: on, and {second}")
         order = [second, "on"] if second_first else ["on", second]
@@ -371,18 +492,25 @@ def bench_stacks(
             for st in stacks.values():  # first use of each stack's code paths, not measured
                 run_load(st.target, st.api_key, make_prompts(4, w.prompt, w.prompt), w.new, 4)
             same = _same_tokens(stacks, make_prompts(2, w.prompt, w.prompt, seed=4), w.new)
+            metrics = {k: StackMetrics(st) for k, st in stacks.items()}
             for conc in sorted({1, w.batch}):
                 n = (4 if quick else 6) * conc if conc > 1 else (4 if quick else 12)
                 prompts = make_prompts(n, w.prompt, w.prompt, seed=3)
                 benchlib.log(f"stacks: {n} requests at concurrency {conc} x {rounds} rounds")
                 runs: dict[str, list[Any]] = {k: [] for k in stacks}
                 cpu = {k: CpuMeter(st) for k, st in stacks.items()}
+                for m in metrics.values():
+                    m.used.clear()
                 for k in benchlib.turns(list(stacks), rounds, seed=conc):
                     st = stacks[k]
-                    runs[k].append(
-                        run_load(st.target, st.api_key, prompts, w.new, conc, during=cpu[k].measure)
-                    )
-                out[str(conc)] = _stack_sides(runs, cpu, n)
+                    # metrics scraped outside the CPU span (as e2e.py reads them)
+                    with metrics[k].measure():
+                        runs[k].append(
+                            run_load(
+                                st.target, st.api_key, prompts, w.new, conc, during=cpu[k].measure
+                            )
+                        )
+                out[str(conc)] = _stack_sides(runs, cpu, metrics, n)
         calls, pids = read_report(report)  # written by the off stack's nodes as they exited
     _check_patched(calls, pids, node_pids, second)
     out["off_stack_patched_calls"] = calls
@@ -406,7 +534,12 @@ def _same_tokens(stacks: dict[str, BenchStack], prompts: list[list[int]], new: i
     return True
 
 
-def _stack_sides(runs: dict[str, list[Any]], cpu: dict[str, CpuMeter], n: int) -> dict[str, Any]:
+def _stack_sides(
+    runs: dict[str, list[Any]],
+    cpu: dict[str, CpuMeter],
+    metrics: dict[str, StackMetrics],
+    n: int,
+) -> dict[str, Any]:
     """One concurrency level of :func:`bench_stacks`: each stack's measures and the ratios of the
     second stack (off, or on again) to the first (on)."""
     sides: dict[str, Any] = {}
@@ -424,6 +557,7 @@ def _stack_sides(runs: dict[str, list[Any]], cpu: dict[str, CpuMeter], n: int) -
             "mean_latency_s": benchlib.r(sum(t.total_s for t in timings) / max(1, len(timings)), 5),
             "inter_token_latency": benchlib.summary_ms([g for r in rs for g in r.gaps()]),
             "ttft": benchlib.summary_ms([t for r in rs for t in r.ttft()]),
+            "decode_rows_per_step": metrics[k].decode_rows_per_step(),
         }
     first, second = runs  # "on", then "off" (or "on_again")
     per_round = [
@@ -463,8 +597,20 @@ def _check_patched(
     if second != "off":
         return
     want = {
-        "decode": ("unchecked_attention_plans", "manifest_verifications_skipped"),
-        "prefill": ("page_checksums_skipped", "manifest_signatures_skipped", "begin_ops_skipped"),
+        "decode": (
+            "unchecked_attention_plans",
+            "decode_write_checks_skipped",
+            "decode_flag_reads_skipped",
+            "owns_checks_skipped",
+            "manifest_verifications_skipped",
+            "begin_ops_skipped",
+        ),
+        "prefill": (
+            "prefill_generation_checks_skipped",
+            "page_checksums_skipped",
+            "manifest_signatures_skipped",
+            "begin_ops_skipped",
+        ),
     }
     missing = [
         f"{role}.{k}" for role, ks in want.items() for k in ks if not calls.get(role, {}).get(k)
@@ -473,21 +619,68 @@ def _check_patched(
         raise RuntimeError(f"the protections-off stack did not run its patches: {missing}")
 
 
+def per_step_at(rows: float, batch: int, at_1: float, at_batch: float) -> float:
+    """A per-step cost at ``rows`` rows a step, linear between its values timed at 1 row and at
+    ``batch`` rows (steps under load carry fewer rows than the concurrency: see estimate)."""
+    if batch == 1:
+        return at_1
+    x = min(max(rows, 1.0), float(batch))
+    return at_1 + (at_batch - at_1) * (x - 1.0) / (batch - 1)
+
+
 def estimate(
-    w: Workload, tag: dict[str, Any], per_req: dict[str, float], batch: int
+    new: int,
+    checks: dict[int, dict[str, Any]],
+    per_req: dict[str, float],
+    batch: int,
+    rows: float,
 ) -> dict[str, float]:
-    """Protection seconds per request when ``batch`` requests share every decode step."""
+    """Protection seconds per request at concurrency ``batch``, where the decode node's steps
+    carried ``rows`` rows on average (measured on the on stack): every decode step's costs, at
+    that many rows, are shared by its rows. Costs timed per step (the tag check, the write-side
+    checks, the pool's bookkeeping and ownership checks of a step's pages) are timed at 1 row and
+    at ``batch`` rows, and taken at ``rows`` by :func:`per_step_at`."""
     nothing = per_req["nothing"]
-    net = {k: max(0.0, v - nothing) for k, v in per_req.items()}
-    steps = w.new - 1  # the first token comes from prefill
+    loop = {k: max(0.0, v - nothing) for k, v in per_req.items()}
+    steps = new - 1  # the first token comes from prefill
+
+    def decode_steps(at_1: float, at_batch: float) -> float:
+        return steps * per_step_at(rows, batch, at_1, at_batch) / rows
+
+    def timed(key: str) -> float:
+        return decode_steps(checks[1][key], checks[batch][key])
+
     return {
-        "tag_check": steps * tag["_per_step_s"] / batch,
-        "manifest_verify": net["verify"],
-        "prefill_checksum": net["prefill_checksum"],
-        "tail_scrub": net["tail_scrub"],
-        "deferred_release_ops": net["ops_transfer"]
-        + steps * net["ops_decode_step" if batch > 1 else "ops_decode_step_1"] / batch,
+        "tag_check": timed("_tag_per_step_s"),
+        "write_side_check": timed("_write_per_step_s"),
+        "page_owns_check": loop["owns_transfer"]
+        + decode_steps(loop["owns_decode_step_1"], loop["owns_decode_step"]),
+        "manifest_sign": loop["sign"],
+        "manifest_verify": loop["verify"],
+        "prefill_checksum": loop["prefill_checksum"],
+        "prefill_generation_check": max(
+            0.0, per_req["prefill_gen_check_span_on"] - per_req["prefill_gen_check_span_off"]
+        ),
+        "tail_scrub": loop["tail_scrub"],
+        "deferred_release_ops": loop["ops_transfer"]
+        + decode_steps(loop["ops_decode_step_1"], loop["ops_decode_step"]),
     }
+
+
+def tokens_per_s_off(tokens_per_s: float, e2e: float, total: float) -> dict[str, Any]:
+    """The on stack's tokens/s were every protection's estimated cost taken out of each request's
+    time; null, with the reason, when that cost is not below the request's time (the in-process
+    timings and the stack's then do not fit together: a --quick run's few repetitions, or a
+    noisy moment), where the formula would divide by nothing."""
+    if total >= e2e:
+        return {
+            "estimated_tokens_per_s_off": None,
+            "estimated_tokens_per_s_off_null_because": (
+                f"the estimated cost ({total * 1e6:.0f} µs a request) is not below the on "
+                f"stack's time per request ({e2e * 1e6:.0f} µs)"
+            ),
+        }
+    return {"estimated_tokens_per_s_off": benchlib.r(tokens_per_s * e2e / (e2e - total), 1)}
 
 
 def draw_png(result: dict[str, Any], path: Path) -> None:
@@ -564,13 +757,13 @@ def main(argv: list[str] | None = None) -> None:
             ),
         })  # fmt: skip
         return
-    benchlib.log("tag check: attention and decode steps")
+    benchlib.log("decode checks: attention and decode steps")
     per_batch = {b: Workload(colo, args.prompt, args.new, b) for b in sorted({1, args.batch})}
-    tag = {b: bench_tag_check(w, reps) for b, w in per_batch.items()}
+    checks = {b: bench_decode_checks(w, reps) for b, w in per_batch.items()}
     w = per_batch[args.batch]
-    benchlib.log("manifest, checksum, scrub, bookkeeping")
+    benchlib.log("manifest, checksum, scrub, bookkeeping, ownership, prefill's check")
     per_req = bench_per_request(w, reps)
-    benchlib.log("colocated end to end, check on/off")
+    benchlib.log("colocated end to end, engine checks on/off")
     colocated = bench_colocated(
         w, 2 * args.batch if args.quick else 6 * args.batch, 2 if args.quick else 6
     )
@@ -578,22 +771,25 @@ def main(argv: list[str] | None = None) -> None:
 
     views = {}
     for name, b in (("latency_view", 1), ("throughput_view", args.batch)):
-        cost = estimate(per_batch[b], tag[b], per_req, b)
         s = stack[str(b)]["on"]
+        rows = s["decode_rows_per_step"]
+        if not rows:
+            raise RuntimeError(f"the on stack's decode node reported no steps at concurrency {b}")
+        cost = estimate(args.new, checks, per_req, b, rows)
         e2e = s["mean_latency_s"] if b == 1 else s["seconds_per_request"]
         total = sum(cost.values())
         views[name] = {
             "concurrency": b,
+            "decode_rows_per_step": rows,
             "per_request_us": {k: benchlib.r(v * 1e6, 2) for k, v in cost.items()},
             "total_us": benchlib.r(total * 1e6, 2),
             "e2e_seconds_per_request": benchlib.r(e2e, 5),
             "fraction_of_e2e": benchlib.r(total / e2e, 5),
-            "estimated_tokens_per_s_off": benchlib.r(
-                s["tokens_per_s"] * e2e / max(e2e - total, 1e-9), 1
-            ),
+            **tokens_per_s_off(s["tokens_per_s"], e2e, total),
         }
-    for t in tag.values():
-        t.pop("_per_step_s")
+    for t in checks.values():
+        t.pop("_tag_per_step_s")
+        t.pop("_write_per_step_s")
     fractions = [v["fraction_of_e2e"] for v in views.values()]
     levels = [str(b) for b in sorted({1, args.batch})]
     cpu_overhead = {c: stack[c]["cpu_overhead_fraction"] for c in levels}
@@ -603,7 +799,7 @@ def main(argv: list[str] | None = None) -> None:
         "quick": args.quick,
         "machine": benchlib.machine(),
         "workload": workload,
-        "tag_check": {str(b): t for b, t in tag.items()},
+        "decode_checks": {str(b): t for b, t in checks.items()},
         "per_request_us": {k: benchlib.r(v * 1e6, 2) for k, v in per_req.items()},
         "colocated_e2e_on_off": colocated,
         "stack_e2e_on_off": stack,

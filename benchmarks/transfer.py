@@ -17,7 +17,8 @@ new, seeded random order each time, so no method always runs right after another
 * ``raw_ucxx_new_endpoint``: the same with a new endpoint per transfer (what a transfer costs
   when no pooled endpoint is idle: shows how much is the connection, not the protocol);
 * ``grpc_stream``: a grpc.aio client-streaming call (in-process server on loopback) sending the
-  pages in messages of at most 1 MiB, copied into the destination pages on arrival;
+  pages' bytes back to back in messages of 1 MiB (the last one shorter; small pages share a
+  message), copied into the destination pages on arrival;
 * ``memcpy``: ``Tensor.copy_`` of the same bytes (the machine's bound, no network stack).
 
 Then ``memory``: what this process (decode's receiver and prefill's sender) keeps per transfer
@@ -177,10 +178,24 @@ class GrpcStream:
 
     async def transfer(self, pages: list[Any]) -> None:
         async def chunks() -> Any:
+            # The pages' bytes back to back, in messages of GRPC_CHUNK bytes (the last one
+            # shorter): small pages share a message, as a stream built for bulk bytes would send
+            # them, rather than one message each. One copy of each byte, as before.
+            parts: list[memoryview] = []
+            size = 0
             for p in pages:
                 raw = memoryview(p).cast("B")
-                for off in range(0, len(raw), GRPC_CHUNK):
-                    yield bytes(raw[off : off + GRPC_CHUNK])
+                off = 0
+                while off < len(raw):
+                    part = raw[off : off + GRPC_CHUNK - size]
+                    parts.append(part)
+                    size += len(part)
+                    off += len(part)
+                    if size == GRPC_CHUNK:
+                        yield b"".join(parts)
+                        parts, size = [], 0
+            if parts:
+                yield b"".join(parts)
 
         got = int.from_bytes(await self._call(chunks()), "little")
         assert got == sum(p.nbytes for p in pages), f"gRPC moved {got} bytes"

@@ -147,7 +147,7 @@ class RssSampler:
             self._peak.clear()
         self.sample()
 
-    def peaks_mb(self) -> dict[str, float]:
+    def peaks_mib(self) -> dict[str, float]:
         with self._lock:
             return {name: round(v / 2**20, 1) for name, v in sorted(self._peak.items())}
 

@@ -133,23 +133,34 @@ def test_transfer_quick(tmp_path):
 
 def test_isolation_overhead_quick(tmp_path):
     result = run_quick("isolation_overhead", tmp_path)
-    assert set(result["tag_check"]) == {"1", "8"}
-    for tag in result["tag_check"].values():
-        assert set(tag["attention_us"]) == {"on", "off"}
+    assert set(result["decode_checks"]) == {"1", "8"}
+    for checks in result["decode_checks"].values():
+        assert set(checks["attention_us"]) == {"on", "off"}
         for key in ("plan_in_step_us", "attention_in_step_us"):
-            assert set(tag[key]) == {"on", "off"}
-            assert tag[key]["on"] > 0 and tag[key]["off"] > 0
-        assert set(tag["decode_step_itl"]) == {"on", "off"}
-        assert_latency(tag["decode_step_itl"]["on"])
-        assert isinstance(tag["decode_step_overhead_fraction"], float)
+            assert set(checks[key]) == {"on", "off"}
+            assert checks[key]["on"] > 0 and checks[key]["off"] > 0
+        spans = checks["write_side_in_step_us"]
+        assert set(spans) == {"write_check", "flags_or", "flags_read"}
+        for span in spans.values():
+            assert set(span) == {"on", "off"} and span["on"] > 0 and span["off"] > 0
+        assert isinstance(checks["write_side_check_us_per_step"], float)
+        assert set(checks["decode_step_itl"]) == {"on", "off"}
+        assert_latency(checks["decode_step_itl"]["on"])
+        assert isinstance(checks["decode_step_overhead_fraction"], float)
     per_req = result["per_request_us"]
     for key in (
+        "sign",
         "verify",
         "prefill_checksum",
         "tail_scrub",
         "ops_transfer",
         "ops_decode_step",
         "ops_decode_step_1",
+        "owns_transfer",
+        "owns_decode_step",
+        "owns_decode_step_1",
+        "prefill_gen_check_span_on",
+        "prefill_gen_check_span_off",
     ):
         assert isinstance(per_req[key], float)
     assert set(result["colocated_e2e_on_off"]["tokens_per_s"]) == {"on", "off"}
@@ -159,19 +170,42 @@ def test_isolation_overhead_quick(tmp_path):
     # The off stack's nodes ran without protections, and reported it (the script checks that
     # they, and no node of the on stack, ran the patches: else it fails).
     calls = stacks["off_stack_patched_calls"]
-    assert calls["decode"]["unchecked_attention_plans"] > 0
-    assert calls["decode"]["manifest_verifications_skipped"] > 0
-    assert calls["prefill"]["page_checksums_skipped"] > 0
-    for view in ("latency_view", "throughput_view"):
+    for key in (
+        "unchecked_attention_plans",
+        "decode_write_checks_skipped",
+        "decode_flag_reads_skipped",
+        "owns_checks_skipped",
+        "manifest_verifications_skipped",
+    ):
+        assert calls["decode"][key] > 0, key
+    for key in ("prefill_generation_checks_skipped", "page_checksums_skipped",
+                "manifest_signatures_skipped"):  # fmt: skip
+        assert calls["prefill"][key] > 0, key
+    # the decode node's own count of its step rows, on both stacks: one request decodes alone
+    for side in ("on", "off"):
+        assert stacks["1"][side]["decode_rows_per_step"] == 1.0
+        assert 1.0 <= stacks["8"][side]["decode_rows_per_step"] <= 8.0
+    for view, conc in (("latency_view", "1"), ("throughput_view", "8")):
         est = result["estimate"][view]
+        assert est["decode_rows_per_step"] == stacks[conc]["on"]["decode_rows_per_step"]
         assert set(est["per_request_us"]) == {
             "tag_check",
+            "write_side_check",
+            "page_owns_check",
+            "manifest_sign",
             "manifest_verify",
             "prefill_checksum",
+            "prefill_generation_check",
             "tail_scrub",
             "deferred_release_ops",
         }
         assert isinstance(est["fraction_of_e2e"], float)
+        # a number, or null with the reason (the estimated cost reached the request's time)
+        off_tps = est["estimated_tokens_per_s_off"]
+        if off_tps is None:
+            assert isinstance(est["estimated_tokens_per_s_off_null_because"], str)
+        else:
+            assert isinstance(off_tps, float) and off_tps > 0
     assert "a_a" not in result
     goal = result["goal"]
     assert goal["max_fraction"] == 0.01
@@ -206,7 +240,7 @@ def test_e2e_quick(tmp_path):
         assert isinstance(lv["disaggregated_vs_colocated"], float)
         assert isinstance(lv["disaggregated_vs_colocated_node_threads"], float)
         assert isinstance(lv["colocated_vs_transformers"], float)
-    rss = result["rss_mb"]["peak_by_concurrency"]
+    rss = result["rss_mib"]["peak_by_concurrency"]
     assert set(rss) == {"idle", "1", "4"}
     assert set(rss["4"]) == {"control-plane", "prefill", "decode"}
     goal = result["goal"]
