@@ -27,11 +27,28 @@ never answers a plain client's CONNECT (what a TLS listener does with one): the 
 buffered, and the failure is logged as an error with a hint, once per reason and then at most
 every ``REFUSAL_LOG_INTERVAL_S``.
 
+The bus speaks MQTT 5 so that a broker that refuses a message can say so: over MQTT 3.1.1 a broker
+whose ACL denies a publish (an external broker whose ACL names another cluster) acknowledges it as
+usual and drops it, while over MQTT 5 its PUBACK carries a reason code >= 0x80 (0x87 Not
+authorized); aiomqtt ignores that code, so ``_Client.publish`` reads it (``PublishRefused``). A
+refused message is treated like a refused account: it stays buffered, the refusal is counted
+(``events_refused_total``, each refused PUBACK) and logged as an error naming the topic (once per
+topic and then at most every ``REFUSAL_LOG_INTERVAL_S``). Later events to that topic are held,
+not sent, and one held event (each in turn, oldest first) is tried again every
+``REFUSED_RETRY_S`` and on every new connection; once the broker takes one (its ACL was fixed)
+the rest follow. Other topics flow meanwhile, and the retained node status is held and retried
+the same way; the bus is not drained while anything is held. An event refused
+``MAX_SEND_ATTEMPTS`` times while the broker took other events of its kind is rejected for itself
+(not its topic) and dropped like one that keeps breaking the connection (below). A broker that
+answers an MQTT 5 CONNECT with "unsupported protocol version" (one that speaks only 3.1.1) gets
+3.1.1 from then on, with a warning: there, refusals cannot be seen. The broker's Receive Maximum
+(CONNACK) bounds the messages in flight.
+
 When the buffer is full the oldest non-security event goes first; security events (see
 ``SECURITY_KINDS``) are dropped only when the buffer holds nothing else. Every drop is counted.
 
 One message the broker always rejects must not block the ones behind it: Mosquitto drops the
-connection of an MQTT 3.1.1 client that sends a packet over its ``max_packet_size``, so re-sending
+connection of a client that sends a packet over its ``max_packet_size``, so re-sending
 the buffer from its oldest event would fail the same way on every connection. Each connection the
 broker closed therefore counts against every event (and node status not yet acknowledged) it had
 in flight; one that timed out (no answer: a stalled broker or path) counts against nothing. One
@@ -52,6 +69,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import ssl
 import threading
@@ -63,6 +81,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiomqtt
+import paho.mqtt.client as paho_mqtt
 from aiomqtt.exceptions import MqttConnectError  # not re-exported by aiomqtt
 
 from kvfence.config import ConfigError
@@ -97,6 +116,16 @@ BACKOFF_RESET_AFTER_S = 5.0
 MAX_SEND_ATTEMPTS = 3
 PUBLISH_TIMEOUT_S = 5.0
 MAX_IN_FLIGHT = 64
+# An MQTT 5 PUBACK reason code from this one up: the broker did not take the message (0x87 Not
+# authorized: its ACL; 0x97 Quota exceeded, 0x99 Payload format invalid...). Below it (0x00
+# Success, 0x10 No matching subscribers) it did.
+PUBACK_REFUSED_FROM = 0x80
+# A topic the broker refused a message to is tried again (with one message held for it, each in
+# turn) this often, so that fixing the broker's ACL lets the held messages through, no restart.
+REFUSED_RETRY_S = 10.0
+# The CONNACK reason code "Unsupported protocol version" (MQTT 5; paho reports an MQTT 3.1.1
+# broker's return code 1, "unacceptable protocol version", as this one too).
+UNSUPPORTED_PROTOCOL_CODE = 0x84
 # Characters a topic level (cluster, node id) must not contain: the separator, the wildcards, NUL.
 TOPIC_RESERVED = "/+#\x00"
 # CONNACK codes of a broker that refused the account: MQTT 3.1.1 "bad username or password" (4)
@@ -161,6 +190,20 @@ class _ClosingSSLSocket(ssl.SSLSocket):
             super().do_handshake(block)
         except BaseException:
             self.close()
+            raise
+
+    def recv(self, buflen: int = 1024, flags: int = 0) -> bytes:
+        # The alert a broker ends the connection with after the handshake (TLS 1.3 checks the
+        # client's certificate only then: "certificate required") reaches paho here, which logs
+        # it and drops it; aiomqtt then just times out waiting for the CONNACK. Noted on the
+        # context (one per connection attempt) for _Client to report.
+        try:
+            return super().recv(buflen, flags)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise
+        except ssl.SSLError as err:
+            with contextlib.suppress(Exception):
+                self.context.kvfence_alert = _ssl_reason(err)  # type: ignore[attr-defined]
             raise
 
 
@@ -252,12 +295,16 @@ def load_mqtt_tls(events: EventsConfig) -> MqttTls | None:
 def is_tls_failure(err: BaseException) -> bool:
     """True when ``err``, a failed connection attempt of a client that uses TLS, is its TLS
     handshake failing: the broker's certificate not signed by the CA or not naming the host (an
-    SSL error), or a broker that serves no TLS on the port dropping the handshake."""
+    SSL error), a broker that serves no TLS on the port dropping the handshake, or the broker
+    ending the connection with a TLS alert before its CONNACK (``MqttTlsAlert``: TLS 1.3's
+    "certificate required")."""
     cause: BaseException | None = err
     for _ in range(5):  # aiomqtt raises MqttError(str(exc)) from None: exc is the context
         if cause is None:
             return False
-        if isinstance(cause, ssl.SSLError | ConnectionResetError | ConnectionAbortedError):
+        if isinstance(
+            cause, ssl.SSLError | ConnectionResetError | ConnectionAbortedError | MqttTlsAlert
+        ):
             return True
         cause = cause.__cause__ or cause.__context__
     return False
@@ -268,6 +315,44 @@ def is_no_answer(err: BaseException) -> bool:
     at connect time, what a plain client gets from a broker that serves TLS on the port (it drops
     the connection, which aiomqtt notices only when its timeout ends)."""
     return isinstance(err, aiomqtt.MqttError) and isinstance(err.__context__, TimeoutError)
+
+
+class PublishRefused(aiomqtt.MqttError):
+    """The broker acknowledged a message with a failure (an MQTT 5 PUBACK reason code >=
+    ``PUBACK_REFUSED_FROM``, e.g. 0x87 Not authorized: its ACL): it did not take it. The
+    connection is fine; other messages are not affected."""
+
+    def __init__(self, topic: str, reason_code: int, reason: str):
+        self.topic = topic
+        self.reason_code = reason_code
+        self.reason = reason
+        super().__init__(
+            f"the broker refused the message to {topic}: {reason} (0x{reason_code:02x})"
+        )
+
+
+class MqttTlsAlert(aiomqtt.MqttError):
+    """The broker ended the TLS connection with an alert after the handshake, before it answered
+    CONNECT (TLS 1.3 checks a client certificate then): ``alert`` is OpenSSL's reason, e.g.
+    ``TLSV13_ALERT_CERTIFICATE_REQUIRED``."""
+
+    def __init__(self, alert: str):
+        self.alert = alert
+        super().__init__(f"the broker ended the TLS connection: {alert}")
+
+
+def is_client_certificate_required(err: BaseException) -> bool:
+    """True when ``err`` is a broker that requires a client certificate ending the TLS
+    connection of a client that gave none (TLS 1.3's "certificate required" alert)."""
+    return isinstance(err, MqttTlsAlert) and "CERTIFICATE_REQUIRED" in err.alert.upper()
+
+
+def is_unsupported_protocol(err: BaseException) -> bool:
+    """True when ``err`` is a broker refusing the connection for its MQTT version (a broker that
+    speaks only MQTT 3.1.1, asked for MQTT 5)."""
+    if not isinstance(err, MqttConnectError):
+        return False
+    return getattr(err.rc, "value", err.rc) == UNSUPPORTED_PROTOCOL_CODE
 
 
 def is_auth_refusal(err: BaseException) -> bool:
@@ -300,6 +385,17 @@ class _Client(aiomqtt.Client):
     reaches into aiomqtt's private ``_client`` (the paho client, and its ``_sock_close``),
     ``_misc_task`` and ``_client_connect`` (aiomqtt 2.5.1), each looked up with a default so a
     later aiomqtt without them degrades to its own behaviour instead of failing.
+
+    It also reads what aiomqtt (2.5.1) drops: the PUBACK's reason code (``publish`` raises
+    ``PublishRefused`` for a refusal) and the CONNACK's Receive Maximum (``receive_maximum``).
+    aiomqtt has no hook for either, so both chain paho's documented callbacks (``on_publish``,
+    ``on_connect``, VERSION2 signatures) in front of aiomqtt's own; ``publish`` then publishes
+    through paho (``Client.publish``, its ``MQTTMessageInfo``) and waits for the reason code. When
+    that chain is not in place (a later aiomqtt without ``_client``, or one that sets paho's
+    ``on_publish`` again after ``__init__``) ``puback_codes`` is False and ``publish`` is aiomqtt's,
+    as before: a refused message then counts as delivered (``EventBus`` warns once).
+    Finally, a TLS alert that ended the connection before the CONNACK (TLS 1.3's "certificate
+    required") turns aiomqtt's "Operation timed out" into ``MqttTlsAlert``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -310,6 +406,85 @@ class _Client(aiomqtt.Client):
         self._kv_guard = threading.Lock()
         self._kv_abandoned = False
         self._kv_connecting = False
+        self._kv_tls_context: ssl.SSLContext | None = kwargs.get("tls_context")
+        # The Receive Maximum of the broker's CONNACK (MQTT 5): at most this many QoS 1 messages
+        # unacknowledged at a time. None: the broker set none (or MQTT 3.1.1).
+        self.receive_maximum: int | None = None
+        # mid -> the future of a publish() waiting for its PUBACK's reason code
+        self._kv_acks: dict[int, asyncio.Future[Any]] = {}
+        self._kv_on_publish: Callable[..., None] | None = None
+        paho = getattr(self, "_client", None)
+        aiomqtt_on_publish = getattr(paho, "on_publish", None)
+        if paho is not None and callable(aiomqtt_on_publish):
+
+            def on_publish(
+                client: Any, userdata: Any, mid: int, reason_code: Any, props: Any
+            ) -> None:
+                waiter = self._kv_acks.pop(mid, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(reason_code)
+                aiomqtt_on_publish(client, userdata, mid, reason_code, props)
+
+            paho.on_publish = on_publish
+            self._kv_on_publish = on_publish
+        aiomqtt_on_connect = getattr(paho, "on_connect", None)
+        if paho is not None and callable(aiomqtt_on_connect):
+
+            def on_connect(
+                client: Any, userdata: Any, flags: Any, reason_code: Any, props: Any = None
+            ) -> None:
+                receive_maximum = getattr(props, "ReceiveMaximum", None)
+                if isinstance(receive_maximum, int) and receive_maximum > 0:
+                    self.receive_maximum = receive_maximum
+                aiomqtt_on_connect(client, userdata, flags, reason_code, props)
+
+            paho.on_connect = on_connect
+
+    @property
+    def puback_codes(self) -> bool:
+        """Whether ``publish`` sees the PUBACK's reason code (a refusal raises PublishRefused);
+        False: aiomqtt's own publish, where a refused message counts as delivered."""
+        paho = getattr(self, "_client", None)
+        return self._kv_on_publish is not None and getattr(paho, "on_publish", None) is (
+            self._kv_on_publish
+        )
+
+    async def publish(  # type: ignore[override]
+        self,
+        topic: str,
+        payload: Any = None,
+        qos: int = 0,
+        retain: bool = False,
+        properties: Any = None,
+        *args: Any,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """aiomqtt's publish, but a QoS 1 or 2 message the broker refuses (MQTT 5) raises
+        PublishRefused instead of counting as delivered."""
+        if qos == 0 or args or kwargs or not self.puback_codes:
+            await super().publish(
+                topic, payload, qos, retain, properties, *args, timeout=timeout, **kwargs
+            )
+            return
+        info = self._client.publish(topic, payload, qos, retain, properties)
+        if info.rc != paho_mqtt.MQTT_ERR_SUCCESS:
+            raise aiomqtt.MqttCodeError(info.rc, "Could not publish message")
+        if info.is_published():  # acknowledged before we could wait (it cannot be, on this loop)
+            return
+        ack: asyncio.Future[Any] = self._kv_loop.create_future()
+        self._kv_acks[info.mid] = ack
+        limit = self.timeout if timeout is None else timeout
+        try:
+            reason_code = await asyncio.wait_for(ack, None if limit == math.inf else limit)
+        except TimeoutError:
+            raise aiomqtt.MqttError("Operation timed out") from None  # as aiomqtt says it
+        finally:
+            if self._kv_acks.get(info.mid) is ack:
+                del self._kv_acks[info.mid]
+        code = getattr(reason_code, "value", reason_code)
+        if isinstance(code, int) and code >= PUBACK_REFUSED_FROM:
+            raise PublishRefused(topic, code, _reason_name(reason_code))
 
     def _client_connect(self) -> None:
         # aiomqtt 2.5.1 runs this (paho's blocking connect) in an executor thread. The socket
@@ -334,14 +509,19 @@ class _Client(aiomqtt.Client):
     async def __aenter__(self) -> _Client:
         with self._kv_guard:
             self._kv_abandoned = False
+        if self._kv_tls_context is not None:
+            self._kv_tls_context.kvfence_alert = None  # type: ignore[attr-defined]
         try:
             await super().__aenter__()
-        except BaseException:
+        except BaseException as err:
             with self._kv_guard:
                 self._kv_abandoned = True
                 connecting = self._kv_connecting
             if not connecting:  # else the connect thread closes it when it is done
                 self._close()
+            alert = getattr(self._kv_tls_context, "kvfence_alert", None)
+            if isinstance(err, aiomqtt.MqttError) and alert:
+                raise MqttTlsAlert(alert) from err
             raise
         return self
 
@@ -363,6 +543,17 @@ class _Client(aiomqtt.Client):
         misc = getattr(self, "_misc_task", None)
         if isinstance(misc, asyncio.Task) and not misc.done():
             misc.cancel()
+
+
+def _reason_name(reason_code: Any) -> str:
+    try:
+        return str(reason_code.getName())
+    except Exception:
+        return str(reason_code)
+
+
+def _protocol_name(protocol: aiomqtt.ProtocolVersion) -> str:
+    return "5" if protocol == aiomqtt.ProtocolVersion.V5 else "3.1.1"
 
 
 def _username(credentials: MqttCredentials | None) -> str | None:
@@ -566,6 +757,22 @@ class EventBus:
         self._in_flight: set[int] = set()
         self._status_in_flight: set[int] = set()
         self._progressed = False
+        # MQTT 5 until the broker says it speaks only 3.1.1 (then for the life of the bus)
+        self._protocol = aiomqtt.ProtocolVersion.V5
+        self._puback_warned = False  # warned that refusals cannot be seen (3.1.1, or aiomqtt)
+        # Topics the broker refused a message to -> when the next try may go out (monotonic;
+        # math.inf while one is in flight). These four: under the lock, on the loop's thread.
+        self._refused: dict[str, float] = {}
+        # topic -> seqs of the events held for it, in the order they are tried (some may be gone
+        # since: acknowledged or dropped); a try the broker refuses goes to the back
+        self._held: dict[str, collections.deque[int]] = {}
+        # seq -> times the broker refused the event while it took messages to the same topic:
+        # then it rejects this message (not the topic), and MAX_SEND_ATTEMPTS drop it
+        self._strikes: dict[int, int] = {}
+        # seqs of held events whose topic was accepted again: sent before new events
+        self._released: collections.deque[int] = collections.deque()
+        self._refused_logged: dict[str, float] = {}  # topic -> monotonic time of its last error
+        self._refused_total = metrics.events_refused_total if metrics is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -739,6 +946,7 @@ class EventBus:
         backoff = BACKOFF_MIN_S
         while True:
             entered = False  # past the CONNACK: a failure now is a lost connection
+            retry_now = False  # the broker asked for another MQTT version: no backoff
             try:
                 # the TLS files as they are now: a renewed certificate counts from this reconnect
                 tls_context = None if self.tls is None else self.tls.context()
@@ -758,6 +966,7 @@ class EventBus:
                     username=_username(self.credentials),
                     password=_password(self.credentials),
                     tls_context=tls_context,
+                    protocol=self._protocol,
                 )
                 async with client:
                     entered = True
@@ -766,6 +975,11 @@ class EventBus:
                         self._in_flight.clear()
                         self._status_in_flight.clear()
                         self._progressed = False
+                        # a refused topic is tried again at once (the ACL may have changed); what
+                        # was held for it is found again as the whole buffer is re-sent
+                        self._refused = dict.fromkeys(self._refused, connected_at)
+                        self._held.clear()
+                        self._released.clear()
                     self.connected = True
                     self.last_error = None
                     self._refusal_logged = None
@@ -775,7 +989,9 @@ class EventBus:
                         port=self.mqtt_port,
                         username=_username(self.credentials),
                         tls=self.tls is not None,
+                        mqtt=_protocol_name(self._protocol),
                     )
+                    self._warn_if_blind(client)
                     try:
                         await self._serve_connection(client)
                     finally:
@@ -795,7 +1011,24 @@ class EventBus:
             except aiomqtt.MqttError as err:
                 self.last_error = str(err)
                 failure = None if entered else self._connect_failure(err)
-                if failure is not None:
+                if (
+                    failure is None
+                    and not entered
+                    and self._protocol != aiomqtt.ProtocolVersion.V311
+                    and is_unsupported_protocol(err)
+                ):
+                    self._protocol = aiomqtt.ProtocolVersion.V311
+                    log.warning(
+                        "event bus broker does not speak MQTT 5: using MQTT 3.1.1",
+                        host=self.mqtt_host,
+                        port=self.mqtt_port,
+                        error=str(err),
+                        consequence="a message the broker refuses (its ACL) is acknowledged as "
+                        "if delivered and lost unseen",
+                    )
+                    self._puback_warned = True
+                    retry_now = True
+                elif failure is not None:
                     self._log_refusal(failure, err, backoff)
                 else:
                     log.warning(
@@ -816,6 +1049,8 @@ class EventBus:
                 # stop() cancelled us, and aiomqtt's disconnect turned the cancellation into an
                 # MqttError on the way out: do not reconnect.
                 raise asyncio.CancelledError
+            if retry_now:
+                continue
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -856,7 +1091,9 @@ class EventBus:
         failed: asyncio.Future[None],
     ) -> None:
         assert self._wake is not None and self._idle is not None
-        window = asyncio.Semaphore(MAX_IN_FLIGHT)
+        # The broker's Receive Maximum (MQTT 5) bounds what may be unacknowledged at once.
+        receive_maximum = getattr(client, "receive_maximum", None)
+        window = asyncio.Semaphore(min(MAX_IN_FLIGHT, receive_maximum or MAX_IN_FLIGHT))
 
         def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
             task = asyncio.create_task(coro)
@@ -883,7 +1120,10 @@ class EventBus:
                 status = self._status if self._status_dirty else None
                 version = self._status_version
                 alone = self._status_failures > 0
-                self._status_dirty = False
+                if status is not None and not self._may_send(self._status_topic):
+                    status = None  # refused by the broker: held (still dirty) until its next try
+                elif status is not None:
+                    self._status_dirty = False
             if status is not None:
                 await send(lambda: self._publish_status(client, status, version, window), alone)
 
@@ -895,17 +1135,187 @@ class EventBus:
                 # must not wait behind thousands of events and then be cut off by the flush timeout.
                 await send_status()
                 with self._lock:
-                    first = self._buffer.first_seq()
-                    cursor = max(cursor, first) if first is not None else self._seq + 1
-                    event = self._buffer.next_from(cursor, self._seq + 1)
+                    event = self._next_held()  # accepted again, or a refused topic's next try
+                    if event is None:
+                        first = self._buffer.first_seq()
+                        cursor = max(cursor, first) if first is not None else self._seq + 1
+                        event = self._buffer.next_from(cursor, self._seq + 1)
+                        if event is not None:
+                            cursor = event["seq"] + 1
+                            topic = self._topic_of(event)
+                            if topic is not None and not self._may_send(topic):
+                                # its topic is refused: held, with what else was held for it
+                                self._hold(topic, event["seq"])
+                                continue
                     alone = event is not None and event["seq"] in self._buffer.failures
                 if event is None:
                     break
-                cursor = event["seq"] + 1
                 await send(partial(self._publish_event, client, event, window), alone)
             if self._is_drained():
                 self._idle.set()
-            await self._wake.wait()
+            retry_in = self._next_try_in()
+            if retry_in is None:
+                await self._wake.wait()
+            else:  # a refused topic's next try is due then (or something new comes first)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), retry_in)
+
+    # -- messages the broker refused (MQTT 5 PUBACK >= 0x80) ----------------------------------
+
+    @property
+    def _status_topic(self) -> str:
+        return node_topic(self.cluster, self.node_id)
+
+    def _topic_of(self, event: dict[str, Any]) -> str | None:
+        kind = event.get("kind")
+        if not isinstance(kind, str) or any(c in kind for c in TOPIC_RESERVED):
+            return None  # _publish_event drops it
+        return event_topic(self.cluster, kind)
+
+    def _may_send(self, topic: str) -> bool:
+        """Whether a message to ``topic`` may go out now: the broker has not refused the topic,
+        or its next try is due (then this message is that try). Under the lock."""
+        at = self._refused.get(topic)
+        if at is None:
+            return True
+        if at > time.monotonic():
+            return False
+        self._refused[topic] = math.inf  # this try is in flight: no other until it is answered
+        return True
+
+    def _next_held(self) -> dict[str, Any] | None:
+        """The next held event to send (under the lock): one whose topic the broker accepts
+        again, else the next in turn held for a refused topic whose next try is due."""
+        while self._released:
+            seq = self._released.popleft()
+            event = self._buffer.events.get(seq)
+            if event is not None and seq not in self._in_flight:
+                return event
+        now = time.monotonic()
+        for topic, at in self._refused.items():
+            held = self._held.get(topic)
+            while held and held[0] not in self._buffer.events:  # acknowledged or dropped since
+                held.popleft()
+            if at <= now and held:
+                self._refused[topic] = math.inf
+                return self._buffer.events[held.popleft()]
+        return None
+
+    def _hold(self, topic: str, seq: int) -> None:
+        """Hold event ``seq`` until ``topic`` is tried again (under the lock)."""
+        held = self._held.setdefault(topic, collections.deque())
+        held.append(seq)
+        if len(held) > 2 * self._buffer.capacity:  # mostly gone (dropped from a full buffer)
+            self._held[topic] = collections.deque(s for s in held if s in self._buffer.events)
+
+    def _next_try_in(self) -> float | None:
+        """Seconds until the next try of a refused topic with something held for it; None when
+        there is none."""
+        with self._lock:
+            waiting = [
+                at
+                for topic, at in self._refused.items()
+                if at != math.inf
+                and (self._held.get(topic) or (topic == self._status_topic and self._status_dirty))
+            ]
+        return None if not waiting else max(0.0, min(waiting) - time.monotonic())
+
+    def _refused_message(
+        self, topic: str, seq: int | None, err: PublishRefused, **fields: Any
+    ) -> None:
+        """The broker refused the message to ``topic`` (the event ``seq``, or the node status
+        when None): it stays buffered, held with the rest for the topic until the topic's next
+        try; counted, and logged as an error once per topic and then at most every
+        REFUSAL_LOG_INTERVAL_S. An event refused MAX_SEND_ATTEMPTS times while the broker took
+        other messages to its topic is one the broker rejects for itself (its size, say), not
+        for its topic: it is dropped (a security event cut to its header first), as one that
+        keeps breaking the connection is."""
+        now = time.monotonic()
+        cut: dict[str, Any] | None = None
+        given_up: dict[str, Any] | None = None
+        with self._lock:
+            at = self._refused.get(topic)
+            if at is None or at == math.inf:  # the first refusal, or the answer to a try
+                self._refused[topic] = now + REFUSED_RETRY_S
+            event = None if seq is None else self._buffer.events.get(seq)
+            if seq is not None and event is not None:
+                # a strike when the topic was not refused: the broker took the messages before
+                strikes = self._strikes.pop(seq, 0) + (at is None)
+                if strikes < MAX_SEND_ATTEMPTS:
+                    if strikes:
+                        self._strikes[seq] = strikes
+                    self._hold(topic, seq)
+                elif event["kind"] in SECURITY_KINDS and not event.get("truncated"):
+                    self._buffer.events[seq] = cut = _truncated(event)
+                    self._hold(topic, seq)
+                else:
+                    given_up = event
+                if len(self._strikes) > self._buffer.capacity:  # some dropped from a full buffer
+                    events = self._buffer.events
+                    self._strikes = {s: n for s, n in self._strikes.items() if s in events}
+        self._poke()  # the send loop's wait now ends at this topic's next try
+        if self._refused_total is not None:
+            self._refused_total.inc()
+        last = self._refused_logged.get(topic)
+        fields = {
+            "topic": topic,
+            **({} if seq is None else {"seq": seq}),
+            "reason": err.reason,
+            "reason_code": f"0x{err.reason_code:02x}",
+            "username": _username(self.credentials),
+            "retry_in_s": REFUSED_RETRY_S,
+            "pending": self.pending,
+            **fields,
+        }
+        if last is None or now - last >= REFUSAL_LOG_INTERVAL_S:
+            self._refused_logged[topic] = now
+            log.error(
+                "event bus message refused by the broker",
+                hint=f"the broker's ACL must let this account publish to {TOPIC_ROOT}/"
+                f"{self.cluster}/# (events/<kind> and nodes/<node_id>); the messages stay "
+                "buffered and are retried",
+                **fields,
+            )
+        else:
+            log.debug("event bus message refused by the broker", **fields)
+        why = (
+            f"the broker refused it each of the {MAX_SEND_ATTEMPTS} times it was sent while it "
+            f"took other messages to {topic}: it rejects this message"
+        )
+        if cut is not None:
+            log.error(
+                "event truncated undelivered",
+                kind=str(cut.get("kind")),
+                seq=cut["seq"],
+                reason=why,
+                error=str(err),
+            )
+        if given_up is not None:
+            self._drop(given_up, why, error=str(err))
+
+    def _accepted(self, topic: str) -> None:
+        """The broker took a message to ``topic``: if it had refused the topic, what was held
+        for it goes out now."""
+        with self._lock:
+            if self._refused.pop(topic, None) is None:
+                return
+            held = sorted(self._held.pop(topic, ()))
+            self._released.extend(held)
+            self._refused_logged.pop(topic, None)
+        log.info("event bus message accepted by the broker again", topic=topic, held=len(held))
+        self._poke()
+
+    def _warn_if_blind(self, client: aiomqtt.Client) -> None:
+        """Warn once when this connection cannot see a refused message (aiomqtt changed)."""
+        if self._puback_warned or getattr(client, "puback_codes", False):
+            return
+        self._puback_warned = True
+        log.warning(
+            "event bus cannot read the broker's PUBACK reason codes",
+            aiomqtt=getattr(aiomqtt, "__version__", "?"),
+            consequence="a message the broker refuses (its ACL) is acknowledged as if delivered "
+            "and lost unseen",
+        )
 
     async def _publish_event(
         self, client: aiomqtt.Client, event: dict[str, Any], window: asyncio.Semaphore
@@ -919,13 +1329,24 @@ class EventBus:
                 return
             with self._lock:
                 self._in_flight.add(seq)
-            await client.publish(topic, payload, qos=1)
+            try:
+                await client.publish(topic, payload, qos=1)
+            except PublishRefused as err:
+                refused: PublishRefused | None = err
+            else:
+                refused = None
         finally:
             window.release()
         with self._lock:
             self._in_flight.discard(seq)
-            if self._buffer.ack(seq):
-                self._progressed = True
+            if refused is None:
+                self._strikes.pop(seq, None)
+                if self._buffer.ack(seq):
+                    self._progressed = True
+        if refused is not None:
+            self._refused_message(topic, seq, refused, kind=str(event.get("kind")))
+            return
+        self._accepted(topic)
         self._mark_progress()
 
     def _event_message(self, event: dict[str, Any]) -> tuple[str, bytes]:
@@ -1049,15 +1470,20 @@ class EventBus:
                 return
             with self._lock:
                 self._status_in_flight.add(version)
-            await client.publish(
-                node_topic(self.cluster, self.node_id), payload, qos=1, retain=True
-            )
+            await client.publish(self._status_topic, payload, qos=1, retain=True)
+        except PublishRefused as err:
+            with self._lock:
+                self._status_in_flight.discard(version)
+                self._status_dirty = self._status_given_up != self._status_version
+            self._refused_message(self._status_topic, None, err, version=version)
+            return
         except BaseException:
             with self._lock:
                 self._status_dirty = self._status_given_up != self._status_version
             raise
         finally:
             window.release()
+        self._accepted(self._status_topic)
         with self._lock:
             self._status_in_flight.discard(version)
             if version > self._status_delivered:
@@ -1075,13 +1501,15 @@ class EventBus:
 
     def _connect_failure(self, err: aiomqtt.MqttError) -> str | None:
         """What a failed connection attempt says about our settings: "auth" (the broker refused
-        the account), "tls" (the TLS handshake failed), "no_answer" (a plain client the broker
-        never answered: what a TLS listener does with one); None for anything else."""
+        the account), "tls" (the TLS handshake failed, or the broker ended the TLS connection
+        with an alert), "no_answer" (the broker never answered: what a TLS listener does with a
+        plain client, and what one that requires client certificates may do with a TLS client
+        that has none); None for anything else."""
         if is_auth_refusal(err):
             return "auth"
         if self.tls is not None and is_tls_failure(err):
             return "tls"
-        if self.tls is None and is_no_answer(err):
+        if (self.tls is None or self.tls.cert_file is None) and is_no_answer(err):
             return "no_answer"
         return None
 
@@ -1107,11 +1535,11 @@ class EventBus:
         }[what]
         if last is None or last[:2] != (what, reason) or now - last[2] >= REFUSAL_LOG_INTERVAL_S:
             self._refusal_logged = (what, reason, now)
-            log.error(message, hint=self._hint(what), **fields)
+            log.error(message, hint=self._hint(what, err), **fields)
         else:
             log.debug(message, **fields)
 
-    def _hint(self, what: str) -> str:
+    def _hint(self, what: str, err: Exception | None = None) -> str:
         if what == "auth":
             return (
                 "the broker requires an account: set events.mqtt_username and "
@@ -1121,17 +1549,35 @@ class EventBus:
             )
         if what == "tls":
             assert self.tls is not None
-            return (
+            if err is not None and is_client_certificate_required(err):
+                return f"the broker requires a client certificate: {self._client_cert_settings()}"
+            hint = (
                 f"the broker's certificate must be signed by the CA in {self.tls.settings[0]} "
                 f"({self.tls.ca_file}) and name {self.mqtt_host} (subjectAltName), and the "
                 f"broker must serve TLS on port {self.mqtt_port}"
             )
+            if self.tls.cert_file is None:
+                hint += (
+                    "; a broker that requires client certificates refuses a client without "
+                    f"one: {self._client_cert_settings()}"
+                )
+            return hint
         if what == "tls_files":
             return "they were usable at start: restore the file the error names"
+        if self.tls is not None:
+            return (
+                "no CONNACK in time over TLS: a broker that requires client certificates may "
+                f"drop a client without one ({self._client_cert_settings()}), or it is overloaded"
+            )
         return (
             "no CONNACK in time: a broker that serves TLS on this port drops plain clients "
             "(set events.mqtt_tls_ca_file), or it is overloaded"
         )
+
+    def _client_cert_settings(self) -> str:
+        assert self.tls is not None
+        _, cert, key = self.tls.settings
+        return f"set {cert} and {key} (a certificate the broker's CA signed, and its key)"
 
     def _offline_payload(self) -> bytes:
         return _encode({"cluster": self.cluster, "node_id": self.node_id, "online": False})
@@ -1210,15 +1656,26 @@ async def follow(
     """
     wanted = sorted(set(kinds)) if kinds else ["+"]
     seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
-    client = _Client(
-        host,
-        port,
-        identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",
-        username=_username(credentials),
-        password=_password(credentials),
-        tls_context=None if tls is None else tls.context(),
-    )
-    async with client as c:
+
+    def client(protocol: aiomqtt.ProtocolVersion) -> _Client:
+        return _Client(
+            host,
+            port,
+            identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",
+            username=_username(credentials),
+            password=_password(credentials),
+            tls_context=None if tls is None else tls.context(),
+            protocol=protocol,
+        )
+
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            c = await stack.enter_async_context(client(aiomqtt.ProtocolVersion.V5))
+        except MqttConnectError as err:
+            if not is_unsupported_protocol(err):
+                raise
+            log.warning("broker does not speak MQTT 5: using MQTT 3.1.1", host=host, port=port)
+            c = await stack.enter_async_context(client(aiomqtt.ProtocolVersion.V311))
         for kind in wanted:
             await c.subscribe(event_topic(cluster, kind), qos=1)
         async for message in c.messages:

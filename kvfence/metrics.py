@@ -211,7 +211,16 @@ class Metrics:
         )
         self.events_dropped_total = Counter(
             "events_dropped_total",
-            "Cluster events dropped because the buffer was full.",
+            "Cluster events dropped: the buffer was full, or the broker refused one for itself "
+            "again and again (kvfence.events).",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.events_refused_total = Counter(
+            "events_refused_total",
+            "Cluster events and node status messages the MQTT broker refused (an MQTT 5 PUBACK "
+            "reason code >= 0x80, e.g. its ACL), each try counted; they stay buffered and are "
+            "retried.",
             namespace=NAMESPACE,
             registry=r,
         )

@@ -11,6 +11,8 @@ port-forward), and for a broker that requires client certificates ``--mqtt-tls-c
 ``--mqtt-tls-key``; else ``events.mqtt_tls_*`` of ``--config``.
 Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached, refused
 the account, failed the TLS handshake or the connection dropped, 2 bad usage.
+It connects with MQTT 5, and with MQTT 3.1.1 to a broker that answers "unsupported protocol
+version".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvfence.events import (
     MqttTls,
     follow,
     is_auth_refusal,
+    is_client_certificate_required,
     is_no_answer,
     is_tls_failure,
     read_mqtt_password,
@@ -129,20 +132,43 @@ def events(
                 else "a connection without an account (give --mqtt-username and a password)"
             )
             _exit(f"events: MQTT broker {host}:{port} refused {account}: {err}", EXIT_BROKER)
+        # a client without a certificate, for a broker that may require one
+        give_cert = (
+            f"give {tls.settings[1]} and {tls.settings[2]}"
+            if tls is not None and tls.cert_file is None
+            else None
+        )
         if tls is not None and is_tls_failure(err):
+            if give_cert is not None and is_client_certificate_required(err):
+                _exit(
+                    f"events: MQTT broker {host}:{port} requires a client certificate ({err}): "
+                    f"{give_cert}",
+                    EXIT_BROKER,
+                )
+            cert_hint = (
+                f"; a broker that requires client certificates refuses a client without one: "
+                f"{give_cert}"
+                if give_cert is not None
+                else ""
+            )
             _exit(
                 f"events: TLS handshake with MQTT broker {host}:{port} failed: {err} (the "
                 f"broker's certificate must be signed by the CA in {tls.settings[0]} "
                 f"{tls.ca_file} and name {tls.server_name or host}, and the broker must serve "
-                f"TLS on port {port})",
+                f"TLS on port {port}{cert_hint})",
                 EXIT_BROKER,
             )
-        hint = (
-            " (no answer to CONNECT: a broker that serves TLS on this port drops plain clients;"
-            " give --mqtt-tls-ca)"
-            if tls is None and is_no_answer(err)
-            else ""
-        )
+        hint = ""
+        if tls is None and is_no_answer(err):
+            hint = (
+                " (no answer to CONNECT: a broker that serves TLS on this port drops plain "
+                "clients; give --mqtt-tls-ca)"
+            )
+        elif give_cert is not None and is_no_answer(err):
+            hint = (
+                " (no answer to CONNECT over TLS: a broker that requires client certificates "
+                f"may drop a client without one; {give_cert})"
+            )
         _exit(f"events: MQTT broker {host}:{port} unreachable or lost: {err}{hint}", EXIT_BROKER)
 
 
