@@ -87,7 +87,6 @@ class RequestRecord:
     prefill_node: str = ""
     reservation_id: str = ""
     reserved_pages: int = 0
-    prefill_held: bool = False  # its prefill node holds source pages for it (until released)
     # node_id -> role of every node that received a request-carrying RPC and may hold something.
     contacted: dict[str, str] = field(default_factory=dict)
     reason: str = ""

@@ -41,6 +41,7 @@ from control_plane.routing import (
     NodeClients,
     decode_candidates,
     node_failed,
+    node_succeeded,
     prefill_candidates,
     refused_draining,
 )
@@ -512,7 +513,7 @@ class Pipeline:
             if resp is None:
                 full.add(node.node_id)
                 continue
-            rec.prefill_held = True
+            node_succeeded(node)  # its pass and its transfer
             check_manifest(rec, resp.manifest, len(prompt.token_ids))
             return resp.manifest
 
@@ -542,6 +543,7 @@ class Pipeline:
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # "No room now": left out until its next heartbeat or a release on it.
                     node.refused_room = True
+                    node.refused_free = node.free_pages
                 if gone:
                     self.d.registry.lose(node, "refused connections")
                 return None
@@ -603,6 +605,7 @@ class Pipeline:
         # Run.interrupt refuses. Nothing awaits between this check and the transition.
         run.check()
         final = stream.finish()
+        node_succeeded(node)
         self._transition(rec, RequestState.FINISHED, completion_tokens=stream.completion_tokens)
         emit(final)
 
@@ -616,19 +619,19 @@ class Pipeline:
         rec.contacted.pop(rec.prefill_node, None)
         if node is None:
             return
-        self._prefill_room_back(node, rec)
         task = asyncio.create_task(
             self.d.clients.release(node, rec.request_id, "kv verified by decode")
         )
         self.d.background.add(task)
         task.add_done_callback(self.d.background.discard)
+        task.add_done_callback(lambda _: self._prefill_room_back(node))
 
-    def _prefill_room_back(self, node: Node, rec: RequestRecord) -> None:
-        """The request's source pages on its prefill node are being released: a node that
-        refused for room may have it now, and requests waiting for prefill room try at once
-        rather than at its next heartbeat."""
-        if rec.prefill_held:
-            rec.prefill_held = False
+    def _prefill_room_back(self, node: Node) -> None:
+        """A release on a prefill node has been answered: if it refused for room, it may have
+        some now, and requests waiting for prefill room try at once rather than at its next
+        heartbeat. (Before the answer, their Prefill could overtake the Release and be refused
+        again, to wait for the heartbeat after all.)"""
+        if node.refused_room:
             node.refused_room = False
             self.d.queue.notify()
 
@@ -638,13 +641,14 @@ class Pipeline:
             return
         reason = f"{rec.state}: {rec.reason}" if rec.reason else str(rec.state)
         calls = []
+        prefill_nodes = []
         for node_id in list(rec.contacted):
             node = self.d.registry.get(node_id)
             if node is None:  # lost: nothing to call, its pages went with it
                 log.info("not releasing on lost node", node_id=node_id)
                 continue
-            if node_id == rec.prefill_node:
-                self._prefill_room_back(node, rec)
+            if node.role == PREFILL:  # it may hold pages even if its Prefill failed
+                prefill_nodes.append(node)
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
                 if rec.state == RequestState.FINISHED:
@@ -654,6 +658,8 @@ class Pipeline:
             calls.append(self.d.clients.release(node, rec.request_id, reason))
         rec.contacted.clear()
         await asyncio.gather(*calls, return_exceptions=True)
+        for node in prefill_nodes:
+            self._prefill_room_back(node)
         self.d.queue.notify()
 
 

@@ -74,11 +74,14 @@ class Node:
     kvfence_version: str = ""  # the node's release, as registered
     # Shutting down: finishing what it holds, sent no new Reserve / Prefill (module docstring).
     draining: bool = False
-    # time.monotonic() of its last call that failed on its side (routing.node_failed); 0: none.
+    # Its calls that failed on its side in a row, and when the last did (routing.node_failed).
+    failures: int = 0
     failed_at: float = 0.0
-    # A prefill node that refused a Prefill for room: left out of routing until its next
-    # heartbeat or a release of pages on it (routing.prefill_candidates).
+    # A prefill node that refused a Prefill for room: left out of routing until a heartbeat
+    # shows more free pages than it had since (refused_free: the fewest seen), or a release on
+    # it is answered (routing.prefill_candidates).
     refused_room: bool = False
+    refused_free: int = 0
 
     @property
     def free_estimate(self) -> int:
@@ -231,8 +234,13 @@ class Registry:
                     draining=req.draining,
                 )
             return control_pb2.HeartbeatResponse(known=False, superseded=True)
-        grew = req.free_pages > node.free_estimate or node.refused_room
-        node.refused_room = False
+        grew = req.free_pages > node.free_estimate
+        if node.refused_room:
+            # A heartbeat from a node still full must not reopen it: every request waiting for
+            # prefill room would send it its prompt again, each heartbeat.
+            grew = req.free_pages > node.refused_free
+            node.refused_room = not grew
+            node.refused_free = min(node.refused_free, req.free_pages)
         node.free_pages = req.free_pages
         node.quarantined_pages = req.quarantined_pages
         node.queue_length = req.queue_length

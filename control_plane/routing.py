@@ -1,8 +1,9 @@
 """Channels to the nodes, node choice, and the count of node RPCs (tests assert on it).
 
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
-(shortest first); a node whose call failed on its side is left out for FAILURE_COOLDOWN_S while
-another of its role takes requests (logged: "node cooling down after a failure"). The
+(shortest first); a node whose calls failed on its side FAILURES_TO_COOL times in a row is left out
+for FAILURE_COOLDOWN_S while another of its role takes requests (logged: "node cooling down after
+failures"). The
 estimates only order and pre-filter the candidates; the node's own answer to Reserve / Prefill
 (RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill node is left out
 until its next heartbeat or a release of pages on it) is authoritative. A draining node
@@ -153,50 +154,65 @@ class NodeClients:
             log.exception("release failed", node_id=node.node_id, role=node.role)
 
 
-# A node whose call failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX
-# path down) goes behind every other candidate for this long. It answers fast and heartbeats on,
-# so by queue length or free pages it looked the best node and drew every request to fail.
+# A node whose calls failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX
+# path down) FAILURES_TO_COOL times in a row, no success between, is left out of routing for
+# FAILURE_COOLDOWN_S while another node of its role takes requests; then one request probes it
+# (a failure cools it again, a success clears it). It answers fast and heartbeats on, so by queue
+# length or free pages it looked the best node and drew every request to fail. One failure alone
+# (a transient error, a peer restarting) costs no capacity.
+FAILURES_TO_COOL = 3
 FAILURE_COOLDOWN_S = 10.0
 _NODE_FAULTS = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
 )
-
-
 # A prefill node's UNAVAILABLE with one of these reasons is its KV transfer to decode failing:
-# the decode node may be the broken one (every prefill node then fails to it), so it cools too.
+# either side may be the broken one, so it counts against both; the healthy side's successes
+# with other peers clear its count, the broken side's do not come.
 _TRANSFER_TO_DECODE = frozenset({"TRANSFER_FAILED", "UNREACHABLE"})
 
 
 def node_failed(node: Node, err: grpc.aio.AioRpcError, decode: Node | None = None) -> KvfenceError:
-    """``node_error``, and a failure on the node's side cools it down for FAILURE_COOLDOWN_S:
-    left out of routing while a node of its role that is not cooling takes requests. ``decode``:
-    the request's decode node, cooled with a prefill node whose transfer to it failed."""
+    """``node_error``, and a failure on the node's side counts towards its cool-down (module
+    constants). ``decode``: the request's decode node, which a failed transfer counts against
+    too."""
     failure = node_error(node, err)
     # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node.
     if err.code() in _NODE_FAULTS and failure.reason != RESERVATION_RELEASED:
-        now = time.monotonic()
-        if not _cooling(node):
-            log.warning(
-                "node cooling down after a failure",
-                node_id=node.node_id,
-                role=node.role,
-                reason=failure.reason,
-                seconds=FAILURE_COOLDOWN_S,
-            )
-        node.failed_at = now
+        _count_failure(node, failure.reason)
         if decode is not None and failure.reason in _TRANSFER_TO_DECODE:
-            decode.failed_at = now
+            _count_failure(decode, failure.reason)
     return failure
 
 
+def node_succeeded(node: Node) -> None:
+    """A call on ``node`` did its work (a Prefill and its transfer; a whole decode stream)."""
+    node.failures = 0
+
+
+def _count_failure(node: Node, reason: str) -> None:
+    node.failures += 1
+    node.failed_at = time.monotonic()
+    if node.failures == FAILURES_TO_COOL or node.failures % (10 * FAILURES_TO_COOL) == 0:
+        log.warning(
+            "node cooling down after failures",
+            node_id=node.node_id,
+            role=node.role,
+            reason=reason,
+            failures_in_a_row=node.failures,
+            seconds=FAILURE_COOLDOWN_S,
+        )
+
+
 def _cooling(node: Node) -> bool:
-    return bool(node.failed_at) and time.monotonic() - node.failed_at < FAILURE_COOLDOWN_S
+    return (
+        node.failures >= FAILURES_TO_COOL and time.monotonic() - node.failed_at < FAILURE_COOLDOWN_S
+    )
 
 
 def _unless_cooling(registry: Registry, role: str, nodes: list[Node]) -> list[Node]:
     """``nodes`` less the cooling ones, while a node of ``role`` that is not cooling takes
-    requests (full or not: a request waits for its room rather than go to a node that just
-    failed); all of them when every node of the role is cooling."""
+    requests (full or not: a request waits for its room rather than go to a node that keeps
+    failing); all of them when every node of the role is cooling."""
     if any(not _cooling(n) for n in registry.taking_requests(role)):
         return [n for n in nodes if not _cooling(n)]
     return nodes

@@ -253,6 +253,13 @@ async def test_requests_waiting_for_prefill_room_do_not_resend_to_a_full_node(
             c.cp.queue.notify()
             await asyncio.sleep(0.02)
         assert prefills() - before == 0
+        for node in nodes:  # a heartbeat from a node still full does not reopen it
+            full = control_pb2.HeartbeatRequest(
+                node_id=node.node_id, free_pages=0, instance_id=node.instance_id
+            )
+            c.cp.registry.heartbeat(full)
+        await asyncio.sleep(0.2)
+        assert prefills() - before == 0
         nodes[1].servicer.refuse = None  # room again, and its heartbeat says so
         beat = control_pb2.HeartbeatRequest(
             node_id="prefill-1", free_pages=nodes[1].free_pages, instance_id=nodes[1].instance_id

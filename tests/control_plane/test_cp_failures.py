@@ -214,10 +214,13 @@ async def test_offline_reaches_a_request_waiting_for_prefill_room(
     The control: left online, the same request runs once prefill has room."""
     admin, auth = cluster.admin()
     cluster.script.prefill_error = ResourceExhausted("prefill queue full")
+    prefill = cluster.prefill[0]
+    room, prefill.free_pages = prefill.free_pages, 0  # its heartbeats say it is full
     call = asyncio.create_task(
         cluster.client(timeout=5).generate(prompt_ids=[10, 11], max_new_tokens=2)
     )
-    await eventually(lambda: cluster.prefill[0].methods().count("Prefill") >= 2)
+    await eventually(lambda: prefill.methods().count("Prefill") >= 1)
+    await asyncio.sleep(0.2)  # heartbeats come and go: it waits
     [run] = list(cluster.cp.table)
     assert run.record.state == RequestState.PREFILLING
     loop = asyncio.get_running_loop()
@@ -232,7 +235,8 @@ async def test_offline_reaches_a_request_waiting_for_prefill_room(
         cluster.script.prefill_error = None
         await eventually(lambda: "Release" in cluster.decode[0].methods())
     else:
-        cluster.script.prefill_error = None  # prefill has room again
+        cluster.script.prefill_error = None  # prefill has room again, its heartbeat says
+        prefill.free_pages = room
         result = await asyncio.wait_for(call, 5)
         assert result.usage.completion_tokens == 2
 
