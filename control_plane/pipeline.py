@@ -43,6 +43,7 @@ from control_plane.routing import (
     node_failed,
     node_succeeded,
     prefill_candidates,
+    refuse_room,
     refused_draining,
 )
 from control_plane.tenants import Tenant
@@ -542,8 +543,7 @@ class Pipeline:
                 rec.prefill_node = ""
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # "No room now": left out until its next heartbeat or a release on it.
-                    node.refused_room = True
-                    node.refused_free = node.free_pages
+                    refuse_room(node, err)
                 if gone:
                     self.d.registry.lose(node, "refused connections")
                 return None

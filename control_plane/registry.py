@@ -82,6 +82,7 @@ class Node:
     # it is answered (routing.prefill_candidates).
     refused_room: bool = False
     refused_free: int = 0
+    refused_at: float = 0.0
 
     @property
     def free_estimate(self) -> int:

@@ -231,6 +231,30 @@ def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[No
     )
 
 
+# A prefill node that refused for room is left out at most this long whatever its heartbeats
+# say: pages can come back in a way neither reopening path sees (a pass cancelled mid-way frees
+# its pages after the Release was answered, to exactly the count the last heartbeat showed), and
+# a node left out for good while empty fails every request NO_CAPACITY.
+REFUSED_ROOM_MAX_S = 5.0
+
+
+def refuse_room(node: Node, err: grpc.aio.AioRpcError) -> None:
+    """``node`` refused a Prefill for room: left out of routing until a heartbeat shows more free
+    pages than it had (the count its refusal gave, else its last heartbeat's), a release on it is
+    answered, or REFUSED_ROOM_MAX_S pass."""
+    info = error_info(err)
+    free = node.free_pages
+    if info is not None and info.metadata.get("free_pages", "").isdigit():
+        free = min(free, int(info.metadata["free_pages"]))
+    node.refused_room = True
+    node.refused_free = free
+    node.refused_at = time.monotonic()
+
+
+def room_refused(node: Node) -> bool:
+    return node.refused_room and time.monotonic() - node.refused_at < REFUSED_ROOM_MAX_S
+
+
 def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
     """Prefill nodes, shortest queue first; never a draining one, nor a cooling one while
     another takes requests (``node_failed``), nor one that refused for room since its last
@@ -238,7 +262,9 @@ def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
     (``Node.refused_room``): requests waiting for prefill room would otherwise send it their
     whole prompt again at every wake-up, each request's end being one."""
     nodes = [
-        n for n in registry.taking_requests(PREFILL) if n.node_id not in skip and not n.refused_room
+        n
+        for n in registry.taking_requests(PREFILL)
+        if n.node_id not in skip and not room_refused(n)
     ]
     return sorted(
         _unless_cooling(registry, PREFILL, nodes),

@@ -205,9 +205,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
         if refs is None:
+            free = self.pool.num_free
             raise ResourceExhausted(
-                f"prefill pool has {self.pool.num_free} free pages, {n_pages} needed",
+                f"prefill pool has {free} free pages, {n_pages} needed",
                 reason="PREFILL_POOL_FULL",
+                # the control plane reopens the node once a heartbeat shows more than this
+                metadata={"free_pages": str(free)},
             )
         self.held[req.request_id] = Held(refs, time.monotonic(), call, req.scrub_on_free)
         self.pool.set_state(req.request_id, PageState.IN_USE)

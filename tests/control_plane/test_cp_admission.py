@@ -313,6 +313,35 @@ async def test_a_prefill_node_that_refused_is_tried_again_when_pages_on_it_are_r
         await c.close()
 
 
+@pytest.mark.parametrize("says_free", [True, False])
+async def test_a_prefill_node_that_refused_is_never_left_out_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says_free: bool
+) -> None:
+    """A node refuses for room; its pages come back in a way no release of this control plane
+    answers (a pass cancelled mid-way), to exactly the free count its last heartbeat showed. The
+    rule "reopen when a heartbeat shows more free pages than at the refusal" then never fired:
+    the node stayed out while empty and every request failed NO_CAPACITY. The refusal now says
+    how many pages were free (says_free), and without that (a node of an older release) the
+    node is left out REFUSED_ROOM_MAX_S at most. Control: served either way."""
+    from control_plane import routing
+
+    monkeypatch.setattr(routing, "REFUSED_ROOM_MAX_S", 60.0 if says_free else 0.5, raising=False)
+    c = await make_cluster(tmp_path, prefill_nodes=0, node_timeout_s=60.0)
+    try:
+        node = FakeNode("prefill", "prefill-0", c.script, heartbeat_s=0.05)
+        assert (await c.add_node(node)).accepted  # its heartbeats: all pages free, throughout
+        metadata = {"free_pages": "0"} if says_free else None
+        node.servicer.refuse = ResourceExhausted(
+            "prefill pool has 0 free pages", reason="PREFILL_POOL_FULL", metadata=metadata
+        )
+        call = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: "Prefill" in node.methods())
+        node.servicer.refuse = None  # its pages came back, unseen
+        assert (await asyncio.wait_for(call, 6)).usage.completion_tokens == 2
+    finally:
+        await c.close()
+
+
 async def test_requests_waiting_for_a_node_keep_the_queue_caps(tmp_path: Path) -> None:
     """Waiting for a node is waiting in the admission queue: a tenant over its share is refused
     QUEUE_FULL at once, another tenant still gets a place up to the queue's capacity, and then
