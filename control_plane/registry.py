@@ -77,9 +77,9 @@ class Node:
     # Its calls that failed on its side in a row, and when the last did (routing.node_failed).
     failures: int = 0
     failed_at: float = 0.0
-    # A prefill node that refused a Prefill for room: left out of routing until a heartbeat
-    # shows more free pages than it had since (refused_free: the fewest seen), or a release on
-    # it is answered (routing.prefill_candidates).
+    # A prefill node that refused a Prefill for room (routing.refuse_room): left out of routing
+    # until a heartbeat shows more free pages than refused_free (its refusal's count, then the
+    # fewest seen), a release on it is answered, or REFUSED_ROOM_MAX_S after refused_at.
     refused_room: bool = False
     refused_free: int = 0
     refused_at: float = 0.0

@@ -3,10 +3,9 @@
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
 (shortest first); a node whose calls failed on its side FAILURES_TO_COOL times in a row is left out
 for FAILURE_COOLDOWN_S while another of its role takes requests (logged: "node cooling down after
-failures"). The
-estimates only order and pre-filter the candidates; the node's own answer to Reserve / Prefill
-(RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill node is left out
-until its next heartbeat or a release of pages on it) is authoritative. A draining node
+failures"). The estimates only order and pre-filter the candidates; the node's own answer to
+Reserve / Prefill (RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill
+node is left out as ``refuse_room`` says) is authoritative. A draining node
 (shutting down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took
 nothing for the request, is marked draining at once (``refused_draining``) and the request tries
 another node or waits, as after RESOURCE_EXHAUSTED.
@@ -257,10 +256,9 @@ def room_refused(node: Node) -> bool:
 
 def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
     """Prefill nodes, shortest queue first; never a draining one, nor a cooling one while
-    another takes requests (``node_failed``), nor one that refused for room since its last
-    heartbeat or release
-    (``Node.refused_room``): requests waiting for prefill room would otherwise send it their
-    whole prompt again at every wake-up, each request's end being one."""
+    another takes requests (``node_failed``), nor one left out after refusing for room
+    (``refuse_room``): requests waiting for prefill room would otherwise send it their whole
+    prompt again at every wake-up, each request's end being one."""
     nodes = [
         n
         for n in registry.taking_requests(PREFILL)
