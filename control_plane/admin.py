@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from control_plane.admission import OVER_TENANT_TOKEN_LIMIT, TENANT_CONCURRENCY
+from control_plane.admission import TENANT_CONCURRENCY, over_tenant_tokens
 from control_plane.lifecycle import RequestState
 from control_plane.pipeline import PipelineDeps
 from control_plane.registry import Node
@@ -26,7 +26,6 @@ from kvfence.config import ControlPlaneConfig
 from kvfence.errors import (
     API_KEY_REVOKED,
     Cancelled,
-    InvalidArgument,
     KvfenceError,
     NotFound,
     PermissionDenied,
@@ -194,20 +193,15 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         limits, ended = tenant.limits, 0
         for run in waiting:  # in the order they came (the table keeps it)
             rec = run.record
-            total = rec.prompt_tokens + rec.max_new_tokens
             err: KvfenceError | None = None
+            if rec.prompt_tokens:  # known: its prompt was measured
+                total = rec.prompt_tokens + rec.max_new_tokens
+                err = over_tenant_tokens(tenant, total, ", set while the request waited")
             if (
-                limits.max_tokens_per_request
-                and rec.prompt_tokens
-                and (total > limits.max_tokens_per_request)
+                err is None
+                and limits.max_concurrent_requests
+                and (held >= limits.max_concurrent_requests)
             ):
-                err = InvalidArgument(
-                    f"prompt_tokens + max_new_tokens = {total} exceeds tenant {tenant.name}'s "
-                    f"limit of {limits.max_tokens_per_request} tokens per request, set while "
-                    "the request waited",
-                    reason=OVER_TENANT_TOKEN_LIMIT,
-                )
-            elif limits.max_concurrent_requests and held >= limits.max_concurrent_requests:
                 err = ResourceExhausted(
                     f"tenant {tenant.name}'s concurrency limit was set to "
                     f"{limits.max_concurrent_requests} while the request waited, with {held} "

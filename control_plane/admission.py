@@ -147,16 +147,25 @@ def check_limit(
     )
 
 
+def over_tenant_tokens(tenant: Tenant, total: int, when: str = "") -> InvalidArgument | None:
+    """The refusal of a request of ``total`` tokens (prompt + max_new) over the tenant's tokens
+    per request (``when``: said after the limit), else None."""
+    limit = tenant.limits.max_tokens_per_request
+    if not limit or total <= limit:
+        return None
+    return InvalidArgument(
+        f"prompt_tokens + max_new_tokens = {total} exceeds tenant {tenant.name}'s limit of "
+        f"{limit} tokens per request{when}",
+        reason=OVER_TENANT_TOKEN_LIMIT,
+    )
+
+
 def check_tenant(tenant: Tenant, prompt: Prompt, active_requests: int) -> None:
     """The tenant's own limits: tokens per request (never fits) and concurrency (not now)."""
     limits = tenant.limits
-    total = prompt.total_tokens
-    if limits.max_tokens_per_request and total > limits.max_tokens_per_request:
-        raise InvalidArgument(
-            f"prompt_tokens + max_new_tokens = {total} exceeds tenant {tenant.name}'s limit of "
-            f"{limits.max_tokens_per_request} tokens per request",
-            reason=OVER_TENANT_TOKEN_LIMIT,
-        )
+    too_long = over_tenant_tokens(tenant, prompt.total_tokens)
+    if too_long is not None:
+        raise too_long
     if limits.max_concurrent_requests and active_requests >= limits.max_concurrent_requests:
         raise ResourceExhausted(
             f"tenant {tenant.name} already has {active_requests} requests in flight "
