@@ -726,10 +726,7 @@ class KvReceiver:
                     raise TransferError("hello batch is not an object", reason="PROTOCOL")
             await self._receive_batches(ep, t, first, frame, strays)
             if t.state != InboundState.RECEIVING:  # released as the last receives completed
-                raise TransferError(
-                    "the reservation was released during the transfer",
-                    reason=RESERVATION_RELEASED,
-                )
+                raise _released_during_transfer()
             t.state = InboundState.COMPLETE
             t.done.set()
             # The sender closes first (or sends the next hello): closing here could cancel the
@@ -853,9 +850,7 @@ class KvReceiver:
         # request: a receive posted now would land in that request's pages. Only the endpoint's
         # abort stood in the way. Checked with no await before the receives are posted.
         if t.state != InboundState.RECEIVING or not self.pool.owns(t.reservation_id, refs):
-            raise TransferError(
-                "the reservation was released during the transfer", reason=RESERVATION_RELEASED
-            )
+            raise _released_during_transfer()
         self.pool.begin_ops(pids)
         try:
             # Every receive lands straight in a reserved page; on any failure the endpoint is
@@ -874,6 +869,13 @@ class KvReceiver:
             raise TransferError(f"page receive failed: {err!r}") from err
         finally:
             self.pool.end_ops(pids)
+
+
+def _released_during_transfer() -> TransferError:
+    """Decode's Release came while the transfer's handler ran (late, not forged)."""
+    return TransferError(
+        "the reservation was released during the transfer", reason=RESERVATION_RELEASED
+    )
 
 
 @dataclass
