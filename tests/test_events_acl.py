@@ -88,19 +88,24 @@ def dropped_total(metrics: Metrics) -> float:
 # --- the PUBACK's reason code ----------------------------------------------------------------
 
 
+def publisher(broker: Any) -> _Client:
+    """The bus's own client class, logged in as the publishing account, over MQTT 5."""
+    return _Client(
+        broker.host,
+        broker.port,
+        username=PUBLISHER.username,
+        password=PUBLISHER.password,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        timeout=5,
+    )
+
+
 async def test_the_client_reads_the_pubacks_reason_code() -> None:
     """What the bus relies on, against aiomqtt and paho as installed: ``_Client`` chains paho's
     on_publish (aiomqtt 2.5.1 drops the reason code), and its publish raises PublishRefused for
     a message the ACL denies; an allowed one (0x10 No matching subscribers, a success) returns."""
     with start_mosquitto(users=ACCOUNTS, acl=OTHER_CLUSTER_ACL) as broker:
-        client = _Client(
-            broker.host,
-            broker.port,
-            username=PUBLISHER.username,
-            password=PUBLISHER.password,
-            protocol=aiomqtt.ProtocolVersion.V5,
-            timeout=5,
-        )
+        client = publisher(broker)
         assert client.puback_codes  # the chain is in place after __init__ ...
         async with client:
             assert client.puback_codes  # ... and after the CONNECT (aiomqtt did not reset it)
@@ -123,14 +128,7 @@ async def test_without_the_chain_publish_is_aiomqtts_and_the_bus_says_so(
     publish is aiomqtt's own, as before (a refused message counts as delivered), and the bus
     warns once that it cannot see refusals."""
     with start_mosquitto(users=ACCOUNTS, acl=OTHER_CLUSTER_ACL) as broker:
-        client = _Client(
-            broker.host,
-            broker.port,
-            username=PUBLISHER.username,
-            password=PUBLISHER.password,
-            protocol=aiomqtt.ProtocolVersion.V5,
-            timeout=5,
-        )
+        client = publisher(broker)
         client._client.on_publish = client._on_publish  # what a later aiomqtt might do
         assert not client.puback_codes
         async with client:
