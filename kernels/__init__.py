@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Callable
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -23,6 +23,7 @@ from kernels import reference
 
 __all__ = [
     "CHECKSUM_ALGO",
+    "AttentionPlan",
     "checksum_as_uint64",
     "checksum_seed",
     "page_checksum",
@@ -124,6 +125,16 @@ def paged_decode_attention(
     )
 
 
+class AttentionPlan(Protocol):
+    """One decode step's attention, planned once (:func:`plan_decode_attention`)."""
+
+    flags: torch.Tensor
+    """bool ``[B]``: the OR of the ``error_flags`` of every call so far (all False before the
+    first). A step reads it once, after its last layer, instead of ORing each layer's flags."""
+
+    def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def plan_decode_attention(
     kv_pages: torch.Tensor,
     block_tables: torch.Tensor,
@@ -131,15 +142,18 @@ def plan_decode_attention(
     page_gen: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+) -> AttentionPlan:
     """:func:`paged_decode_attention` for every layer of one decode step, planned once.
 
     The arguments the layers share are checked once, here, and what the batch reads is worked
-    out once; the returned function ``attend(q, layer) -> (out, error_flags)`` then gives what
+    out once; the returned plan ``attend(q, layer) -> (out, error_flags)`` then gives what
     ``paged_decode_attention(q, kv_pages, layer, ...)`` gives, and checks the generations of
     the pages it reads against ``page_gen`` as it is at *that* call: a page that changes owner
-    between two layers of a step is flagged at the next layer. The plan holds the tensors it was
-    given; they must not change while it is used (``page_gen`` excepted: that is what it checks).
+    between two layers of a step is flagged at the next layer. ``attend.flags`` is the OR of
+    every call's ``error_flags`` so far. The plan holds the tensors it was given; they must not
+    change while it is used (``page_gen`` excepted: that is what it checks). A call's
+    ``error_flags`` may be a tensor the plan returns again (its all-False flags): read it, never
+    write into it.
     """
     return _impl(kv_pages.device).plan_decode_attention(  # type: ignore[no-any-return]
         kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale

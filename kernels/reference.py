@@ -67,7 +67,9 @@ class DecodeAttentionPlan:
     Its check is one gather of the generations of exactly the pages read (which also
     range-checks their ids) and one compare, against a list of the generations expected of them
     made once per step. On a CPU with a small model the per-op dispatch cost, not arithmetic, is
-    what the check costs. Any other batch (a seq_len <= 0 or beyond the table, a page id outside
+    what the check costs, so a call that flags nothing makes no flags tensor: it returns the
+    plan's all-False flags (made once), and ``flags``, the OR over the calls, changes only when
+    a call flags a row. Any other batch (a seq_len <= 0 or beyond the table, a page id outside
     the pool, a stale generation) goes through ``_attention_flagging``, which flags rows.
     """
 
@@ -85,6 +87,8 @@ class DecodeAttentionPlan:
         self.block_tables, self.expected_gen, self.seq_lens = block_tables, expected_gen, seq_lens
         self.batch = block_tables.shape[0]
         self._reads = self._what_is_read()
+        self._clear = torch.zeros(self.batch, dtype=torch.bool, device=kv_pages.device)
+        self.flags = self._clear  # replaced, never written into: ``_clear`` stays all False
 
     def _what_is_read(self) -> _Reads | None:
         """The short path's inputs; None when no call can take it (every call flags instead)."""
@@ -106,10 +110,12 @@ class DecodeAttentionPlan:
         fast = self._all_pages_current(q, layer)
         if fast is not None:
             return fast
-        return _attention_flagging(
+        out, bad = _attention_flagging(
             q, self.kv_pages, layer, self.block_tables, self.expected_gen, self.page_gen,
             self.seq_lens, self.scale,
         )  # fmt: skip
+        self.flags = self.flags | bad
+        return out, bad
 
     def _all_pages_current(
         self, q: torch.Tensor, layer: int
@@ -131,7 +137,7 @@ class DecodeAttentionPlan:
         if not torch.equal(current, r.generations):
             return None
         out = _attend_pages(q, self.kv_pages, layer, r.table, r.hi, r.valid, self.scale)
-        return out, torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+        return out, self._clear
 
 
 # Torch reference of ``kernels.plan_decode_attention`` (same contract): its class makes the plan.

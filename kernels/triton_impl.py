@@ -167,6 +167,7 @@ class DecodeAttentionPlan:
         self.kv_pages, self.block_tables, self.expected_gen = kv_pages, block_tables, expected_gen
         self.page_gen, self.seq_lens, self.scale = page_gen, seq_lens, float(scale)
         self.batch = block_tables.shape[0]
+        self.flags = torch.zeros(self.batch, dtype=torch.bool, device=kv_pages.device)
 
     def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv_pages, block_tables, expected_gen = self.kv_pages, self.block_tables, self.expected_gen
@@ -212,6 +213,7 @@ class DecodeAttentionPlan:
             BLOCK_T=block_t,
             BLOCK_P=64,
         )
+        self.flags = self.flags | err  # queued on the device after the kernel: no host sync
         return out, err
 
 

@@ -62,18 +62,18 @@ NO_FLAGS = torch.zeros((), dtype=torch.bool)
 # comment-only lines or trailing comments; the replacement takes the first line's indentation.
 Edit = tuple[str, list[str], list[str]]
 # Engine.decode_rows: the generation check of the page each row writes (a stale one is written
-# to slot -1 and the row flagged), and the OR of every layer's attention flags into the step's.
+# to slot -1 and the row flagged), and the step's flags: the attention plan's (the OR of its
+# layers' flags) ORed with the write check's.
 DECODE_ROWS_EDITS: list[Edit] = [
     (
         "write_check",
         [
-            "page_ok = self.pool.page_gen[target] == expected_gen.gather(1, col).squeeze(1)",
-            "slot_mapping = torch.where(page_ok, target * ps + pos % ps, -1)",
-            "flags = ~page_ok",
+            "stale = self.pool.page_gen.index_select(0, target) != want",
+            "slot_mapping = torch.where(stale, -1, slot)",
         ],
-        ["slot_mapping = target * ps + pos % ps", "flags = _NO_FLAGS"],
+        ["slot_mapping = slot"],
     ),
-    ("flags_or", ["flags = flags | bad"], []),
+    ("flags_or", ["flags = attention.flags | stale"], ["flags = _NO_FLAGS"]),
 ]
 # DecodeBatch.step_and_sample: the step's flags read back to the host (a device sync on a GPU).
 STEP_AND_SAMPLE_EDITS: list[Edit] = [("flags_read", ["bad = flags.tolist()"], ["bad = ()"])]
@@ -169,6 +169,7 @@ class UncheckedPlan:
             else reference._valid_slots(self.table.shape[1] * kv_pages.shape[3], seq_lens)
         )
         self.kv_pages, self.scale = kv_pages, scale
+        self.flags = NO_FLAGS
 
     def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = reference._attend_pages(

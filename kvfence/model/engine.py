@@ -19,9 +19,10 @@ Isolation rules this module keeps:
 
 With a small model a decode step is dominated by per-step host work, not arithmetic, so the hot path
 keeps it small: :class:`DecodeBatch` holds the block tables and expected generations as tensors that
-change only when a sequence joins or leaves the batch, the write slots and target-page checks are
-computed from them with a few tensor ops, and :meth:`Engine.prefill_many` prefills every admitted
-prompt in one forward pass.
+change only when a sequence joins or leaves the batch, the write slots and target pages come from
+the host's page lists (their generations are checked on the device with three tensor ops), the
+attention plan ORs the layers' error flags only when a layer flags a row, and
+:meth:`Engine.prefill_many` prefills every admitted prompt in one forward pass.
 """
 
 from __future__ import annotations
@@ -205,7 +206,11 @@ class Engine:
         block_tables = torch.tensor(table, dtype=torch.int32, device=dev)  # (B, P)
         expected_gen = torch.tensor(gens, dtype=torch.int64, device=dev)  # (B, P)
         return self.decode_rows(
-            [it.token_id for it in batch], [it.position for it in batch], block_tables, expected_gen
+            [it.token_id for it in batch],
+            [it.position for it in batch],
+            [it.pages[it.position // ps] for it in batch],
+            block_tables,
+            expected_gen,
         )
 
     @torch.inference_mode()
@@ -213,38 +218,43 @@ class Engine:
         self,
         token_ids: Sequence[int],
         positions: Sequence[int],
+        writes: Sequence[PageRef],
         block_tables: torch.Tensor,
         expected_gen: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`decode_step` on prepared inputs: row ``i`` feeds ``token_ids[i]`` at
-        ``positions[i]`` (which the caller has checked lies inside the row's pages) with block
-        table ``block_tables[i]`` (int32 (B, P)) and generations ``expected_gen[i]`` (int64 (B,
-        P), padding entries ``_PAD_GEN``)."""
+        ``positions[i]`` (which the caller has checked lies inside the row's pages) into page
+        ``writes[i]`` (the row's page ``positions[i] // page_size``, as the caller holds it), with
+        block table ``block_tables[i]`` (int32 (B, P)) and generations ``expected_gen[i]`` (int64
+        (B, P), padding entries ``_PAD_GEN``)."""
         self.check_tokens(token_ids)
         ps, dev = self.page_size, self.device
-        # Host lists go to the device in one transfer; nothing below synchronises.
-        inputs = torch.tensor([token_ids, positions], dtype=torch.long, device=dev)  # (2, B)
-        tokens, pos = inputs[0], inputs[1]
+        # Host lists go to the device in one transfer; nothing below synchronises. The write
+        # targets come from the caller's page lists, so finding them costs no tensor op; whether
+        # they are still the caller's is checked against the pool's page_gen below.
+        slots = [r.page_id * ps + p % ps for r, p in zip(writes, positions, strict=True)]
+        targets = [r.page_id for r in writes]
+        wanted = [r.generation for r in writes]
+        inputs = torch.tensor(
+            [token_ids, positions, slots, targets, wanted], dtype=torch.long, device=dev
+        )  # (5, B)
+        tokens, pos, slot, target, want = inputs.unbind(0)
         seq_lens = (pos + 1).to(torch.int32)  # (B,) tokens incl. the current one
-        col = (pos // ps).unsqueeze(1)  # (B, 1) the table entry of the page the token goes to
-        target = block_tables.gather(1, col).squeeze(1).long()  # (B,)
-        page_ok = self.pool.page_gen[target] == expected_gen.gather(1, col).squeeze(1)
+        stale = self.pool.page_gen.index_select(0, target) != want
         # A stale target page is never written (slot -1) and the row is flagged.
-        slot_mapping = torch.where(page_ok, target * ps + pos % ps, -1)  # (B,) int64
-        flags = ~page_ok
-        # Planned once for the step's layers; every layer's call checks the pages it reads anew.
+        slot_mapping = torch.where(stale, -1, slot)  # (B,) int64
+        # Planned once for the step's layers; every layer's call checks the pages it reads anew,
+        # and the plan ORs the layers' flags (``attention.flags``).
         attention = kernels.plan_decode_attention(
             self.pool.kv, block_tables, expected_gen, self.pool.page_gen, seq_lens, self.scale
         )
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            nonlocal flags
             kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_mapping)
-            out, bad = attention(q, layer)
-            flags = flags | bad
-            return out
+            return attention(q, layer)[0]
 
         hidden = self.model(tokens, pos, attend)  # (B, D)
+        flags = attention.flags | stale
         return self.model.logits(hidden), flags
 
 
@@ -348,12 +358,17 @@ class DecodeBatch:
             raise ValueError("empty decode batch")
         if len(token_ids) != len(self._rows) or len(positions) != len(self._rows):
             raise ValueError("one token and one position per row")
+        ps = self.engine.page_size
+        writes = []
         for i, (p, limit) in enumerate(zip(positions, self._limits, strict=True)):
             if not 0 <= p < limit:
                 raise ValueError(
                     f"batch item {i}: position {p} is outside its {len(self._rows[i])} pages"
                 )
-        return self.engine.decode_rows(token_ids, positions, self.block_tables, self.expected_gen)
+            writes.append(self._rows[i][p // ps])
+        return self.engine.decode_rows(
+            token_ids, positions, writes, self.block_tables, self.expected_gen
+        )
 
     def step_and_sample(
         self,

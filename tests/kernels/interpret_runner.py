@@ -30,13 +30,15 @@ def planned_attention(
     q: torch.Tensor,
     bump: int,
 ) -> tuple:
-    """One plan for layers 0 and 1, page ``bump`` changing owner in between: both results."""
+    """One plan for layers 0 and 1, page ``bump`` changing owner in between: both results, and
+    the plan's flags after each (their OR so far)."""
     attend = triton_impl.plan_decode_attention(
         kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale
     )
     first = attend(q, 0)
+    flags_after_first = attend.flags.clone()
     page_gen[bump] += 1
-    return first, attend(q, 1)
+    return first, attend(q, 1), flags_after_first, attend.flags
 
 
 HELPERS = {"planned_attention": planned_attention}

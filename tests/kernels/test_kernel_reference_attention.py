@@ -234,13 +234,23 @@ def test_a_plan_checks_the_generations_anew_at_every_layer(make_pool, make_batch
     attend = kernels.plan_decode_attention(*plan_args(pool, batch))
     _, flags0 = attend(batch.q, 0)
     assert flags0.tolist() == [False, False, False]  # control: every page current at layer 0
+    assert attend.flags.tolist() == [False, False, False]  # control: nothing flagged so far
     # Between the layers of the step, sequence 1's second page changes owner.
-    pool.page_gen[batch.block_tables[1, 1].long()] += 1
+    moved = batch.block_tables[1, 1].long()
+    pool.page_gen[moved] += 1
     out1, flags1 = attend(batch.q, 1)
     assert flags1.tolist() == [False, True, False]
     assert torch.equal(out1[1], torch.zeros_like(out1[1]))
     want = reference.paged_decode_attention(*batch.args(pool, layer=1))
     assert torch.equal(out1, want[0]) and torch.equal(flags1, want[1])
+    # The plan's flags are the OR over its calls: a later clean call (the page's generation put
+    # back) does not clear them, and flagging wrote nothing into an earlier call's flags.
+    assert attend.flags.tolist() == [False, True, False]
+    pool.page_gen[moved] -= 1
+    _, flags2 = attend(batch.q, 0)
+    assert flags2.tolist() == [False, False, False]
+    assert attend.flags.tolist() == [False, True, False]
+    assert flags0.tolist() == [False, False, False]
 
 
 def test_a_plan_rejects_shared_arguments_at_once_and_a_bad_layer_or_query_per_call(

@@ -212,7 +212,7 @@ def test_checksum_is_bit_identical(runs, name):
 
 def test_a_plan_checks_the_generations_anew_at_every_layer(runs, make_pool, make_batch):
     _, _, results = runs
-    (out0, flags0), (out1, flags1) = results["planned"]
+    (out0, flags0), (out1, flags1), plan_flags0, plan_flags1 = results["planned"]
     kv, tables, expected, page_gen, lens, scale, q, bump = _planned_case(make_pool, make_batch)
     want0 = reference.paged_decode_attention(q, kv, 0, tables, expected, page_gen, lens, scale)
     assert flags0.tolist() == want0[1].tolist() == [False, False, False]  # control
@@ -220,6 +220,9 @@ def test_a_plan_checks_the_generations_anew_at_every_layer(runs, make_pool, make
     page_gen[bump] += 1  # as the runner did between the two layers
     want1 = reference.paged_decode_attention(q, kv, 1, tables, expected, page_gen, lens, scale)
     assert flags1.tolist() == want1[1].tolist() == [False, True, False]
+    # The plan's flags: none after the clean layer (control), the OR of both after the second.
+    assert plan_flags0.tolist() == [False, False, False]
+    assert plan_flags1.tolist() == [False, True, False]
     assert int(out1[1].count_nonzero()) == 0
     torch.testing.assert_close(out1, want1[0], atol=1e-5, rtol=1e-5)
 
