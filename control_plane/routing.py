@@ -154,11 +154,12 @@ class NodeClients:
 
 
 # A node whose calls failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX
-# path down) FAILURES_TO_COOL times in a row, no success between, is left out of routing for
-# FAILURE_COOLDOWN_S while another node of its role takes requests; then one request probes it
-# (a failure cools it again, a success clears it). It answers fast and heartbeats on, so by queue
-# length or free pages it looked the best node and drew every request to fail. One failure alone
-# (a transient error, a peer restarting) costs no capacity.
+# path down; a prefill node's transfer timing out) FAILURES_TO_COOL times in a row, no success
+# between, is left out of routing for FAILURE_COOLDOWN_S while another node of its role takes
+# requests; then one request probes it (a failure cools it again, a success clears it). It
+# answers fast and heartbeats on, so by queue length or free pages it looked the best node and
+# drew every request to fail. One failure alone (a transient error, a peer restarting) costs no
+# capacity.
 FAILURES_TO_COOL = 3
 FAILURE_COOLDOWN_S = 10.0
 _NODE_FAULTS = frozenset(
@@ -168,6 +169,12 @@ _NODE_FAULTS = frozenset(
 # either side may be the broken one, so it counts against both; the healthy side's successes
 # with other peers clear its count, the broken side's do not come.
 _TRANSFER_TO_DECODE = frozenset({"TRANSFER_FAILED", "UNREACHABLE"})
+# A prefill node's DEADLINE_EXCEEDED with reason TIMEOUT is its transfer timing out (a batch, or
+# the endpoint, that decode never answered: prefill raises DEADLINE_EXCEEDED for nothing else).
+# It counts like a failed transfer: a decode node whose UCX listener accepts and then hangs costs
+# every request sent to it the whole transfer timeout, and looked the best node all the while.
+# The request's own deadline is not a node's fault: it carries no such reason.
+_TRANSFER_TIMEOUT = "TIMEOUT"
 
 
 def node_failed(node: Node, err: grpc.aio.AioRpcError, decode: Node | None = None) -> KvfenceError:
@@ -175,10 +182,15 @@ def node_failed(node: Node, err: grpc.aio.AioRpcError, decode: Node | None = Non
     constants). ``decode``: the request's decode node, which a failed transfer counts against
     too."""
     failure = node_error(node, err)
+    timed_out = (
+        err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        and node.role == PREFILL
+        and failure.reason == _TRANSFER_TIMEOUT
+    )
     # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node.
-    if err.code() in _NODE_FAULTS and failure.reason != RESERVATION_RELEASED:
+    if timed_out or (err.code() in _NODE_FAULTS and failure.reason != RESERVATION_RELEASED):
         _count_failure(node, failure.reason)
-        if decode is not None and failure.reason in _TRANSFER_TO_DECODE:
+        if decode is not None and (timed_out or failure.reason in _TRANSFER_TO_DECODE):
             _count_failure(decode, failure.reason)
     return failure
 

@@ -20,7 +20,7 @@ import pytest
 from cp_fakes import FakeNode
 from cp_harness import Cluster, eventually, make_cluster
 
-from kvfence.errors import KvfenceError, ResourceExhausted, Unavailable
+from kvfence.errors import DeadlineExceeded, KvfenceError, ResourceExhausted, Unavailable
 from kvfence.server import abort
 
 
@@ -402,5 +402,36 @@ async def test_a_failed_transfer_counts_against_the_decode_node_it_went_to(
         assert result.usage.completion_tokens == 2
         [other] = [n for n in c.decode if n is not first]
         assert first.methods().count("Reserve") == 3 and other.methods().count("Reserve") == 1
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("reason, cools", [("TIMEOUT", True), ("SOMETHING_ELSE", False)])
+async def test_a_transfer_that_times_out_counts_against_the_decode_node_it_went_to(
+    tmp_path: Path, reason: str, cools: bool
+) -> None:
+    """A decode node whose UCX listener accepts and then never answers: prefill's transfer times
+    out (DEADLINE_EXCEEDED, reason TIMEOUT, prefill's only DEADLINE_EXCEEDED). That counted
+    against no one, so the node, with the most free pages, drew every request and cost each the
+    whole transfer timeout. Now, after three, the next request goes to the other decode node.
+    Control: a DEADLINE_EXCEEDED with another reason is not a node's fault: the fourth request
+    goes to the same node."""
+    c = await make_cluster(tmp_path, decode_nodes=2)
+    try:
+        c.script.prefill_error = DeadlineExceeded(
+            "KV transfer to decode failed: transfer batch timed out", reason=reason
+        )
+        for _ in range(3):
+            with pytest.raises(DeadlineExceeded):
+                await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        [first] = [n for n in c.decode if "Reserve" in n.methods()]
+        c.script.prefill_error = None
+        result = await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert result.usage.completion_tokens == 2
+        [other] = [n for n in c.decode if n is not first]
+        if cools:
+            assert first.methods().count("Reserve") == 3 and other.methods().count("Reserve") == 1
+        else:
+            assert first.methods().count("Reserve") == 4 and "Reserve" not in other.methods()
     finally:
         await c.close()
