@@ -25,8 +25,9 @@ engine and data, to say where the cost is:
     on/off is measured directly), and inside those steps (what the estimate counts: between a
     step's matmuls a check is out of cache and dearer than in a loop) the step's attention plan
     and its calls (one a layer), and decode's write-side checks: the generation check of the
-    page each row writes, the OR of every layer's flags into the step's, the step's flags read
-    back (the lines the off stack removes, clocked in place in copies of the engine's methods,
+    page each row writes (with the target ids and generations it alone needs), the one OR of
+    the attention plan's flags (its layers') with that check's, the step's flags read back (the
+    lines the off stack removes, clocked in place in copies of the engine's methods,
     ``benchlib.unprotected.rewrite``); and colocated end-to-end generation (tokens/s) with the
     engine's checks on or off, repetitions interleaved;
 (b) the manifest MAC prefill signs (``kvfence.manifest.sign``) and decode's verification

@@ -62,16 +62,26 @@ NO_FLAGS = torch.zeros((), dtype=torch.bool)
 # comment-only lines or trailing comments; the replacement takes the first line's indentation.
 Edit = tuple[str, list[str], list[str]]
 # Engine.decode_rows: the generation check of the page each row writes (a stale one is written
-# to slot -1 and the row flagged), and the step's flags: the attention plan's (the OR of its
+# to slot -1 and the row flagged; with it go the target ids and generations the check alone
+# needs, in the step's input tensor), and the step's flags: the attention plan's (the OR of its
 # layers' flags) ORed with the write check's.
 DECODE_ROWS_EDITS: list[Edit] = [
     (
         "write_check",
         [
+            "targets = [r.page_id for r in writes]",
+            "wanted = [r.generation for r in writes]",
+            "inputs = torch.tensor(",
+            "[token_ids, positions, slots, targets, wanted], dtype=torch.long, device=dev",
+            ")",
+            "tokens, pos, slot, target, want = inputs.unbind(0)",
             "stale = self.pool.page_gen.index_select(0, target) != want",
             "slot_mapping = torch.where(stale, -1, slot)",
         ],
-        ["slot_mapping = slot"],
+        [
+            "inputs = torch.tensor([token_ids, positions, slots], dtype=torch.long, device=dev)",
+            "tokens, pos, slot_mapping = inputs.unbind(0)",
+        ],
     ),
     ("flags_or", ["flags = attention.flags | stale"], ["flags = _NO_FLAGS"]),
 ]

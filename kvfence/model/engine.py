@@ -21,7 +21,8 @@ With a small model a decode step is dominated by per-step host work, not arithme
 keeps it small: :class:`DecodeBatch` holds the block tables and expected generations as tensors that
 change only when a sequence joins or leaves the batch, the write slots and target pages come from
 the host's page lists (their generations are checked on the device with three tensor ops), the
-attention plan ORs the layers' error flags only when a layer flags a row, and
+attention plan keeps the OR of its layers' error flags (the CPU reference's changes only when a
+layer flags a row), and
 :meth:`Engine.prefill_many` prefills every admitted prompt in one forward pass.
 """
 
@@ -239,10 +240,10 @@ class Engine:
             [token_ids, positions, slots, targets, wanted], dtype=torch.long, device=dev
         )  # (5, B)
         tokens, pos, slot, target, want = inputs.unbind(0)
-        seq_lens = (pos + 1).to(torch.int32)  # (B,) tokens incl. the current one
         stale = self.pool.page_gen.index_select(0, target) != want
         # A stale target page is never written (slot -1) and the row is flagged.
         slot_mapping = torch.where(stale, -1, slot)  # (B,) int64
+        seq_lens = (pos + 1).to(torch.int32)  # (B,) tokens incl. the current one
         # Planned once for the step's layers; every layer's call checks the pages it reads anew,
         # and the plan ORs the layers' flags (``attention.flags``).
         attention = kernels.plan_decode_attention(
