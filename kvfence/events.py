@@ -5,6 +5,9 @@ Topics (DESIGN.md "Events and logs")::
     kvfence/v1/<cluster>/events/<kind>    QoS 1, JSON {"seq", "ts", "kind", "cluster", "node_id"..}
     kvfence/v1/<cluster>/nodes/<node_id>  QoS 1, retained: the node's latest status
 
+``follow`` reads a cluster's events; ``clusters_seen`` reads the retained node statuses of every
+cluster (``kvfence/v1/+/nodes/+``) to name the clusters a reader can see on a broker.
+
 ``EventBus.emit`` is called on request paths, so it only appends to a bounded in-memory buffer and
 wakes the publisher task; it never blocks and never raises. The publisher removes an event from the
 buffer only after the broker acknowledged it (PUBACK), so a broker restart loses nothing that was
@@ -135,6 +138,10 @@ AUTH_REFUSED_CODES = frozenset({4, 5, 134, 135})
 # as an error at most this often (and at once whenever the reason changes); the retries in between
 # log at debug level.
 REFUSAL_LOG_INTERVAL_S = 60.0
+# clusters_seen: the retained node statuses a broker sends after the SUBACK count as all there is
+# once this long passes without one (they come back to back), and it stops after SEEN_MAX_S.
+SEEN_SETTLE_S = 0.5
+SEEN_MAX_S = 3.0
 # The settings of EventsConfig that MqttTls's files come from (error messages name them).
 TLS_SETTINGS = ("events.mqtt_tls_ca_file", "events.mqtt_tls_cert_file", "events.mqtt_tls_key_file")
 
@@ -1646,6 +1653,7 @@ async def follow(
     dedupe: bool = True,
     credentials: MqttCredentials | None = None,
     tls: MqttTls | None = None,
+    on_subscribed: Callable[[], None] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield events of ``cluster`` (only ``kinds`` when given) as they arrive.
 
@@ -1653,31 +1661,18 @@ async def follow(
     (``is_auth_refusal`` tells a refused account; ``is_tls_failure`` a failed TLS handshake) or
     the connection drops, and TlsError when a file of ``tls`` cannot be used.
     Re-sent duplicates (same node, seq and ts) are skipped unless ``dedupe`` is False.
+    ``on_subscribed`` is called once the broker acknowledged the subscriptions (from then on,
+    silence means nothing was published there that this account may read).
     """
     wanted = sorted(set(kinds)) if kinds else ["+"]
     seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
 
-    def client(protocol: aiomqtt.ProtocolVersion) -> _Client:
-        return _Client(
-            host,
-            port,
-            identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",
-            username=_username(credentials),
-            password=_password(credentials),
-            tls_context=None if tls is None else tls.context(),
-            protocol=protocol,
-        )
-
     async with contextlib.AsyncExitStack() as stack:
-        try:
-            c = await stack.enter_async_context(client(aiomqtt.ProtocolVersion.V5))
-        except MqttConnectError as err:
-            if not is_unsupported_protocol(err):
-                raise
-            log.warning("broker does not speak MQTT 5: using MQTT 3.1.1", host=host, port=port)
-            c = await stack.enter_async_context(client(aiomqtt.ProtocolVersion.V311))
+        c = await _enter_reader(stack, host, port, credentials, tls)
         for kind in wanted:
             await c.subscribe(event_topic(cluster, kind), qos=1)
+        if on_subscribed is not None:
+            on_subscribed()
         async for message in c.messages:
             raw = message.payload
             try:
@@ -1712,3 +1707,83 @@ def _dedupe_key(event: dict[str, Any]) -> Hashable | None:
         return json.dumps(key, sort_keys=True, default=str)
     except (ValueError, TypeError, RecursionError):
         return None
+
+
+async def _enter_reader(
+    stack: contextlib.AsyncExitStack,
+    host: str,
+    port: int,
+    credentials: MqttCredentials | None,
+    tls: MqttTls | None,
+) -> _Client:
+    """A subscriber's connection, entered on ``stack``: MQTT 5, or 3.1.1 for a broker that
+    answers "unsupported protocol version"."""
+
+    def client(protocol: aiomqtt.ProtocolVersion) -> _Client:
+        return _Client(
+            host,
+            port,
+            identifier=f"kvfence-follow-{uuid.uuid4().hex[:8]}",
+            username=_username(credentials),
+            password=_password(credentials),
+            tls_context=None if tls is None else tls.context(),
+            protocol=protocol,
+        )
+
+    try:
+        return await stack.enter_async_context(client(aiomqtt.ProtocolVersion.V5))
+    except MqttConnectError as err:
+        if not is_unsupported_protocol(err):
+            raise
+        log.warning("broker does not speak MQTT 5: using MQTT 3.1.1", host=host, port=port)
+        return await stack.enter_async_context(client(aiomqtt.ProtocolVersion.V311))
+
+
+async def clusters_seen(
+    host: str,
+    port: int = 1883,
+    *,
+    credentials: MqttCredentials | None = None,
+    tls: MqttTls | None = None,
+    settle_s: float = SEEN_SETTLE_S,
+    max_s: float = SEEN_MAX_S,
+) -> dict[str, dict[str, bool]]:
+    """The clusters whose retained node status (``node_topic``) this account may read on the
+    broker: {cluster: {node_id: online}}, ``online`` True only for a status that says so (the
+    will and a graceful stop leave ``"online": false``). Reads only, publishes nothing.
+
+    A broker sends the retained messages right after its SUBACK and marks no end, so this
+    collects until ``settle_s`` passes without one (at most ``max_s``). A broker's ACL usually
+    filters what it delivers rather than refusing the subscription (Mosquitto), so an empty
+    answer can also mean this account may read no node status. Raises like ``follow``, and
+    ``aiomqtt.MqttError`` when the broker refuses the subscription (an MQTT 5 SUBACK >= 0x80).
+    """
+    seen: dict[str, dict[str, bool]] = {}
+    topic = node_topic("+", "+")
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack:
+        c = await _enter_reader(stack, host, port, credentials, tls)
+        granted = await c.subscribe(topic, qos=1)
+        for code in granted or ():
+            value = getattr(code, "value", code)
+            if isinstance(value, int) and value >= PUBACK_REFUSED_FROM:  # as for a PUBACK
+                raise aiomqtt.MqttError(
+                    f"the broker refused the subscription to {topic}: {_reason_name(code)}"
+                )
+        deadline = loop.time() + max_s
+        messages = c.messages
+        while (left := min(settle_s, deadline - loop.time())) > 0:
+            try:
+                message = await asyncio.wait_for(messages.__anext__(), left)
+            except TimeoutError:
+                break
+            levels = str(message.topic).split("/")
+            if len(levels) != 5 or not message.payload:  # an empty payload clears a status
+                continue
+            try:
+                status = json.loads(message.payload)  # type: ignore[arg-type]
+            except (ValueError, TypeError, RecursionError):
+                status = None
+            online = isinstance(status, dict) and status.get("online") is True
+            seen.setdefault(levels[2], {})[levels[4]] = online
+    return seen

@@ -9,6 +9,12 @@ A broker that serves TLS: ``--mqtt-tls-ca`` (env KVFENCE_MQTT_TLS_CA), the CA th
 certificate (which must name the host connected to, or ``--mqtt-tls-server-name``: through a
 port-forward), and for a broker that requires client certificates ``--mqtt-tls-cert`` +
 ``--mqtt-tls-key``; else ``events.mqtt_tls_*`` of ``--config``.
+Silence is not always "no events": a wrong ``--cluster`` (the default is "local"), a broker
+the cluster does not send to, or an account whose ACL does not cover the cluster's topics look
+the same. So when nothing has arrived ``--hint-after`` seconds (default 10, 0: never) after the
+subscription, it prints one hint on stderr (stdout carries only events) and keeps waiting: the
+cluster and topic it listens on, the clusters this broker has a retained node status of that the
+account may read (``clusters_seen``), and what the silence may mean.
 Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached, refused
 the account, failed the TLS handshake or the connection dropped, 2 bad usage.
 It connects with MQTT 5, and with MQTT 3.1.1 to a broker that answers "unsupported protocol
@@ -33,8 +39,11 @@ from kvfence.config import ConfigError, load_config
 from kvfence.events import (
     EVENT_KINDS,
     SECURITY_KINDS,
+    TOPIC_ROOT,
     MqttCredentials,
     MqttTls,
+    clusters_seen,
+    event_topic,
     follow,
     is_auth_refusal,
     is_client_certificate_required,
@@ -47,6 +56,11 @@ EXIT_OK, EXIT_BROKER, EXIT_USAGE = 0, 1, 2
 PASSWORD_ENV = "KVFENCE_MQTT_PASSWORD"
 _HEADER_FIELDS = ("seq", "ts", "kind", "cluster", "node_id")
 _TLS_FLAGS = ("--mqtt-tls-ca", "--mqtt-tls-cert", "--mqtt-tls-key")
+# Seconds of silence after subscribing before the hint: long enough that a cluster that is up and
+# busy has sent something, short enough for an operator who is waiting on it.
+DEFAULT_HINT_AFTER_S = 10.0
+# The hint names at most this many clusters (a shared broker may carry many).
+_HINT_MAX_CLUSTERS = 20
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
@@ -94,6 +108,13 @@ def events(
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Exit after N events."),
+    hint_after: float = typer.Option(
+        DEFAULT_HINT_AFTER_S,
+        "--hint-after",
+        min=0.0,
+        help="Seconds without any event before one hint on stderr (the clusters this broker "
+        "has, what the silence may mean); it keeps waiting. 0: no hint.",
+    ),
     config: Path | None = typer.Option(None, "--config", "-c", help="Cluster config file."),
 ) -> None:
     """Show the cluster's events (MQTT) live."""
@@ -118,7 +139,18 @@ def events(
     console = Console(highlight=False, soft_wrap=True)
     try:
         asyncio.run(
-            _stream(name, host, port, kind or None, as_json, limit, console, credentials, tls)
+            _stream(
+                name,
+                host,
+                port,
+                kind or None,
+                as_json,
+                limit,
+                console,
+                credentials,
+                tls,
+                hint_after=hint_after,
+            )
         )
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_OK) from None
@@ -278,16 +310,131 @@ async def _stream(
     console: Console,
     credentials: MqttCredentials | None = None,
     tls: MqttTls | None = None,
+    *,
+    hint_after: float = 0.0,
 ) -> None:
+    """Print the events of ``cluster``; with ``hint_after`` > 0, one hint on stderr when none
+    has arrived that many seconds after subscribing (``_hint_on_silence``)."""
     seen = 0
-    async for event in follow(cluster, host, port, kinds, credentials=credentials, tls=tls):
-        if as_json:
-            typer.echo(_json(event))
+    subscribed, got_event = asyncio.Event(), asyncio.Event()
+    hint = None
+    if hint_after > 0:
+        hint = asyncio.create_task(
+            _hint_on_silence(
+                cluster, host, port, kinds, credentials, tls, hint_after, subscribed, got_event
+            )
+        )
+    stream = follow(
+        cluster, host, port, kinds, credentials=credentials, tls=tls, on_subscribed=subscribed.set
+    )
+    try:
+        async for event in stream:
+            got_event.set()
+            if as_json:
+                typer.echo(_json(event))
+            else:
+                console.print(format_event(event))
+            seen += 1
+            if limit is not None and seen >= limit:
+                return
+    finally:
+        if hint is not None:
+            hint.cancel()
+            await asyncio.wait([hint])  # let a probe in flight close its connection
+
+
+async def _hint_on_silence(
+    cluster: str,
+    host: str,
+    port: int,
+    kinds: list[str] | None,
+    credentials: MqttCredentials | None,
+    tls: MqttTls | None,
+    after_s: float,
+    subscribed: asyncio.Event,
+    got_event: asyncio.Event,
+) -> None:
+    """Once ``after_s`` seconds have passed since the subscription without an event, ask the
+    broker which clusters it has (a second, read-only connection) and print the hint on stderr,
+    unless an event came meanwhile. Counted from the subscription, not the start: a slow or
+    failing connection is reported as such, not as silence."""
+    await subscribed.wait()
+    try:
+        await asyncio.wait_for(got_event.wait(), after_s)
+        return
+    except TimeoutError:
+        pass
+    seen: dict[str, dict[str, bool]] | None = None
+    failure = None
+    try:
+        seen = await clusters_seen(host, port, credentials=credentials, tls=tls)
+    except Exception as err:  # advice only: whatever fails here must not end the live view
+        failure = str(err) or type(err).__name__
+    if not got_event.is_set():
+        typer.echo(silence_hint(cluster, host, port, kinds, after_s, seen, failure), err=True)
+
+
+def silence_hint(
+    cluster: str,
+    host: str,
+    port: int,
+    kinds: list[str] | None,
+    after_s: float,
+    seen: dict[str, dict[str, bool]] | None,
+    failure: str | None = None,
+) -> str:
+    """The hint for a cluster that sent nothing for ``after_s`` s: where it listens, then what
+    ``seen`` (``clusters_seen``: {cluster: {node: online}}; None when it failed with
+    ``failure``) says the silence means. Names from the broker are shown escaped (``_text``):
+    anyone who may publish a node status chooses them."""
+    name = _text(cluster)
+    topics = ", ".join(event_topic(name, k) for k in (sorted(set(kinds)) if kinds else ["+"]))
+    lines = [
+        f"events: no event from cluster '{name}' for {after_s:g} s (broker {host}:{port}, "
+        f"topic {topics}); still waiting."
+    ]
+    elsewhere = (
+        f"cluster '{name}' sends no events to this broker (its config's events.mqtt_host is "
+        f"unset or another broker), or this account may not read {TOPIC_ROOT}/{name}/# "
+        "(the broker's ACL)"
+    )
+    if seen is None:
+        lines.append(f"  could not list the clusters on this broker: {_text(failure)}")
+        lines.append(f"  wrong --cluster? Else {elsewhere}.")
+    elif cluster in seen:
+        nodes = seen[cluster]
+        online = sum(nodes.values())
+        kinds_note = " of the kinds given (--kind)" if kinds else ""
+        if online:
+            lines.append(
+                f"  cluster '{name}' is on this broker, {online} of {len(nodes)} node(s) online "
+                f"(their retained status): it is up and has had nothing to report{kinds_note} "
+                "(a request that succeeds emits no event), or this account may read its node "
+                "status but not its events (the broker's ACL)."
+            )
         else:
-            console.print(format_event(event))
-        seen += 1
-        if limit is not None and seen >= limit:
-            return
+            lines.append(
+                f"  cluster '{name}' is known to this broker, but none of its nodes "
+                f"({len(nodes)}) is online (their last retained status): nothing of it runs to "
+                "emit events."
+            )
+    elif seen:
+        names = sorted(seen)
+        shown = [f"{_text(c)} ({sum(seen[c].values())}/{len(seen[c])} nodes online)" for c in names]
+        more = len(names) - _HINT_MAX_CLUSTERS
+        listed = ", ".join(shown[:_HINT_MAX_CLUSTERS]) + (f" and {more} more" if more > 0 else "")
+        lines.append(
+            f"  clusters seen on this broker (retained node status this account may read): {listed}"
+        )
+        lines.append(f"  wrong --cluster? Else {elsewhere}.")
+    else:
+        lines.append(
+            f"  no cluster's node status can be read on this broker ({TOPIC_ROOT}/+/nodes/+): "
+            "wrong broker (--mqtt-host, --mqtt-port)? Else no kvfence cluster sends its events "
+            "here (events.mqtt_host in its config), or this account may read none of them (the "
+            f"broker's ACL), or --cluster '{name}' is wrong."
+        )
+    return "\n".join(lines)
 
 
 def format_event(event: dict[str, Any]) -> str:
