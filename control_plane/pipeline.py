@@ -434,7 +434,7 @@ class Pipeline:
                     del rec.contacted[node.node_id]
                 self.d.registry.lose(node, "refused connections")
                 return None
-            raise node_failed(node, err) from None
+            raise node_failed(self.d.registry, node, err) from None
         if not self.d.registry.registered(node):
             # Answered, then lost before this request went on: the lost node's requests are
             # left to their cut calls (service._node_lost), and this one's was not cut. Its pages
@@ -548,7 +548,7 @@ class Pipeline:
                     self.d.registry.lose(node, "refused connections")
                 return None
             decode = self.d.registry.get(rec.decode_node)
-            raise node_failed(node, err, decode) from None
+            raise node_failed(self.d.registry, node, err, decode) from None
         finally:
             node.in_flight -= 1
 
@@ -595,7 +595,7 @@ class Pipeline:
                         last = now
                         emit(out)
         except grpc.aio.AioRpcError as err:
-            raise node_failed(node, err) from None
+            raise node_failed(self.d.registry, node, err) from None
         finally:
             if not call.done():
                 call.cancel()

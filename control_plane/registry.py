@@ -79,7 +79,7 @@ class Node:
     failed_at: float = 0.0
     # A prefill node that refused a Prefill for room (routing.refuse_room): left out of routing
     # until a heartbeat shows more free pages than refused_free (its refusal's count, then the
-    # fewest seen), a release on it is answered, or REFUSED_ROOM_MAX_S after refused_at.
+    # fewest seen), a release on it is answered, or Registry.refused_room_max_s after refused_at.
     refused_room: bool = False
     refused_free: int = 0
     refused_at: float = 0.0
@@ -110,10 +110,20 @@ class Registry:
         on_lost: NodeCallback | None = None,
         on_refused: Callable[[control_pb2.RegisterRequest, str], None] | None = None,
         on_capacity: Callable[[], None] | None = None,
+        failures_to_cool: int,
+        failure_cooldown_s: float,
+        refused_room_max_s: float,
     ):
+        """``failures_to_cool``, ``failure_cooldown_s``, ``refused_room_max_s``: how routing
+        leaves failing or full nodes out (``control_plane.routing``; the control_plane config keys
+        of the same names). Kept here, not in module globals, so that each control plane routes by
+        its own config (two in one process, as in tests, do not share them)."""
         self.model = model
         self.heartbeat_interval_s = heartbeat_interval_s
         self.node_timeout_s = node_timeout_s
+        self.failures_to_cool = failures_to_cool
+        self.failure_cooldown_s = failure_cooldown_s
+        self.refused_room_max_s = refused_room_max_s
         self._nodes: dict[str, Node] = {}
         # node_id -> the replaced process last warned about (its heartbeats go on every beat).
         self._superseded_warned: dict[str, str] = {}

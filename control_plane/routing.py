@@ -1,11 +1,15 @@
 """Channels to the nodes, node choice, and the count of node RPCs (tests assert on it).
 
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
-(shortest first); a node whose calls failed on its side FAILURES_TO_COOL times in a row is left out
-for FAILURE_COOLDOWN_S while another of its role takes requests (logged: "node cooling down after
-failures"). The estimates only order and pre-filter the candidates; the node's own answer to
-Reserve / Prefill (RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill
-node is left out as ``refuse_room`` says) is authoritative. A draining node
+(shortest first); a node whose calls failed on its side ``control_plane.failures_to_cool`` times in
+a row (default 3) is left out for ``control_plane.failure_cooldown_s`` (default 10 s; 0 = never)
+while another of its role takes requests (logged: "node cooling down after failures"). The
+estimates only order and pre-filter the candidates; the node's own answer to Reserve / Prefill
+(RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill node is left out as
+``refuse_room`` says, at most ``control_plane.refused_room_max_s``, default 5 s) is authoritative.
+These three settings are the ``Registry``'s (from its control plane's config), passed with it to
+every function here that needs them: no module state, so two control planes in one process route
+by their own. A draining node
 (shutting down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took
 nothing for the request, is marked draining at once (``refused_draining``) and the request tries
 another node or waits, as after RESOURCE_EXHAUSTED.
@@ -154,14 +158,13 @@ class NodeClients:
 
 
 # A node whose calls failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX
-# path down; a prefill node's transfer timing out) FAILURES_TO_COOL times in a row, no success
-# between, is left out of routing for FAILURE_COOLDOWN_S while another node of its role takes
-# requests; then one request probes it (a failure cools it again, a success clears it). It
-# answers fast and heartbeats on, so by queue length or free pages it looked the best node and
-# drew every request to fail. One failure alone (a transient error, a peer restarting) costs no
-# capacity.
-FAILURES_TO_COOL = 3
-FAILURE_COOLDOWN_S = 10.0
+# path down; a prefill node's transfer timing out) registry.failures_to_cool times in a row, no
+# success between, is left out of routing for registry.failure_cooldown_s while another node of its
+# role takes requests; then one request probes it (a failure cools it again, a success clears it).
+# It answers fast and heartbeats on, so by queue length or free pages it looked the best node and
+# drew every request to fail. With the default of 3, one failure alone (a transient error, a peer
+# restarting) costs no capacity. A cool-down of 0 leaves every node in (the count and the log go
+# on).
 _NODE_FAULTS = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
 )
@@ -177,10 +180,12 @@ _TRANSFER_TO_DECODE = frozenset({"TRANSFER_FAILED", "UNREACHABLE"})
 _TRANSFER_TIMEOUT = "TIMEOUT"
 
 
-def node_failed(node: Node, err: grpc.aio.AioRpcError, decode: Node | None = None) -> KvfenceError:
-    """``node_error``, and a failure on the node's side counts towards its cool-down (module
-    constants). ``decode``: the request's decode node, which a failed transfer counts against
-    too."""
+def node_failed(
+    registry: Registry, node: Node, err: grpc.aio.AioRpcError, decode: Node | None = None
+) -> KvfenceError:
+    """``node_error``, and a failure on the node's side counts towards its cool-down (the
+    registry's settings). ``decode``: the request's decode node, which a failed transfer counts
+    against too."""
     failure = node_error(node, err)
     timed_out = (
         err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -189,9 +194,9 @@ def node_failed(node: Node, err: grpc.aio.AioRpcError, decode: Node | None = Non
     )
     # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node.
     if timed_out or (err.code() in _NODE_FAULTS and failure.reason != RESERVATION_RELEASED):
-        _count_failure(node, failure.reason)
+        _count_failure(registry, node, failure.reason)
         if decode is not None and (timed_out or failure.reason in _TRANSFER_TO_DECODE):
-            _count_failure(decode, failure.reason)
+            _count_failure(registry, decode, failure.reason)
     return failure
 
 
@@ -200,23 +205,27 @@ def node_succeeded(node: Node) -> None:
     node.failures = 0
 
 
-def _count_failure(node: Node, reason: str) -> None:
+def _count_failure(registry: Registry, node: Node, reason: str) -> None:
     node.failures += 1
     node.failed_at = time.monotonic()
-    if node.failures == FAILURES_TO_COOL or node.failures % (10 * FAILURES_TO_COOL) == 0:
+    to_cool = registry.failures_to_cool
+    # At the count that cools it, then at every 10x that count: a node that keeps failing stays
+    # visible in the log without a line per request.
+    if node.failures == to_cool or node.failures % (10 * to_cool) == 0:
         log.warning(
             "node cooling down after failures",
             node_id=node.node_id,
             role=node.role,
             reason=reason,
             failures_in_a_row=node.failures,
-            seconds=FAILURE_COOLDOWN_S,
+            seconds=registry.failure_cooldown_s,  # 0: cool-down off, the node stays in
         )
 
 
-def _cooling(node: Node) -> bool:
+def _cooling(registry: Registry, node: Node) -> bool:
     return (
-        node.failures >= FAILURES_TO_COOL and time.monotonic() - node.failed_at < FAILURE_COOLDOWN_S
+        node.failures >= registry.failures_to_cool
+        and time.monotonic() - node.failed_at < registry.failure_cooldown_s
     )
 
 
@@ -224,8 +233,8 @@ def _unless_cooling(registry: Registry, role: str, nodes: list[Node]) -> list[No
     """``nodes`` less the cooling ones, while a node of ``role`` that is not cooling takes
     requests (full or not: a request waits for its room rather than go to a node that keeps
     failing); all of them when every node of the role is cooling."""
-    if any(not _cooling(n) for n in registry.taking_requests(role)):
-        return [n for n in nodes if not _cooling(n)]
+    if any(not _cooling(registry, n) for n in registry.taking_requests(role)):
+        return [n for n in nodes if not _cooling(registry, n)]
     return nodes
 
 
@@ -242,17 +251,14 @@ def decode_candidates(registry: Registry, pages: int, skip: set[str]) -> list[No
     )
 
 
-# A prefill node that refused for room is left out at most this long whatever its heartbeats
-# say: pages can come back in a way neither reopening path sees (a pass cancelled mid-way frees
-# its pages after the Release was answered, to exactly the count the last heartbeat showed), and
-# a node left out for good while empty fails every request NO_CAPACITY.
-REFUSED_ROOM_MAX_S = 5.0
-
-
+# A prefill node that refused for room is left out at most registry.refused_room_max_s whatever
+# its heartbeats say: pages can come back in a way neither reopening path sees (a pass cancelled
+# mid-way frees its pages after the Release was answered, to exactly the count the last heartbeat
+# showed), and a node left out for good while empty fails every request NO_CAPACITY.
 def refuse_room(node: Node, err: grpc.aio.AioRpcError) -> None:
     """``node`` refused a Prefill for room: left out of routing until a heartbeat shows more free
     pages than it had (the count its refusal gave, else its last heartbeat's), a release on it is
-    answered, or REFUSED_ROOM_MAX_S pass."""
+    answered, or the registry's ``refused_room_max_s`` pass (``room_refused``)."""
     info = error_info(err)
     free = node.free_pages
     if info is not None and info.metadata.get("free_pages", "").isdigit():
@@ -262,8 +268,9 @@ def refuse_room(node: Node, err: grpc.aio.AioRpcError) -> None:
     node.refused_at = time.monotonic()
 
 
-def room_refused(node: Node) -> bool:
-    return node.refused_room and time.monotonic() - node.refused_at < REFUSED_ROOM_MAX_S
+def room_refused(registry: Registry, node: Node) -> bool:
+    """Whether ``node`` is still left out after refusing for room (``refuse_room``)."""
+    return node.refused_room and time.monotonic() - node.refused_at < registry.refused_room_max_s
 
 
 def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
@@ -274,7 +281,7 @@ def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
     nodes = [
         n
         for n in registry.taking_requests(PREFILL)
-        if n.node_id not in skip and not room_refused(n)
+        if n.node_id not in skip and not room_refused(registry, n)
     ]
     return sorted(
         _unless_cooling(registry, PREFILL, nodes),

@@ -113,6 +113,9 @@ class ControlPlane:
                 on_lost=self._node_lost,
                 on_refused=self._node_refused,
                 on_capacity=self.queue.notify,
+                failures_to_cool=cp.failures_to_cool,
+                failure_cooldown_s=cp.failure_cooldown_s,
+                refused_room_max_s=cp.refused_room_max_s,
             )
             for role in ROLES:
                 self.metrics.nodes.labels(role=role).set_function(

@@ -264,6 +264,25 @@ class ControlPlaneConfig(_Strict):
     # then it fails UNAVAILABLE (NO_NODES), and so does every new one until a node registers.
     # 0 = fail at once.
     no_node_wait_s: float = Field(default=10.0, ge=0)
+    # Routing's cool-down (control_plane/routing.py): a node whose calls failed on its side this
+    # many times in a row, no success between, is left out of routing for failure_cooldown_s while
+    # another node of its role takes requests; then one request probes it. 1 = at the first
+    # failure (a transient error, a peer restarting, then costs that node's share of capacity for
+    # the whole cool-down). At most 100: a node has failed that many requests by then, so a higher
+    # value only disguises "never", which failure_cooldown_s: 0 says plainly.
+    failures_to_cool: int = Field(default=3, ge=1, le=100)
+    # 0 = never cool (failures are still counted and logged). At most an hour: the node stays up
+    # and heartbeating while left out (a restarted process registers afresh, its count at 0), so a
+    # longer one only keeps a node that has recovered out of routing, and one probe per cool-down
+    # is all that a broken node costs already.
+    failure_cooldown_s: float = Field(default=10.0, ge=0, le=3600)
+    # A prefill node that refused a Prefill for room (RESOURCE_EXHAUSTED) is left out at most this
+    # long, whatever its heartbeats say (its pages can come back unseen, and it then sits empty
+    # while requests wait). Above 0: 0 would have every request waiting for prefill room send it
+    # its whole prompt again at each wake-up. At most 30 s: those requests give up after 3/4 of
+    # transfer.reservation_timeout_s (45 s by default) and fail NO_CAPACITY; keep it well under
+    # that where the reservation timeout is lowered.
+    refused_room_max_s: float = Field(default=5.0, gt=0, le=30)
     admin_token_file: Path | None = None
     # Shared by the control plane and every node (kvfence/auth.py): nodes present it to register,
     # and every call to a node must carry it. None = generated under state_dir (by the first

@@ -315,18 +315,20 @@ async def test_a_prefill_node_that_refused_is_tried_again_when_pages_on_it_are_r
 
 @pytest.mark.parametrize("says_free", [True, False])
 async def test_a_prefill_node_that_refused_is_never_left_out_for_good(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says_free: bool
+    tmp_path: Path, says_free: bool
 ) -> None:
     """A node refuses for room; its pages come back in a way no release of this control plane
     answers (a pass cancelled mid-way), to exactly the free count its last heartbeat showed. The
     rule "reopen when a heartbeat shows more free pages than at the refusal" then never fired:
     the node stayed out while empty and every request failed NO_CAPACITY. The refusal now says
     how many pages were free (says_free), and without that (a node of an older release) the
-    node is left out REFUSED_ROOM_MAX_S at most. Control: served either way."""
-    from control_plane import routing
-
-    monkeypatch.setattr(routing, "REFUSED_ROOM_MAX_S", 60.0 if says_free else 0.5, raising=False)
-    c = await make_cluster(tmp_path, prefill_nodes=0, node_timeout_s=60.0)
+    node is left out control_plane.refused_room_max_s at most. Control: served either way."""
+    c = await make_cluster(
+        tmp_path,
+        prefill_nodes=0,
+        node_timeout_s=60.0,
+        refused_room_max_s=30.0 if says_free else 0.5,
+    )
     try:
         node = FakeNode("prefill", "prefill-0", c.script, heartbeat_s=0.05)
         assert (await c.add_node(node)).accepted  # its heartbeats: all pages free, throughout

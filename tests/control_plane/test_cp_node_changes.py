@@ -297,12 +297,10 @@ async def test_a_node_that_fails_every_call_stops_drawing_the_requests(
 ) -> None:
     """A prefill node failing every Prefill at once (its engine or UCX path broken) while it
     heartbeats on had the shortest queue, so it drew every request: 10 of 10 failed with a
-    healthy node beside it. After FAILURES_TO_COOL (3) failures in a row it is left out while
-    the other takes requests. Controls: one failure alone leaves it in (a transient error costs
-    no capacity); the cool-down ends with a probe, and a success clears it; a node alone is
-    still used."""
-    from control_plane import routing
-
+    healthy node beside it. After control_plane.failures_to_cool (3) failures in a row it is
+    left out while the other takes requests. Controls: one failure alone leaves it in (a
+    transient error costs no capacity); the cool-down ends with a probe, and a success clears
+    it; a node alone is still used."""
     c = await make_cluster(tmp_path, prefill_nodes=2)
     try:
         broken = Unavailable("KV transfer to decode failed", reason="TRANSFER_FAILED")
@@ -323,11 +321,11 @@ async def test_a_node_that_fails_every_call_stops_drawing_the_requests(
                 outcomes.append("failed")
         assert outcomes == ["failed"] * 3 + ["ok"] * 7
         assert flaky.methods().count("Prefill") == 5
-        monkeypatch.setattr(routing, "FAILURE_COOLDOWN_S", 0.0)  # the cool-down is over
+        monkeypatch.setattr(c.cp.registry, "failure_cooldown_s", 0.0)  # the cool-down is over
         flaky.servicer.refuse = None
         await c.client().generate(prompt_ids=[10, 11], max_new_tokens=2)  # the probe succeeds
         assert flaky.methods().count("Prefill") == 6
-        monkeypatch.setattr(routing, "FAILURE_COOLDOWN_S", 60.0)
+        monkeypatch.setattr(c.cp.registry, "failure_cooldown_s", 60.0)
         await c.client().generate(prompt_ids=[10, 11], max_new_tokens=2)
         assert flaky.methods().count("Prefill") == 7  # cleared: chosen again at once
         flaky.servicer.refuse = broken

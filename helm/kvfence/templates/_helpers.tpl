@@ -334,6 +334,9 @@ control_plane:
   admission_queue: {{ int64 $cp.admissionQueue }}
   admission_queue_per_tenant: {{ int64 $cp.admissionQueuePerTenant }}
   no_node_wait_s: {{ $cp.noNodeWaitS }}
+  failures_to_cool: {{ int64 $cp.failuresToCool }}
+  failure_cooldown_s: {{ $cp.failureCooldownS }}
+  refused_room_max_s: {{ $cp.refusedRoomMaxS }}
   default_deadline_s: {{ $cp.defaultDeadlineS }}
   max_deadline_s: {{ $cp.maxDeadlineS }}
   heartbeat_interval_s: {{ $cp.heartbeatIntervalS }}
