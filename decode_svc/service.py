@@ -11,7 +11,9 @@ that never sees its ``Decode`` call within ``transfer.reservation_timeout_s`` is
 released (its receives first), so a vanished control plane cannot pin pages. Once decoding, the
 pages go back when the ``Decode`` stream ends, however it ends (finished, failed, cancelled by the
 control plane): the control plane's ``Release``, which it logs and forgets when it fails, is not
-needed for them. A ``Release`` that arrives while the stream is open ends the stream CANCELLED.
+needed for them; nor when the ``Decode`` call is cancelled while it waits for the transfer to
+complete, before the KV is verified (its pages go back at once, unread). A ``Release`` that arrives
+while the stream is open ends the stream CANCELLED.
 A ``Decode`` may not ask for more new tokens than its reservation was made for.
 Every RPC needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED
 and reserves, decodes or releases nothing.
@@ -371,8 +373,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if res is not None and res.state == ResState.RESERVED:
             # The transfer normally completed before prefill returned the manifest; allow a
             # moment for the last acknowledgement to be processed.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(res.transfer.done.wait(), self.cfg.transfer.batch_timeout_s)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        res.transfer.done.wait(), self.cfg.transfer.batch_timeout_s
+                    )
+            except asyncio.CancelledError:
+                # The caller went before the KV was verified. The control plane never calls
+                # Decode twice for a reservation and releases it when the request ends, but its
+                # Release can be lost: the pages would then wait for the reaper
+                # (transfer.reservation_timeout_s). Nothing read them; give them back now.
+                if self.reservations.get(res.reservation_id) is res:
+                    self._release(res.reservation_id, "decode cancelled before verification")
+                raise
             if self.reservations.get(res.reservation_id) is not res:
                 # Reaped or released meanwhile: its transfer was cancelled, not forged.
                 raise self._released_before_decode(res.reservation_id)

@@ -485,6 +485,53 @@ async def test_decode_gives_pages_back_when_its_stream_ends_without_a_release(no
     pool.check_integrity()
 
 
+async def test_a_decode_cancelled_before_its_kv_is_verified_gives_the_pages_back(
+    tiny_dir, tmp_path
+):
+    from asyncwait import eventually
+
+    """The Decode call goes (the client cancelled) while decode waits for the transfer to
+    complete, and the control plane's Release is lost: the pages were held until the reaper,
+    transfer.reservation_timeout_s after Reserve. Now they come back at once. Control: another
+    reservation, whose Decode was not cancelled, stays held."""
+    transfer = {"batch_timeout_s": 20, "reservation_timeout_s": 60.0}
+    async with node_pair(tiny_dir, tmp_path, transfer=transfer) as (dec, _, dstub, _):
+        pool = dec.rt.pool
+        reserved = {}
+        for rid in ("cancelled", "kept"):
+            reserved[rid] = await dstub.Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id=rid, tenant_id="t", prompt_tokens=20, max_new_tokens=2
+                )
+            )
+        res = reserved["cancelled"]
+        manifest = common_pb2.KvManifest(
+            request_id="cancelled", tenant_id="t", reservation_id=res.reservation_id
+        )
+        call = dstub.Decode(
+            decode_pb2.DecodeRequest(
+                request_id="cancelled",
+                tenant_id="t",
+                reservation_id=res.reservation_id,
+                manifest=manifest,
+                sampling=common_pb2.SamplingParams(max_new_tokens=2),
+            )
+        )
+        reading = asyncio.ensure_future(call.read())
+        # The handler waits for the transfer (no prefill sent one) when the call goes.
+        assert await eventually(lambda: dec.servicer.rpc_count >= 3)
+        await asyncio.sleep(0.2)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await reading
+        kept_pages = len(reserved["kept"].pages)
+        assert await eventually(lambda: pool.num_pages - pool.num_free == kept_pages, timeout=5)
+        assert list(dec.servicer.by_request) == ["kept"]
+        assert not (await dstub.Release(prefill_pb2.ReleaseRequest(request_id="cancelled"))).held
+        assert (await dstub.Release(prefill_pb2.ReleaseRequest(request_id="kept"))).held
+        await _all_free(pool)
+
+
 async def test_a_release_mid_decode_ends_the_stream_cancelled(nodes):
     """A Release while the stream is open (an operator's abort reaching decode first, a
     control plane that forgot the node) must end that stream, not leave it waiting."""
