@@ -114,13 +114,7 @@ class PrefillBatcher:
 
     def _drain(self) -> None:
         while batch := self._take():
-            self.passes += 1
-            self.prompts += len(batch)
-            if self.on_pass is not None:
-                try:
-                    self.on_pass(len(batch))
-                except Exception:  # a metric must not stop the engine thread
-                    log.exception("prefill pass callback failed")
+            self._count_pass(len(batch))
             try:
                 firsts = self._run(batch)
             except Exception as err:  # every future must resolve, whatever the pass raised
@@ -130,6 +124,7 @@ class PrefillBatcher:
                 log.warning("prefill pass failed; running its prompts one by one", error=repr(err))
                 firsts = []
                 for prompt in batch:
+                    self._count_pass(1)  # a pass of its own, as the metric must show
                     try:
                         firsts.extend(self._run([prompt]))
                     except Exception as one_err:
@@ -139,6 +134,15 @@ class PrefillBatcher:
                     prompt.future.set_exception(first)
                 else:
                     prompt.future.set_result(first)
+
+    def _count_pass(self, prompts: int) -> None:
+        self.passes += 1
+        self.prompts += prompts
+        if self.on_pass is not None:
+            try:
+                self.on_pass(prompts)
+            except Exception:  # a metric must not stop the engine thread
+                log.exception("prefill pass callback failed")
 
     def _run(self, batch: Sequence[_Prompt]) -> list[int | BaseException]:
         """One forward pass: first tokens (or the prompt's IntegrityError), tails zeroed."""

@@ -11,8 +11,9 @@ request ended), or until ``reservation_timeout_s`` passes without one, so a cont
 vanished cannot pin the pool forever.
 
 Released pages are never reused while this node still touches them: the forward pass (on the
-engine thread; a call cancelled while its prompt waits for a pass drops it, one cancelled later
-cannot stop it) and this call's checksums and UCX send each count as an outstanding operation on
+engine thread; a call cancelled, or a request released, while its prompt waits for a pass drops
+it (a released one's call fails UNAVAILABLE, RESERVATION_RELEASED); once the pass has started
+neither can stop it) and this call's checksums and UCX send each count as an outstanding operation on
 the pages, so a ``Release`` (or a cancel, or a failure) in the middle leaves them QUARANTINED
 until both have ended (``PagePool.begin_ops``). A call releases
 only the pages it allocated itself: a duplicate ``Prefill`` for a request already here is refused
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -77,6 +79,9 @@ class Held:
     since: float
     call: object  # the Prefill call that allocated them (only it, Release or the reaper frees them)
     scrub: bool = False  # the tenant asked for its pages to be zeroed when freed
+    # Its prompt's place in the engine thread's queue (PrefillBatcher.submit): a release cancels
+    # it, which takes effect only while the pass has not started.
+    job: Future[int] | None = None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -227,6 +232,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except BaseException:
                 self.pool.end_ops(ids)  # never queued: no pass will end the pass's operation
                 raise
+            self.held[req.request_id].job = job
             loop = asyncio.get_running_loop()
 
             def pass_over(_: object) -> None:  # on the engine thread
@@ -240,6 +246,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             job.add_done_callback(pass_over)
             try:
                 first = await asyncio.wrap_future(job)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if job.cancelled() and (task is None or task.cancelling() == 0):
+                    # Not this call's cancel: a release (the reaper, the control plane) took
+                    # its prompt out of the queue before its pass (``_release``).
+                    raise Unavailable(
+                        "released while queued for prefill", reason=RESERVATION_RELEASED
+                    ) from None
+                raise
             except IntegrityError as err:  # this node's own check (a page's generation)
                 report_integrity(
                     self.metrics, self.bus, log, err, "prefill", req.request_id, req.tenant_id
@@ -396,6 +411,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if held is None or (call is not None and held.call is not call):
             return False
         del self.held[request_id]
+        if held.job is not None:
+            # A prompt still queued never runs: its pass would be spent on pages no one owns
+            # (under overload the reaper releases exactly the prompts queued too long, and the
+            # live ones behind them would wait for those passes too). Once its pass has started
+            # this does nothing, and the call fails after it (RESERVATION_RELEASED).
+            held.job.cancel()
         self.pool.release(request_id, scrub=held.scrub)
         self._publish_pages()
         return True

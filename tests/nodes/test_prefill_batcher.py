@@ -147,7 +147,8 @@ def test_a_failing_pass_is_run_again_prompt_by_prompt(loaded):
     bad = PROMPTS[2]
     engine = make_engine(loaded)
     gate = Gate(engine, fail_when=lambda prompts: bad in prompts)
-    batcher = PrefillBatcher(engine, engine.pool)
+    seen: list[int] = []  # the on_pass metric's view
+    batcher = PrefillBatcher(engine, engine.pool, on_pass=seen.append)
     try:
         _, futures = queue_behind_first(batcher, gate, engine, PROMPTS, "f")
         gate.go.set()
@@ -158,6 +159,10 @@ def test_a_failing_pass_is_run_again_prompt_by_prompt(loaded):
         batcher.close()
     assert all(isinstance(t, int) for t in firsts)
     assert gate.passes == [1, 3, 1, 1, 1]  # the shared pass, then each of its prompts alone
+    # Every pass the engine ran is counted, the reruns included (they were not: the metric
+    # showed fewer passes exactly when passes failed).
+    assert seen == gate.passes
+    assert (batcher.passes, batcher.prompts) == (len(gate.passes), sum(gate.passes))
 
 
 def test_close_cancels_what_waits_and_refuses_more(loaded):

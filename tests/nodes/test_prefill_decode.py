@@ -226,6 +226,43 @@ def held_pass(engine):
         engine.prefill_many = real_prefill
 
 
+@pytest.mark.parametrize("release_queued", [True, False])
+async def test_a_prompt_released_while_queued_for_its_pass_never_runs(nodes, release_queued):
+    """A prompt waiting behind another's pass is released (the control plane, or the reaper,
+    which releases exactly the prompts queued too long): its pass ran all the same, on pages no
+    one owned, and the live prompts behind it waited for it. Now it is dropped from the queue
+    and its call fails UNAVAILABLE, RESERVATION_RELEASED. Control: not released, both run."""
+    from asyncwait import eventually
+
+    _, pre, dstub, pstub = nodes
+    pool, batcher = pre.rt.pool, pre.servicer.batcher
+    with held_pass(pre.rt.engine) as (entered, go):
+        _, first = await reserve_and_prefill(dstub, pstub, "first", list(range(3, 20)))
+        first_call = asyncio.ensure_future(first)
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        _, second = await reserve_and_prefill(dstub, pstub, "second", list(range(3, 40)))
+        second_call = asyncio.ensure_future(second)
+        assert await eventually(lambda: "second" in pre.servicer.held)
+        if release_queued:
+            assert (await pstub.Release(prefill_pb2.ReleaseRequest(request_id="second"))).held
+        go.set()
+        await first_call
+        if release_queued:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await second_call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert error_info(err.value).reason == "RESERVATION_RELEASED"
+            assert batcher.prompts == 1
+        else:
+            assert (await second_call).manifest.token_count == 37
+            assert batcher.prompts == 2
+    for rid in ("first", "second"):
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
+        await dstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
+    assert await eventually(lambda: pool.num_free == pool.num_pages)
+    pool.check_integrity()
+
+
 @pytest.mark.parametrize("release_midway", [True, False])
 async def test_pages_released_during_the_forward_pass_are_not_reused_before_it_ends(
     nodes, release_midway
