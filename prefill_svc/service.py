@@ -13,10 +13,10 @@ vanished cannot pin the pool forever.
 Released pages are never reused while this node still touches them: the forward pass (on the
 engine thread; a call cancelled, or a request released, while its prompt waits for a pass drops
 it (a released one's call fails UNAVAILABLE, RESERVATION_RELEASED); once the pass has started
-neither can stop it) and this call's checksums and UCX send each count as an outstanding operation on
-the pages, so a ``Release`` (or a cancel, or a failure) in the middle leaves them QUARANTINED
-until both have ended (``PagePool.begin_ops``). A call releases
-only the pages it allocated itself: a duplicate ``Prefill`` for a request already here is refused
+neither can stop it) and this call's checksums and UCX send each count as an outstanding
+operation on the pages, so a ``Release`` (or a cancel, or a failure) in the middle leaves them
+QUARANTINED until both have ended (``PagePool.begin_ops``). A call releases only the pages it
+allocated itself: a duplicate ``Prefill`` for a request already here is refused
 without touching the first one's pages. Bad input (a token outside the vocabulary, a sampled
 request without a seed) is INVALID_ARGUMENT, found before any page is taken. Every RPC needs the
 cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED and runs or
