@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from control_plane.routing import (
     node_failed,
     node_succeeded,
     prefill_candidates,
+    prefill_pages,
     refuse_room,
     refused_draining,
 )
@@ -485,7 +486,9 @@ class Pipeline:
             # A request waiting here for prefill room is as queued as one waiting for decode
             # pages: an operator's offline (or a shutdown) reaches it too.
             self._check_serving()
-            candidates = prefill_candidates(self.d.registry, skip=full)
+            # Only nodes whose estimate holds the prompt: waiters woken together when room
+            # comes back each see the pages the ones before them sent (``_try_prefill``).
+            candidates = prefill_candidates(self.d.registry, full, len(prompt.token_ids))
             if not candidates:
                 # Wait (within the deadline) for room, or, with no prefill node taking requests
                 # (none registered: one refused connections, restarted; or all draining), for one
@@ -527,10 +530,17 @@ class Pipeline:
         rec.prefill_node = node.node_id
         self.d.clients.count(node, "Prefill")
         node.in_flight += 1
+        counted_at = node.last_heartbeat
         try:
-            return await run.guard(
-                self.d.clients.prefill(node).Prefill(req, timeout=_left(deadline))
-            )
+            call = self.d.clients.prefill(node).Prefill(req, timeout=_left(deadline))
+            # The prompt's pages come off the node's estimate now, before the first await: the
+            # requests woken with this one for room (a release answered, a heartbeat) choose
+            # after it, and with room for one only one sends its prompt, not every one of them.
+            # A heartbeat resets the count, so pages that are never given back (a release that
+            # fails) leave the node out one heartbeat interval at most.
+            rec.prefill_pages = prefill_pages(node, len(req.prompt_token_ids))
+            node.reserved_since_heartbeat += rec.prefill_pages
+            return await run.guard(call)
         except grpc.aio.AioRpcError as err:
             gone = unreachable(err)
             if (
@@ -541,6 +551,11 @@ class Pipeline:
                 if first_contact:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""
+                # The node took nothing: its pages go back on the estimate, unless a heartbeat
+                # came meanwhile (it reset the count, and its free pages never lacked these).
+                if node.last_heartbeat == counted_at:
+                    node.reserved_since_heartbeat -= rec.prefill_pages
+                rec.prefill_pages = 0
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # "No room now": left out until its next heartbeat or a release on it.
                     refuse_room(node, err)
@@ -617,6 +632,7 @@ class Pipeline:
         rec = run.record
         node = self.d.registry.get(rec.prefill_node)
         rec.contacted.pop(rec.prefill_node, None)
+        pages, rec.prefill_pages = rec.prefill_pages, 0
         if node is None:
             return
         task = asyncio.create_task(
@@ -624,15 +640,23 @@ class Pipeline:
         )
         self.d.background.add(task)
         task.add_done_callback(self.d.background.discard)
-        task.add_done_callback(lambda _: self._prefill_room_back(node))
+        task.add_done_callback(lambda t: self._prefill_room_back(node, pages, _answered(t)))
 
-    def _prefill_room_back(self, node: Node) -> None:
-        """A release on a prefill node has been answered: if it refused for room, it may have
-        some now, and requests waiting for prefill room try at once rather than at its next
-        heartbeat. (Before the answer, their Prefill could overtake the Release and be refused
-        again, to wait for the heartbeat after all.)"""
+    def _prefill_room_back(self, node: Node, pages: int, answered: bool) -> None:
+        """A release on a prefill node is over (``answered``: the node answered it). Its
+        request's ``pages`` come off the node's estimate once answered (not before: a Prefill
+        sent on the strength of them could overtake the Release and be refused); one that was
+        not answered leaves them counted until the node's next heartbeat. Requests waiting for
+        prefill room then try at once rather than at its next heartbeat, and a node that
+        refused for room is tried again (it may have some now)."""
+        room = False
+        if answered and pages:
+            node.reserved_since_heartbeat -= pages
+            room = True
         if node.refused_room:
             node.refused_room = False
+            room = True
+        if room:
             self.d.queue.notify()
 
     async def _release_all(self, run: Run) -> None:
@@ -640,15 +664,18 @@ class Pipeline:
         if not rec.contacted:
             return
         reason = f"{rec.state}: {rec.reason}" if rec.reason else str(rec.state)
-        calls = []
-        prefill_nodes = []
+        calls: list[Coroutine[Any, Any, bool]] = []
+        # Each prefill node (it may hold pages even if its Prefill failed), the index of its
+        # Release in calls, and the pages the request counted on its estimate.
+        prefill_nodes: list[tuple[Node, int, int]] = []
         for node_id in list(rec.contacted):
             node = self.d.registry.get(node_id)
             if node is None:  # lost: nothing to call, its pages went with it
                 log.info("not releasing on lost node", node_id=node_id)
                 continue
-            if node.role == PREFILL:  # it may hold pages even if its Prefill failed
-                prefill_nodes.append(node)
+            if node.role == PREFILL:
+                pages = rec.prefill_pages if node_id == rec.prefill_node else 0
+                prefill_nodes.append((node, len(calls), pages))
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
                 if rec.state == RequestState.FINISHED:
@@ -657,9 +684,10 @@ class Pipeline:
                     continue
             calls.append(self.d.clients.release(node, rec.request_id, reason))
         rec.contacted.clear()
-        await asyncio.gather(*calls, return_exceptions=True)
-        for node in prefill_nodes:
-            self._prefill_room_back(node)
+        rec.prefill_pages = 0
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        for node, i, pages in prefill_nodes:
+            self._prefill_room_back(node, pages, answers[i] is True)
         self.d.queue.notify()
 
 
@@ -671,6 +699,11 @@ def unreachable(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
         err.details() or ""
     )
+
+
+def _answered(task: asyncio.Task[bool]) -> bool:
+    """Whether a ``NodeClients.release`` task ended with the node's answer."""
+    return not task.cancelled() and task.exception() is None and task.result()
 
 
 def _tenant(run: Run) -> Tenant:

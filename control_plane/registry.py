@@ -65,8 +65,10 @@ class Node:
     quarantined_pages: int = 0
     queue_length: int = 0
     last_heartbeat: float = 0.0
-    # Pages this control plane reserved since the last heartbeat: the heartbeat's free count does
-    # not know about them yet, and routing should not pick a node it has just filled.
+    # Pages this control plane took on the node since the last heartbeat (decode reservations,
+    # prefill prompts sent: control_plane.routing), less those it saw freed: the heartbeat's
+    # free count does not know about them yet, and routing should not pick a node it has just
+    # filled. Each heartbeat resets it, so an error in it lasts one heartbeat interval at most.
     reserved_since_heartbeat: int = 0
     # Prefill calls this control plane has in flight on the node (added to its queue length).
     in_flight: int = 0

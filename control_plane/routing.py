@@ -1,18 +1,28 @@
 """Channels to the nodes, node choice, and the count of node RPCs (tests assert on it).
 
 Decode nodes are chosen by estimated free pages (most first), prefill nodes by queue length
-(shortest first); a node whose calls failed on its side ``control_plane.failures_to_cool`` times in
-a row (default 3) is left out for ``control_plane.failure_cooldown_s`` (default 10 s; 0 = never)
-while another of its role takes requests (logged: "node cooling down after failures"). The
-estimates only order and pre-filter the candidates; the node's own answer to Reserve / Prefill
-(RESOURCE_EXHAUSTED = "not now": a decode node's estimate drops to 0, a prefill node is left out as
-``refuse_room`` says, at most ``control_plane.refused_room_max_s``, default 5 s) is authoritative.
-These three settings are the ``Registry``'s (from its control plane's config), passed with it to
-every function here that needs them: no module state, so two control planes in one process route
-by their own. A draining node
-(shutting down) is never a candidate; one that answers UNAVAILABLE with reason NODE_DRAINING took
-nothing for the request, is marked draining at once (``refused_draining``) and the request tries
-another node or waits, as after RESOURCE_EXHAUSTED.
+(shortest first) among those whose estimated free pages hold the prompt; a node whose calls
+failed on its side ``control_plane.failures_to_cool`` times in a row (default 3) is left out for
+``control_plane.failure_cooldown_s`` (default 10 s; 0 = never) while another of its role takes
+requests (logged: "node cooling down after failures"). The estimates only order and pre-filter
+the candidates; the node's own answer to Reserve / Prefill (RESOURCE_EXHAUSTED = "not now": a
+decode node's estimate drops to 0, a prefill node is left out as ``refuse_room`` says, at most
+``control_plane.refused_room_max_s``, default 5 s) is authoritative. These three settings are the
+``Registry``'s (from its control plane's config), passed with it to every function here that
+needs them: no module state, so two control planes in one process route by their own.
+
+A node's estimate (``Node.free_estimate``) is its last heartbeat's free pages less the pages this
+control plane took on it since: a decode reservation once answered; a Prefill's prompt pages as
+the call goes out, before it is awaited, so that requests woken together for prefill room (a
+release answered, a heartbeat) do not all send their whole prompt to a node with room for one
+(pipeline ``_try_prefill``). Pages come off the count as the request ends (decode), once a
+release on the node is answered (prefill), or when a Prefill is refused having taken nothing
+(unless a heartbeat reset the count meanwhile); every heartbeat resets it, so an estimate that
+went wrong (pages counted and never given back) lasts one heartbeat interval at most.
+
+A draining node (shutting down) is never a candidate; one that answers UNAVAILABLE with reason
+NODE_DRAINING took nothing for the request, is marked draining at once (``refused_draining``) and
+the request tries another node or waits, as after RESOURCE_EXHAUSTED.
 
 Every call to a node carries the cluster node token (the nodes refuse calls without it): the stubs
 ``NodeClients`` hands out add it themselves, so a caller cannot forget it.
@@ -31,6 +41,7 @@ import grpc
 from control_plane.registry import DECODE, PREFILL, Node, Registry
 from control_plane.verify import node_error
 from kvfence.auth import with_token
+from kvfence.config import pages_needed
 from kvfence.errors import (
     NODE_DRAINING,
     RESERVATION_RELEASED,
@@ -136,8 +147,9 @@ class NodeClients:
         self._channels.clear()
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 
-    async def release(self, node: Node, request_id: str, reason: str) -> None:
-        """Release on one node; failures are logged and swallowed (the caller's status wins)."""
+    async def release(self, node: Node, request_id: str, reason: str) -> bool:
+        """Release on one node; failures are logged and swallowed (the caller's status wins).
+        True when the node answered (whether it held anything or not)."""
         req = prefill_pb2.ReleaseRequest(request_id=request_id, reason=reason)
         self.count(node, "Release")
         try:
@@ -145,6 +157,7 @@ class NodeClients:
                 await self.decode(node).Release(req, timeout=RELEASE_TIMEOUT_S)
             else:
                 await self.prefill(node).Release(req, timeout=RELEASE_TIMEOUT_S)
+            return True
         except grpc.aio.AioRpcError as err:
             log.warning(
                 "release failed",
@@ -155,6 +168,7 @@ class NodeClients:
             )
         except Exception:  # e.g. the node's channel closed under the call: say so, still go on
             log.exception("release failed", node_id=node.node_id, role=node.role)
+        return False
 
 
 # A node whose calls failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX
@@ -273,15 +287,25 @@ def room_refused(registry: Registry, node: Node) -> bool:
     return node.refused_room and time.monotonic() - node.refused_at < registry.refused_room_max_s
 
 
-def prefill_candidates(registry: Registry, skip: set[str]) -> list[Node]:
+def prefill_pages(node: Node, prompt_tokens: int) -> int:
+    """The pages a prompt of ``prompt_tokens`` tokens takes in ``node``'s pool while it is
+    prefilled and until it is released (what the prefill node allocates)."""
+    return pages_needed(prompt_tokens, node.layout.page_size)
+
+
+def prefill_candidates(registry: Registry, skip: set[str], prompt_tokens: int = 0) -> list[Node]:
     """Prefill nodes, shortest queue first; never a draining one, nor a cooling one while
     another takes requests (``node_failed``), nor one left out after refusing for room
     (``refuse_room``): requests waiting for prefill room would otherwise send it their whole
-    prompt again at every wake-up, each request's end being one."""
+    prompt again at every wake-up, each request's end being one. Nor one whose estimated free
+    pages (module docstring) cannot hold a prompt of ``prompt_tokens`` tokens: when room comes
+    back, as many waiters send their prompt as the estimate has room for, not every one."""
     nodes = [
         n
         for n in registry.taking_requests(PREFILL)
-        if n.node_id not in skip and not room_refused(registry, n)
+        if n.node_id not in skip
+        and not room_refused(registry, n)
+        and n.free_estimate >= prefill_pages(n, prompt_tokens)
     ]
     return sorted(
         _unless_cooling(registry, PREFILL, nodes),

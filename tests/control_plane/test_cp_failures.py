@@ -219,7 +219,10 @@ async def test_offline_reaches_a_request_waiting_for_prefill_room(
     call = asyncio.create_task(
         cluster.client(timeout=5).generate(prompt_ids=[10, 11], max_new_tokens=2)
     )
-    await eventually(lambda: prefill.methods().count("Prefill") >= 1)
+    # Waiting for prefill room (a node whose heartbeat says it is full gets no prompt).
+    await eventually(
+        lambda: [r.record.state for r in cluster.cp.table] == [RequestState.PREFILLING]
+    )
     await asyncio.sleep(0.2)  # heartbeats come and go: it waits
     [run] = list(cluster.cp.table)
     assert run.record.state == RequestState.PREFILLING

@@ -20,6 +20,7 @@ import pytest
 from cp_fakes import FakeNode
 from cp_harness import Cluster, eventually, make_cluster
 
+from control_plane.lifecycle import RequestState
 from kvfence.errors import DeadlineExceeded, KvfenceError, ResourceExhausted, Unavailable
 from kvfence.server import abort
 
@@ -200,7 +201,8 @@ async def test_waiting_for_prefill_room_ends_before_the_reservation_expires(
         c.script.prefill_error = ResourceExhausted("prefill full")
         full, c.prefill[0].free_pages = c.prefill[0].free_pages, 0  # its heartbeats say so
         call = asyncio.create_task(c.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=2))
-        await eventually(lambda: "Prefill" in c.prefill[0].methods())
+        # Waiting for prefill room (a node whose heartbeat says it is full gets no prompt).
+        await eventually(lambda: [r.record.state for r in c.cp.table] == [RequestState.PREFILLING])
         loop = asyncio.get_running_loop()
         started = loop.time()
         if room:
