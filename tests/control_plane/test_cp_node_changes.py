@@ -380,49 +380,34 @@ async def test_a_cooling_node_is_not_used_while_another_of_its_role_takes_reques
         await c.close()
 
 
+@pytest.mark.parametrize(
+    "failure, cools",
+    [
+        (
+            Unavailable("KV transfer to decode failed: Endpoint timeout", reason="TRANSFER_FAILED"),
+            True,
+        ),
+        (DeadlineExceeded("KV transfer to decode failed: batch timed out", reason="TIMEOUT"), True),
+        (DeadlineExceeded("KV transfer to decode failed: batch timed out", reason="OTHER"), False),
+    ],
+    ids=["transfer-failed", "transfer-timed-out", "deadline-not-the-transfer"],
+)
 async def test_a_failed_transfer_counts_against_the_decode_node_it_went_to(
-    tmp_path: Path,
+    tmp_path: Path, failure: KvfenceError, cools: bool
 ) -> None:
-    """Prefill's transfer to a decode node fails (its UCX receiver down) from every prefill
-    node alike; the failed request gave that decode node its pages back, so it had the most free
-    pages and drew every request (10 of 10 failed beside a healthy decode node). Its failures
-    count with the prefill node's now. Control: after three, the next request is served, on the
-    other decode node."""
+    """Prefill's transfer to a decode node fails (its UCX receiver down) or times out (a listener
+    that accepts and never answers: DEADLINE_EXCEEDED, reason TIMEOUT, prefill's only
+    DEADLINE_EXCEEDED) from every prefill node alike; the failed request gave that decode node
+    its pages back, so it had the most free pages and drew every request (10 of 10 failed beside
+    a healthy decode node; a timeout cost each the whole transfer timeout). Its failures count
+    with the prefill node's now: after three, the next request is served on the other decode
+    node. Control: a DEADLINE_EXCEEDED with another reason is no node's fault: the fourth
+    request goes to the same node."""
     c = await make_cluster(tmp_path, decode_nodes=2)
     try:
-        c.script.prefill_error = Unavailable(
-            "KV transfer to decode failed: Endpoint timeout", reason="TRANSFER_FAILED"
-        )
+        c.script.prefill_error = failure
         for _ in range(3):
-            with pytest.raises(Unavailable):
-                await c.client().generate(prompt_ids=[10], max_new_tokens=2)
-        [first] = [n for n in c.decode if "Reserve" in n.methods()]
-        c.script.prefill_error = None
-        result = await c.client().generate(prompt_ids=[10], max_new_tokens=2)
-        assert result.usage.completion_tokens == 2
-        [other] = [n for n in c.decode if n is not first]
-        assert first.methods().count("Reserve") == 3 and other.methods().count("Reserve") == 1
-    finally:
-        await c.close()
-
-
-@pytest.mark.parametrize("reason, cools", [("TIMEOUT", True), ("SOMETHING_ELSE", False)])
-async def test_a_transfer_that_times_out_counts_against_the_decode_node_it_went_to(
-    tmp_path: Path, reason: str, cools: bool
-) -> None:
-    """A decode node whose UCX listener accepts and then never answers: prefill's transfer times
-    out (DEADLINE_EXCEEDED, reason TIMEOUT, prefill's only DEADLINE_EXCEEDED). That counted
-    against no one, so the node, with the most free pages, drew every request and cost each the
-    whole transfer timeout. Now, after three, the next request goes to the other decode node.
-    Control: a DEADLINE_EXCEEDED with another reason is not a node's fault: the fourth request
-    goes to the same node."""
-    c = await make_cluster(tmp_path, decode_nodes=2)
-    try:
-        c.script.prefill_error = DeadlineExceeded(
-            "KV transfer to decode failed: transfer batch timed out", reason=reason
-        )
-        for _ in range(3):
-            with pytest.raises(DeadlineExceeded):
+            with pytest.raises(type(failure)):
                 await c.client().generate(prompt_ids=[10], max_new_tokens=2)
         [first] = [n for n in c.decode if "Reserve" in n.methods()]
         c.script.prefill_error = None
