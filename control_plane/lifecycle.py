@@ -87,9 +87,9 @@ class RequestRecord:
     prefill_node: str = ""
     reservation_id: str = ""
     reserved_pages: int = 0
-    # Pages counted on prefill_node's estimate (Node.reserved_since_heartbeat) when its Prefill
-    # was sent; taken off once a release there is answered, or the call was refused.
-    prefill_pages: int = 0
+    # The prompt pages its Prefill counted on prefill_node's estimate (pipeline._Counted), until
+    # they are given back (pipeline.Pipeline._give_back).
+    prefill_counted: Any = None
     # node_id -> role of every node that received a request-carrying RPC and may hold something.
     contacted: dict[str, str] = field(default_factory=dict)
     reason: str = ""

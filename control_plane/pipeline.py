@@ -530,16 +530,16 @@ class Pipeline:
         rec.prefill_node = node.node_id
         self.d.clients.count(node, "Prefill")
         node.in_flight += 1
-        counted_at = node.last_heartbeat
         try:
             call = self.d.clients.prefill(node).Prefill(req, timeout=_left(deadline))
             # The prompt's pages come off the node's estimate now, before the first await: the
             # requests woken with this one for room (a release answered, a heartbeat) choose
             # after it, and with room for one only one sends its prompt, not every one of them.
-            # A heartbeat resets the count, so pages that are never given back (a release that
-            # fails) leave the node out one heartbeat interval at most.
-            rec.prefill_pages = prefill_pages(node, len(req.prompt_token_ids))
-            node.reserved_since_heartbeat += rec.prefill_pages
+            counted = _Counted(
+                node, prefill_pages(node, len(req.prompt_token_ids)), node.last_heartbeat
+            )
+            node.reserved_since_heartbeat += counted.pages
+            rec.prefill_counted = counted
             return await run.guard(call)
         except grpc.aio.AioRpcError as err:
             gone = unreachable(err)
@@ -551,11 +551,9 @@ class Pipeline:
                 if first_contact:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""
-                # The node took nothing: its pages go back on the estimate, unless a heartbeat
-                # came meanwhile (it reset the count, and its free pages never lacked these).
-                if node.last_heartbeat == counted_at:
-                    node.reserved_since_heartbeat -= rec.prefill_pages
-                rec.prefill_pages = 0
+                # The node took nothing: its pages go back on the estimate.
+                self._give_back(rec.prefill_counted, held=False)
+                rec.prefill_counted = None
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # "No room now": left out until its next heartbeat or a release on it.
                     refuse_room(node, err)
@@ -632,7 +630,7 @@ class Pipeline:
         rec = run.record
         node = self.d.registry.get(rec.prefill_node)
         rec.contacted.pop(rec.prefill_node, None)
-        pages, rec.prefill_pages = rec.prefill_pages, 0
+        counted, rec.prefill_counted = rec.prefill_counted, None
         if node is None:
             return
         task = asyncio.create_task(
@@ -640,19 +638,36 @@ class Pipeline:
         )
         self.d.background.add(task)
         task.add_done_callback(self.d.background.discard)
-        task.add_done_callback(lambda t: self._prefill_room_back(node, pages, _answered(t)))
+        task.add_done_callback(lambda t: self._prefill_room_back(node, counted, _held(t)))
 
-    def _prefill_room_back(self, node: Node, pages: int, answered: bool) -> None:
-        """A release on a prefill node is over (``answered``: the node answered it). Its
-        request's ``pages`` come off the node's estimate once answered (not before: a Prefill
-        sent on the strength of them could overtake the Release and be refused); one that was
-        not answered leaves them counted until the node's next heartbeat. Requests waiting for
-        prefill room then try at once rather than at its next heartbeat, and a node that
-        refused for room is tried again (it may have some now)."""
-        room = False
-        if answered and pages:
-            node.reserved_since_heartbeat -= pages
-            room = True
+    def _give_back(self, counted: _Counted | None, held: bool | None) -> bool:
+        """Take a request's prompt pages off its prefill node's estimate again, once nothing of
+        the request holds them (a Prefill refused having taken nothing: ``held`` False; a
+        release over: the node's answer, None when it did not answer). Only on the node object
+        they were counted on: one that replaced it (a restart) never had them. When the node
+        said it held them, every heartbeat since they were counted did too: they come off.
+        Otherwise they come off only if no heartbeat came since: one that did saw them free
+        already, or was taken while the node held them and reset the count. (A release not
+        answered may leave them held: one Prefill refused then costs less than a node left idle
+        until its next heartbeat.) True when they came off."""
+        if counted is None or not counted.pages:
+            return False
+        node = counted.node
+        if self.d.registry.get(node.node_id) is not node:
+            return False
+        if held is True or node.last_heartbeat == counted.at:
+            node.reserved_since_heartbeat -= counted.pages
+            return True
+        return False
+
+    def _prefill_room_back(self, node: Node, counted: _Counted | None, held: bool | None) -> None:
+        """A release on a prefill node is over (``held``: its answer, None when it did not
+        answer). The request's counted pages come off the node's estimate (``_give_back``; not
+        before the release is over: a Prefill sent on the strength of them could overtake the
+        Release and be refused). Requests waiting for prefill room then try at once rather than
+        at its next heartbeat, and a node that refused for room is tried again (it may have
+        some now)."""
+        room = self._give_back(counted, held)
         if node.refused_room:
             node.refused_room = False
             room = True
@@ -664,18 +679,18 @@ class Pipeline:
         if not rec.contacted:
             return
         reason = f"{rec.state}: {rec.reason}" if rec.reason else str(rec.state)
-        calls: list[Coroutine[Any, Any, bool]] = []
+        calls: list[Coroutine[Any, Any, bool | None]] = []
         # Each prefill node (it may hold pages even if its Prefill failed), the index of its
         # Release in calls, and the pages the request counted on its estimate.
-        prefill_nodes: list[tuple[Node, int, int]] = []
+        prefill_nodes: list[tuple[Node, int, _Counted | None]] = []
         for node_id in list(rec.contacted):
             node = self.d.registry.get(node_id)
             if node is None:  # lost: nothing to call, its pages went with it
                 log.info("not releasing on lost node", node_id=node_id)
                 continue
             if node.role == PREFILL:
-                pages = rec.prefill_pages if node_id == rec.prefill_node else 0
-                prefill_nodes.append((node, len(calls), pages))
+                counted = rec.prefill_counted if node_id == rec.prefill_node else None
+                prefill_nodes.append((node, len(calls), counted))
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
                 if rec.state == RequestState.FINISHED:
@@ -684,10 +699,11 @@ class Pipeline:
                     continue
             calls.append(self.d.clients.release(node, rec.request_id, reason))
         rec.contacted.clear()
-        rec.prefill_pages = 0
+        rec.prefill_counted = None
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        for node, i, pages in prefill_nodes:
-            self._prefill_room_back(node, pages, answers[i] is True)
+        for node, i, counted in prefill_nodes:
+            answer = answers[i]
+            self._prefill_room_back(node, counted, answer if isinstance(answer, bool) else None)
         self.d.queue.notify()
 
 
@@ -701,9 +717,23 @@ def unreachable(err: grpc.aio.AioRpcError) -> bool:
     )
 
 
-def _answered(task: asyncio.Task[bool]) -> bool:
-    """Whether a ``NodeClients.release`` task ended with the node's answer."""
-    return not task.cancelled() and task.exception() is None and task.result()
+@dataclass(frozen=True)
+class _Counted:
+    """A prompt's pages that a Prefill counted on its node's estimate
+    (``Node.reserved_since_heartbeat``): the node object, the pages, and the node's
+    ``last_heartbeat`` when they were counted."""
+
+    node: Node
+    pages: int
+    at: float
+
+
+def _held(task: asyncio.Task[bool | None]) -> bool | None:
+    """A ``NodeClients.release`` task's answer: whether the node held anything; None when it did
+    not answer."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
 
 
 def _tenant(run: Run) -> Tenant:

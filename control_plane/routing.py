@@ -15,10 +15,12 @@ A node's estimate (``Node.free_estimate``) is its last heartbeat's free pages le
 control plane took on it since: a decode reservation once answered; a Prefill's prompt pages as
 the call goes out, before it is awaited, so that requests woken together for prefill room (a
 release answered, a heartbeat) do not all send their whole prompt to a node with room for one
-(pipeline ``_try_prefill``). Pages come off the count as the request ends (decode), once a
-release on the node is answered (prefill), or when a Prefill is refused having taken nothing
-(unless a heartbeat reset the count meanwhile); every heartbeat resets it, so an estimate that
-went wrong (pages counted and never given back) lasts one heartbeat interval at most.
+(pipeline ``_try_prefill``). Pages come off the count as the request ends (decode), or, for a
+prefill node, when a Prefill is refused having taken nothing or a release there is over
+(``Pipeline._give_back``: at once when the node said it held them; otherwise only if no
+heartbeat came since they were counted, which would have seen them free or reset the count, and
+only on the node object they were counted on, not one that replaced it); every heartbeat resets
+it, so an estimate that went wrong lasts one heartbeat interval at most.
 
 A draining node (shutting down) is never a candidate; one that answers UNAVAILABLE with reason
 NODE_DRAINING took nothing for the request, is marked draining at once (``refused_draining``) and
@@ -147,17 +149,18 @@ class NodeClients:
         self._channels.clear()
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 
-    async def release(self, node: Node, request_id: str, reason: str) -> bool:
+    async def release(self, node: Node, request_id: str, reason: str) -> bool | None:
         """Release on one node; failures are logged and swallowed (the caller's status wins).
-        True when the node answered (whether it held anything or not)."""
+        The node's answer: whether it held anything for the request; None when it did not
+        answer."""
         req = prefill_pb2.ReleaseRequest(request_id=request_id, reason=reason)
         self.count(node, "Release")
         try:
             if node.role == DECODE:
-                await self.decode(node).Release(req, timeout=RELEASE_TIMEOUT_S)
+                resp = await self.decode(node).Release(req, timeout=RELEASE_TIMEOUT_S)
             else:
-                await self.prefill(node).Release(req, timeout=RELEASE_TIMEOUT_S)
-            return True
+                resp = await self.prefill(node).Release(req, timeout=RELEASE_TIMEOUT_S)
+            return bool(resp.held)
         except grpc.aio.AioRpcError as err:
             log.warning(
                 "release failed",
@@ -168,7 +171,7 @@ class NodeClients:
             )
         except Exception:  # e.g. the node's channel closed under the call: say so, still go on
             log.exception("release failed", node_id=node.node_id, role=node.role)
-        return False
+        return None
 
 
 # A node whose calls failed on its side (INTERNAL, UNKNOWN, UNAVAILABLE: a broken engine, its UCX

@@ -14,6 +14,7 @@ until its Release, and its heartbeats report the free count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,6 @@ from cp_harness import Cluster, eventually, make_cluster
 
 from control_plane.lifecycle import RequestState
 from control_plane.registry import Node
-from control_plane.routing import prefill_candidates
 from kvfence.errors import KvfenceError, ResourceExhausted, Unavailable
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, prefill_pb2
 from kvfence.server import abort
@@ -181,47 +181,104 @@ async def test_waiters_for_prefill_room_send_only_the_prompts_that_fit(
         await c.close()
 
 
-@pytest.mark.parametrize("release_fails", [True, False])
-async def test_prefill_pages_never_given_back_hold_the_node_one_heartbeat_at_most(
-    tmp_path: Path, release_fails: bool
+@pytest.mark.parametrize("case", ["answered", "not-answered", "answered-after-a-heartbeat"])
+async def test_a_failed_prefills_pages_come_off_the_estimate_once_and_only_once(
+    tmp_path: Path, case: str
 ) -> None:
-    """A Prefill fails (the node frees its pages itself) and its Release fails too: the pages
-    counted on the node's estimate are never given back, and a node with room for one prompt
-    looks full to the next request. Its next heartbeat (30 s apart here, so the test sends it)
-    resets the count and the request is served. Control: a Release that is answered gives the
-    pages back at once, and the next request is served with no heartbeat."""
+    """A Prefill fails and the node frees its pages itself; then the Release is over. The pages
+    counted on the node's estimate must come off exactly once, so that a node with room for one
+    prompt serves the next request at once, with no refusal:
+    * answered (held False: the node had freed them), no heartbeat since they were counted: off;
+    * not answered (the Release failed) and no heartbeat since: off too. (They stayed counted:
+      with heartbeats 30 s apart the next request waited for one, past its deadline, with every
+      page of the node free.)
+    * answered held False after a heartbeat had seen them free and reset the count: not off
+      again. (They came off twice: the estimate showed room the node did not have.)"""
     c = await make_cluster(tmp_path, prefill_nodes=0, node_timeout_s=60.0)
     try:
         # Room for one prompt (the admissible limit counts max_new_tokens too: a spare page).
         pool = await add_pooled(c, PROMPT_PAGES + 1, heartbeat_s=30.0)
-        pool.gate.set()
         pool.fail = KvfenceError("engine broken")
-        if release_fails:
+        if case == "not-answered":
             pool.release_error = Unavailable("release failed")
+        first = asyncio.create_task(c.client().generate(prompt_ids=PROMPT, max_new_tokens=2))
+        await pool.entered.wait()
+        node = registered(c)
+        assert node.reserved_since_heartbeat == PROMPT_PAGES  # counted as it went out
+        if case == "answered-after-a-heartbeat":
+            # The node, having failed and freed the pages, beats before its Release answer.
+            real_free = pool._free
+
+            def free_then_beat(request_id: str) -> bool:
+                held = real_free(request_id)
+                beat(c, pool)
+                return held
+
+            pool._free = free_then_beat  # type: ignore[method-assign]
+        pool.gate.set()
         with pytest.raises(KvfenceError) as err:
-            await c.client().generate(prompt_ids=PROMPT, max_new_tokens=2)
+            await first
         assert "engine broken" in err.value.message
         await eventually(lambda: len(c.cp.table) == 0)  # its releases are over
         assert pool.node.free_pages == pool.node.total_pages  # the node has room
-        node = registered(c)
-        stale = release_fails
-        assert node.free_estimate == (1 if stale else PROMPT_PAGES + 1)
+        # The estimate is the node's free count: the pages came off once.
+        assert node.free_estimate == pool.node.total_pages
+        assert node.reserved_since_heartbeat == 0
         pool.fail = pool.release_error = None
-        sent = lambda: c.cp.clients.rpc_counts[("prefill-0", "Prefill")]  # noqa: E731
+        result = await asyncio.wait_for(
+            c.client(timeout=10).generate(prompt_ids=PROMPT, max_new_tokens=2), 5
+        )
+        assert result.usage.completion_tokens == 2
+        assert c.cp.clients.rpc_counts[("prefill-0", "Prefill")] == 2 and pool.refused == 0
+    finally:
+        await c.close()
+
+
+async def test_pages_counted_on_a_node_that_was_replaced_are_not_given_back_to_its_successor(
+    tmp_path: Path,
+) -> None:
+    """A prefill node restarts in place (registers again, a new instance, the same address)
+    while a request holds pages on it; the request's release, answered by the new process, gave
+    its pages back to the new node's estimate, which never counted them: the new node looked
+    emptier than it was. Control: pages counted on the node itself come off (the test above)."""
+    c = await make_cluster(tmp_path, prefill_nodes=0, node_timeout_s=60.0)
+    try:
+        pool = await add_pooled(c, 4 * PROMPT_PAGES, heartbeat_s=30.0)
         call = asyncio.create_task(
             c.client(timeout=10).generate(prompt_ids=PROMPT, max_new_tokens=2)
         )
-        if stale:
-            await eventually(
-                lambda: [r.record.state for r in c.cp.table] == [RequestState.PREFILLING]
+        await pool.entered.wait()
+        old = registered(c)
+        assert old.reserved_since_heartbeat == PROMPT_PAGES
+        pool.held.clear()  # the new process's pool is empty
+        pool.node.free_pages = pool.node.total_pages
+        n = pool.node
+        c.cp.registry.register(
+            control_pb2.RegisterRequest(
+                node_id=n.node_id,
+                role=n.role,
+                grpc_address=f"127.0.0.1:{n.port}",
+                model_fingerprint=n.fingerprint,
+                text_fingerprint=n.text_fingerprint,
+                layout=n.layout,
+                pool_tokens=n.pool_tokens,
+                total_pages=n.total_pages,
+                instance_id="restarted",
+                protocol_version=n.protocol_version,
+                kvfence_version=n.kvfence_version,
             )
-            assert sent() == 1  # waits: the estimate says the node is full
-            assert prefill_candidates(c.cp.registry, set(), len(PROMPT)) == []
-            beat(c, pool)
-        result = await asyncio.wait_for(call, 5)
-        assert result.usage.completion_tokens == 2
-        assert sent() == 2 and pool.refused == 0
+        )
+        new = registered(c)
+        assert new is not old and new.reserved_since_heartbeat == 0
+        pool.gate.set()
+        with contextlib.suppress(KvfenceError):  # its node was lost under it
+            await asyncio.wait_for(call, 5)
+        await eventually(lambda: len(c.cp.table) == 0)
+        assert "Release" in pool.methods()  # released, on the new process
+        assert new.reserved_since_heartbeat == 0  # not -PROMPT_PAGES
+        assert new.free_estimate == pool.node.total_pages
     finally:
+        pool.gate.set()
         await c.close()
 
 
