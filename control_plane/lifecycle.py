@@ -29,10 +29,22 @@ from kvfence.errors import KvfenceError, Unavailable
 from kvfence.logging import get_logger
 
 if TYPE_CHECKING:
+    from control_plane.registry import Node
     from control_plane.tenants import Tenant
 
 log = get_logger("lifecycle")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CountedPages:
+    """A prompt's pages that a Prefill counted on its node's estimate
+    (``Node.reserved_since_heartbeat``): the node object, the pages, and the node's heartbeat
+    count (``Node.heartbeats``) when they were counted."""
+
+    node: Node
+    pages: int
+    beats: int
 
 
 class RequestState(StrEnum):
@@ -87,9 +99,9 @@ class RequestRecord:
     prefill_node: str = ""
     reservation_id: str = ""
     reserved_pages: int = 0
-    # The prompt pages its Prefill counted on prefill_node's estimate (pipeline._Counted), until
-    # they are given back (pipeline.Pipeline._give_back).
-    prefill_counted: Any = None
+    # The prompt pages its Prefill counted on prefill_node's estimate, until they are given back
+    # (pipeline.Pipeline._give_back).
+    prefill_counted: CountedPages | None = None
     # node_id -> role of every node that received a request-carrying RPC and may hold something.
     contacted: dict[str, str] = field(default_factory=dict)
     reason: str = ""

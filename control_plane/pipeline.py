@@ -34,7 +34,14 @@ import grpc
 from control_plane import admission
 from control_plane.admission import AdmissionQueue, Prompt
 from control_plane.detok import IncrementalDetokenizer
-from control_plane.lifecycle import RequestRecord, RequestState, RequestTable, Run, transition
+from control_plane.lifecycle import (
+    CountedPages,
+    RequestRecord,
+    RequestState,
+    RequestTable,
+    Run,
+    transition,
+)
 from control_plane.model_info import ModelAccess, ModelInfo
 from control_plane.registry import DECODE, PREFILL, Node, Registry
 from control_plane.routing import (
@@ -535,8 +542,8 @@ class Pipeline:
             # The prompt's pages come off the node's estimate now, before the first await: the
             # requests woken with this one for room (a release answered, a heartbeat) choose
             # after it, and with room for one only one sends its prompt, not every one of them.
-            counted = _Counted(
-                node, prefill_pages(node, len(req.prompt_token_ids)), node.last_heartbeat
+            counted = CountedPages(
+                node, prefill_pages(node, len(req.prompt_token_ids)), node.heartbeats
             )
             node.reserved_since_heartbeat += counted.pages
             rec.prefill_counted = counted
@@ -552,7 +559,7 @@ class Pipeline:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""
                 # The node took nothing: its pages go back on the estimate.
-                self._give_back(rec.prefill_counted, held=False)
+                self._give_back(rec.prefill_counted, held=False, sent_at=node.heartbeats)
                 rec.prefill_counted = None
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # "No room now": left out until its next heartbeat or a release on it.
@@ -638,36 +645,43 @@ class Pipeline:
         )
         self.d.background.add(task)
         task.add_done_callback(self.d.background.discard)
-        task.add_done_callback(lambda t: self._prefill_room_back(node, counted, _held(t)))
+        sent_at = node.heartbeats
+        task.add_done_callback(lambda t: self._prefill_room_back(node, counted, _held(t), sent_at))
 
-    def _give_back(self, counted: _Counted | None, held: bool | None) -> bool:
+    def _give_back(self, counted: CountedPages | None, held: bool | None, sent_at: int) -> bool:
         """Take a request's prompt pages off its prefill node's estimate again, once nothing of
-        the request holds them (a Prefill refused having taken nothing: ``held`` False; a
-        release over: the node's answer, None when it did not answer). Only on the node object
-        they were counted on: one that replaced it (a restart) never had them. When the node
-        said it held them, every heartbeat since they were counted did too: they come off.
-        Otherwise they come off only if no heartbeat came since: one that did saw them free
-        already, or was taken while the node held them and reset the count. (A release not
-        answered may leave them held: one Prefill refused then costs less than a node left idle
-        until its next heartbeat.) True when they came off."""
+        the request holds them: a Prefill refused having taken nothing (``held`` False), or a
+        release over (the node's answer; None when it did not answer), ``sent_at`` the node's
+        heartbeat count when the call was sent. Only on the node object they were counted on:
+        one that replaced it (a restart) never had them. Each heartbeat resets the count to
+        what the node saw, so they come off only if no heartbeat could have seen them free:
+        held (the node freed them answering this release), when no heartbeat came since it was
+        sent (one after that may have been taken after the node freed them); not held, or not
+        answered, when none came since they were counted (one since saw them free already, or
+        was taken while the node held them and reset the count; a release not answered may
+        leave them held, and one Prefill refused then costs less than a node left idle until its
+        next heartbeat). A heartbeat in the way leaves them counted: the node looks fuller than
+        it is until its next heartbeat, never emptier. True when they came off."""
         if counted is None or not counted.pages:
             return False
         node = counted.node
         if self.d.registry.get(node.node_id) is not node:
             return False
-        if held is True or node.last_heartbeat == counted.at:
+        if node.heartbeats == (sent_at if held else counted.beats):
             node.reserved_since_heartbeat -= counted.pages
             return True
         return False
 
-    def _prefill_room_back(self, node: Node, counted: _Counted | None, held: bool | None) -> None:
+    def _prefill_room_back(
+        self, node: Node, counted: CountedPages | None, held: bool | None, sent_at: int
+    ) -> None:
         """A release on a prefill node is over (``held``: its answer, None when it did not
         answer). The request's counted pages come off the node's estimate (``_give_back``; not
         before the release is over: a Prefill sent on the strength of them could overtake the
         Release and be refused). Requests waiting for prefill room then try at once rather than
         at its next heartbeat, and a node that refused for room is tried again (it may have
         some now)."""
-        room = self._give_back(counted, held)
+        room = self._give_back(counted, held, sent_at)
         if node.refused_room:
             node.refused_room = False
             room = True
@@ -682,7 +696,7 @@ class Pipeline:
         calls: list[Coroutine[Any, Any, bool | None]] = []
         # Each prefill node (it may hold pages even if its Prefill failed), the index of its
         # Release in calls, and the pages the request counted on its estimate.
-        prefill_nodes: list[tuple[Node, int, _Counted | None]] = []
+        prefill_nodes: list[tuple[Node, int, CountedPages | None, int]] = []
         for node_id in list(rec.contacted):
             node = self.d.registry.get(node_id)
             if node is None:  # lost: nothing to call, its pages went with it
@@ -690,7 +704,7 @@ class Pipeline:
                 continue
             if node.role == PREFILL:
                 counted = rec.prefill_counted if node_id == rec.prefill_node else None
-                prefill_nodes.append((node, len(calls), counted))
+                prefill_nodes.append((node, len(calls), counted, node.heartbeats))
             if node_id == rec.decode_node:
                 node.reserved_since_heartbeat -= rec.reserved_pages
                 if rec.state == RequestState.FINISHED:
@@ -701,9 +715,10 @@ class Pipeline:
         rec.contacted.clear()
         rec.prefill_counted = None
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        for node, i, counted in prefill_nodes:
+        for node, i, counted, sent_at in prefill_nodes:
             answer = answers[i]
-            self._prefill_room_back(node, counted, answer if isinstance(answer, bool) else None)
+            held = answer if isinstance(answer, bool) else None
+            self._prefill_room_back(node, counted, held, sent_at)
         self.d.queue.notify()
 
 
@@ -715,17 +730,6 @@ def unreachable(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
         err.details() or ""
     )
-
-
-@dataclass(frozen=True)
-class _Counted:
-    """A prompt's pages that a Prefill counted on its node's estimate
-    (``Node.reserved_since_heartbeat``): the node object, the pages, and the node's
-    ``last_heartbeat`` when they were counted."""
-
-    node: Node
-    pages: int
-    at: float
 
 
 def _held(task: asyncio.Task[bool | None]) -> bool | None:

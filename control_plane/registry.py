@@ -65,6 +65,10 @@ class Node:
     quarantined_pages: int = 0
     queue_length: int = 0
     last_heartbeat: float = 0.0
+    # Heartbeats received (only Registry.heartbeat counts one; a repeated registration does
+    # not): the stamp that tells whether a heartbeat reset reserved_since_heartbeat since a
+    # given moment (pipeline.Pipeline._give_back).
+    heartbeats: int = 0
     # Pages this control plane took on the node since the last heartbeat (decode reservations,
     # prefill prompts sent: control_plane.routing), less those it saw freed: the heartbeat's
     # free count does not know about them yet, and routing should not pick a node it has just
@@ -259,6 +263,7 @@ class Registry:
         node.queue_length = req.queue_length
         node.reserved_since_heartbeat = 0
         node.last_heartbeat = time.monotonic()
+        node.heartbeats += 1
         if req.draining:
             self.mark_draining(node)
         if grew:

@@ -16,11 +16,10 @@ control plane took on it since: a decode reservation once answered; a Prefill's 
 the call goes out, before it is awaited, so that requests woken together for prefill room (a
 release answered, a heartbeat) do not all send their whole prompt to a node with room for one
 (pipeline ``_try_prefill``). Pages come off the count as the request ends (decode), or, for a
-prefill node, when a Prefill is refused having taken nothing or a release there is over
-(``Pipeline._give_back``: at once when the node said it held them; otherwise only if no
-heartbeat came since they were counted, which would have seen them free or reset the count, and
-only on the node object they were counted on, not one that replaced it); every heartbeat resets
-it, so an estimate that went wrong lasts one heartbeat interval at most.
+prefill node, when a Prefill is refused having taken nothing or a release there is over, only if
+no heartbeat can have seen them free since (``Pipeline._give_back``), and only on the node
+object they were counted on, not one that replaced it: the estimate errs towards a fuller node.
+Every heartbeat resets it, so an estimate that went wrong lasts one heartbeat interval at most.
 
 A draining node (shutting down) is never a candidate; one that answers UNAVAILABLE with reason
 NODE_DRAINING took nothing for the request, is marked draining at once (``refused_draining``) and

@@ -252,22 +252,7 @@ async def test_pages_counted_on_a_node_that_was_replaced_are_not_given_back_to_i
         assert old.reserved_since_heartbeat == PROMPT_PAGES
         pool.held.clear()  # the new process's pool is empty
         pool.node.free_pages = pool.node.total_pages
-        n = pool.node
-        c.cp.registry.register(
-            control_pb2.RegisterRequest(
-                node_id=n.node_id,
-                role=n.role,
-                grpc_address=f"127.0.0.1:{n.port}",
-                model_fingerprint=n.fingerprint,
-                text_fingerprint=n.text_fingerprint,
-                layout=n.layout,
-                pool_tokens=n.pool_tokens,
-                total_pages=n.total_pages,
-                instance_id="restarted",
-                protocol_version=n.protocol_version,
-                kvfence_version=n.kvfence_version,
-            )
-        )
+        _register_again(c, pool, "restarted")
         new = registered(c)
         assert new is not old and new.reserved_since_heartbeat == 0
         pool.gate.set()
@@ -314,4 +299,96 @@ async def test_a_refused_prefill_gives_its_pages_back_unless_a_heartbeat_reset_t
         beat(c, pool)
         assert (await asyncio.wait_for(call, 5)).usage.completion_tokens == 2
     finally:
+        await c.close()
+
+
+def _register_again(c: Cluster, pool: PooledPrefill, instance_id: str) -> None:
+    """The node's registration, repeated now (its earlier answer lost: the same process; or a
+    restart in place: another instance at the same address)."""
+    n = pool.node
+    c.cp.registry.register(
+        control_pb2.RegisterRequest(
+            node_id=n.node_id,
+            role=n.role,
+            grpc_address=f"127.0.0.1:{n.port}",
+            model_fingerprint=n.fingerprint,
+            text_fingerprint=n.text_fingerprint,
+            layout=n.layout,
+            pool_tokens=n.pool_tokens,
+            total_pages=n.total_pages,
+            instance_id=instance_id,
+            protocol_version=n.protocol_version,
+            kvfence_version=n.kvfence_version,
+        )
+    )
+
+
+@pytest.mark.parametrize("beat_after_free", [True, False])
+async def test_pages_held_until_the_release_come_off_once_whatever_heartbeat_came_between(
+    tmp_path: Path, beat_after_free: bool
+) -> None:
+    """A request served, its prefill pages released after decode verified: the node frees them
+    answering the Release (held), and its heartbeat, another RPC, can reach the control plane
+    between that and the answer. The heartbeat reset the count with the pages free, and the
+    answer took them off again: the node looked two pages emptier than it was. Control: no
+    heartbeat between, they come off once."""
+    c = await make_cluster(tmp_path, prefill_nodes=0, node_timeout_s=60.0)
+    try:
+        pool = await add_pooled(c, 4 * PROMPT_PAGES, heartbeat_s=30.0)
+        # Another request's pages held on the node, so that the estimate's cap hides nothing.
+        pool.held["other"] = PROMPT_PAGES
+        pool.node.free_pages -= PROMPT_PAGES
+        beat(c, pool)
+        if beat_after_free:
+            real_free = pool._free
+
+            def free_then_beat(request_id: str) -> bool:
+                held = real_free(request_id)
+                beat(c, pool)
+                return held
+
+            pool._free = free_then_beat  # type: ignore[method-assign]
+        pool.gate.set()
+        result = await asyncio.wait_for(
+            c.client(timeout=10).generate(prompt_ids=PROMPT, max_new_tokens=2), 5
+        )
+        assert result.usage.completion_tokens == 2
+        node = registered(c)
+        await eventually(lambda: pool.held.keys() == {"other"} and len(c.cp.table) == 0)
+        await eventually(lambda: node.reserved_since_heartbeat <= 0)  # the release is over
+        assert node.free_estimate == pool.node.free_pages == 3 * PROMPT_PAGES
+    finally:
+        pool.gate.set()
+        await c.close()
+
+
+@pytest.mark.parametrize("registers_again", [True, False])
+async def test_a_repeated_registration_is_no_heartbeat_for_the_estimate(
+    tmp_path: Path, registers_again: bool
+) -> None:
+    """A Prefill fails (the node frees its pages) and its Release is not answered: the pages
+    come off the estimate when no heartbeat came since they were counted. A node repeating its
+    registration (its answer lost) moved the time of its last heartbeat without resetting the
+    count, so they stayed counted, and a node with room for one prompt looked full until its
+    next heartbeat. Control: without the repeated registration, they come off."""
+    c = await make_cluster(tmp_path, prefill_nodes=0, node_timeout_s=60.0)
+    try:
+        pool = await add_pooled(c, PROMPT_PAGES + 1, heartbeat_s=30.0)
+        pool.fail = KvfenceError("engine broken")
+        pool.release_error = Unavailable("release failed")
+        first = asyncio.create_task(c.client().generate(prompt_ids=PROMPT, max_new_tokens=2))
+        await pool.entered.wait()
+        node = registered(c)
+        if registers_again:
+            await asyncio.sleep(0.01)  # the clock moves
+            _register_again(c, pool, pool.node.instance_id)
+            assert registered(c) is node
+        pool.gate.set()
+        with pytest.raises(KvfenceError):
+            await first
+        await eventually(lambda: len(c.cp.table) == 0)
+        assert node.reserved_since_heartbeat == 0
+        assert node.free_estimate == pool.node.total_pages
+    finally:
+        pool.gate.set()
         await c.close()
