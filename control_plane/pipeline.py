@@ -559,7 +559,7 @@ class Pipeline:
                     del rec.contacted[node.node_id]
                 rec.prefill_node = ""
                 # The node took nothing: its pages go back on the estimate.
-                self._give_back(rec.prefill_counted, held=False, sent_at=node.heartbeats)
+                self._give_back(rec.prefill_counted, held=False)
                 rec.prefill_counted = None
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # "No room now": left out until its next heartbeat or a release on it.
@@ -648,20 +648,28 @@ class Pipeline:
         sent_at = node.heartbeats
         task.add_done_callback(lambda t: self._prefill_room_back(node, counted, _held(t), sent_at))
 
-    def _give_back(self, counted: CountedPages | None, held: bool | None, sent_at: int) -> bool:
+    def _give_back(
+        self, counted: CountedPages | None, held: bool | None, sent_at: int | None = None
+    ) -> bool:
         """Take a request's prompt pages off its prefill node's estimate again, once nothing of
         the request holds them: a Prefill refused having taken nothing (``held`` False), or a
-        release over (the node's answer; None when it did not answer), ``sent_at`` the node's
-        heartbeat count when the call was sent. Only on the node object they were counted on:
-        one that replaced it (a restart) never had them. Each heartbeat resets the count to
-        what the node saw, so they come off only if no heartbeat could have seen them free:
-        held (the node freed them answering this release), when no heartbeat came since it was
-        sent (one after that may have been taken after the node freed them); not held, or not
-        answered, when none came since they were counted (one since saw them free already, or
-        was taken while the node held them and reset the count; a release not answered may
-        leave them held, and one Prefill refused then costs less than a node left idle until its
-        next heartbeat). A heartbeat in the way leaves them counted: the node looks fuller than
-        it is until its next heartbeat, never emptier. True when they came off."""
+        release over (``held``: the node's answer, None when it did not answer; ``sent_at``: the
+        node's heartbeat count when the Release was sent). Only on the node object they were
+        counted on: one that replaced it (a restart) never had them.
+
+        Each heartbeat resets the count to what the node saw, so they come off only if no
+        heartbeat could have seen them free. Held (the node freed them answering this release):
+        when no heartbeat came since the Release was sent, as one after that may have been taken
+        after the node freed them. Not held, or not answered: when none came since they were
+        counted, as one since saw them free already, or was taken while the node held them and
+        reset the count. (A release not answered may leave them held: one Prefill refused then
+        costs less than a node left idle until its next heartbeat.)
+
+        A heartbeat in the way leaves them counted: the node looks fuller than it is until its
+        next heartbeat. It can look emptier too, until then: after a release not answered that
+        left them held, or when a heartbeat taken before the node allocated them reached this
+        control plane after they were counted; a Prefill may then be refused for room. True
+        when they came off."""
         if counted is None or not counted.pages:
             return False
         node = counted.node

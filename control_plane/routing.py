@@ -18,7 +18,8 @@ release answered, a heartbeat) do not all send their whole prompt to a node with
 (pipeline ``_try_prefill``). Pages come off the count as the request ends (decode), or, for a
 prefill node, when a Prefill is refused having taken nothing or a release there is over, only if
 no heartbeat can have seen them free since (``Pipeline._give_back``), and only on the node
-object they were counted on, not one that replaced it: the estimate errs towards a fuller node.
+object they were counted on, not one that replaced it: where a heartbeat is in the way the
+estimate errs towards a fuller node (it can still err emptier: ``Pipeline._give_back``).
 Every heartbeat resets it, so an estimate that went wrong lasts one heartbeat interval at most.
 
 A draining node (shutting down) is never a candidate; one that answers UNAVAILABLE with reason
