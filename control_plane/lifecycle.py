@@ -99,6 +99,9 @@ class RequestRecord:
     prefill_node: str = ""
     reservation_id: str = ""
     reserved_pages: int = 0
+    # The decode node object reserved_pages were counted on (Node.reserved_since_heartbeat):
+    # given back to it only, not to a process that replaced it under the same node_id.
+    reserved_on: Node | None = None
     # The prompt pages its Prefill counted on prefill_node's estimate, until they are given back
     # (pipeline.Pipeline._give_back).
     prefill_counted: CountedPages | None = None

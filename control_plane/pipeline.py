@@ -455,6 +455,7 @@ class Pipeline:
             res.reservation_id,
             pages,
         )
+        rec.reserved_on = node
         check_reservation(node.node_id, res, prompt, pages)
         return res
 
@@ -714,7 +715,9 @@ class Pipeline:
                 counted = rec.prefill_counted if node_id == rec.prefill_node else None
                 prefill_nodes.append((node, len(calls), counted, node.heartbeats))
             if node_id == rec.decode_node:
-                node.reserved_since_heartbeat -= rec.reserved_pages
+                if rec.reserved_on is node:  # a replacement never counted them
+                    node.reserved_since_heartbeat -= rec.reserved_pages
+                rec.reserved_on = None
                 if rec.state == RequestState.FINISHED:
                     # Decode gave the pages back as its stream ended (decode_svc/service.py):
                     # a Release would cost both sides an RPC per request for nothing.

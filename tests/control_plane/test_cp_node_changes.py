@@ -420,3 +420,53 @@ async def test_a_failed_transfer_counts_against_the_decode_node_it_went_to(
             assert first.methods().count("Reserve") == 4 and "Reserve" not in other.methods()
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize("restarted", [True, False])
+async def test_a_decode_reservation_is_given_back_only_to_the_node_that_counted_it(
+    tmp_path: Path, restarted: bool
+) -> None:
+    """A request holds decode pages (counted on the node's estimate) when its decode node
+    restarts in place: a new process registers under the same node_id and address. The
+    request's release gave its pages back to the new node's estimate, which never counted them,
+    and the new node looked emptier than it was until its next heartbeat. Control: without a
+    restart the pages come off the node that counted them."""
+    from kvfence.proto.kvfence.v1 import control_pb2
+
+    c = await make_cluster(tmp_path, node_timeout_s=60.0)
+    try:
+        c.script.decode_hold = asyncio.Event()
+        call = asyncio.create_task(c.client(timeout=10).generate(prompt_ids=[10], max_new_tokens=2))
+        await eventually(lambda: [r.record.state for r in c.cp.table] == [RequestState.DECODING])
+        old = c.cp.registry.get("decode-0")
+        assert old is not None and old.reserved_since_heartbeat > 0
+        if restarted:
+            n = c.decode[0]
+            c.cp.registry.register(
+                control_pb2.RegisterRequest(
+                    node_id=n.node_id,
+                    role=n.role,
+                    grpc_address=f"127.0.0.1:{n.port}",
+                    model_fingerprint=n.fingerprint,
+                    text_fingerprint=n.text_fingerprint,
+                    layout=n.layout,
+                    pool_tokens=n.pool_tokens,
+                    total_pages=n.total_pages,
+                    instance_id="restarted",
+                    protocol_version=n.protocol_version,
+                    kvfence_version=n.kvfence_version,
+                )
+            )
+        else:
+            call.cancel()
+        c.script.decode_hold.set()
+        await asyncio.gather(call, return_exceptions=True)
+        await eventually(lambda: len(c.cp.table) == 0)
+        node = c.cp.registry.get("decode-0")
+        assert node is not None and (node is not old) == restarted
+        await eventually(lambda: "Release" in c.decode[0].methods())
+        assert node.reserved_since_heartbeat == 0  # not minus the old process's pages
+    finally:
+        if c.script.decode_hold is not None:
+            c.script.decode_hold.set()
+        await c.close()
