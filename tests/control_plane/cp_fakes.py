@@ -256,26 +256,28 @@ class FakeNode:
         self.servicer.node_token = node_token  # and requires it, as a real node does
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{cp_port}")
         stub = control_pb2_grpc.NodeRegistryStub(self._channel)
-        resp = await stub.Register(
-            control_pb2.RegisterRequest(
-                node_id=self.node_id,
-                role=self.role,
-                grpc_address=f"127.0.0.1:{self.port}",
-                ucx_address="127.0.0.1:1" if self.role == "decode" else "",
-                model_fingerprint=self.fingerprint,
-                text_fingerprint=self.text_fingerprint,
-                layout=self.layout,
-                pool_tokens=self.pool_tokens,
-                total_pages=self.total_pages,
-                instance_id=self.instance_id,
-                protocol_version=self.protocol_version,
-                kvfence_version=self.kvfence_version,
-            ),
-            metadata=self._metadata,
-        )
+        resp = await stub.Register(self.register_request(), metadata=self._metadata)
         if resp.accepted:
             self._beats = asyncio.create_task(self._heartbeat(stub))
         return resp
+
+    def register_request(self, instance_id: str | None = None) -> control_pb2.RegisterRequest:
+        """This node's registration; ``instance_id`` another process's at the same address (a
+        restart in place)."""
+        return control_pb2.RegisterRequest(
+            node_id=self.node_id,
+            role=self.role,
+            grpc_address=f"127.0.0.1:{self.port}",
+            ucx_address="127.0.0.1:1" if self.role == "decode" else "",
+            model_fingerprint=self.fingerprint,
+            text_fingerprint=self.text_fingerprint,
+            layout=self.layout,
+            pool_tokens=self.pool_tokens,
+            total_pages=self.total_pages,
+            instance_id=self.instance_id if instance_id is None else instance_id,
+            protocol_version=self.protocol_version,
+            kvfence_version=self.kvfence_version,
+        )
 
     async def _heartbeat(self, stub: control_pb2_grpc.NodeRegistryStub) -> None:
         while True:

@@ -431,8 +431,6 @@ async def test_a_decode_reservation_is_given_back_only_to_the_node_that_counted_
     request's release gave its pages back to the new node's estimate, which never counted them,
     and the new node looked emptier than it was until its next heartbeat. Control: without a
     restart the pages come off the node that counted them."""
-    from kvfence.proto.kvfence.v1 import control_pb2
-
     c = await make_cluster(tmp_path, node_timeout_s=60.0)
     try:
         c.script.decode_hold = asyncio.Event()
@@ -441,22 +439,7 @@ async def test_a_decode_reservation_is_given_back_only_to_the_node_that_counted_
         old = c.cp.registry.get("decode-0")
         assert old is not None and old.reserved_since_heartbeat > 0
         if restarted:
-            n = c.decode[0]
-            c.cp.registry.register(
-                control_pb2.RegisterRequest(
-                    node_id=n.node_id,
-                    role=n.role,
-                    grpc_address=f"127.0.0.1:{n.port}",
-                    model_fingerprint=n.fingerprint,
-                    text_fingerprint=n.text_fingerprint,
-                    layout=n.layout,
-                    pool_tokens=n.pool_tokens,
-                    total_pages=n.total_pages,
-                    instance_id="restarted",
-                    protocol_version=n.protocol_version,
-                    kvfence_version=n.kvfence_version,
-                )
-            )
+            c.cp.registry.register(c.decode[0].register_request("restarted"))
         else:
             call.cancel()
         c.script.decode_hold.set()

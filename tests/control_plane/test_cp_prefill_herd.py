@@ -207,14 +207,7 @@ async def test_a_failed_prefills_pages_come_off_the_estimate_once_and_only_once(
         assert node.reserved_since_heartbeat == PROMPT_PAGES  # counted as it went out
         if case == "answered-after-a-heartbeat":
             # The node, having failed and freed the pages, beats before its Release answer.
-            real_free = pool._free
-
-            def free_then_beat(request_id: str) -> bool:
-                held = real_free(request_id)
-                beat(c, pool)
-                return held
-
-            pool._free = free_then_beat  # type: ignore[method-assign]
+            beat_when_freeing(c, pool)
         pool.gate.set()
         with pytest.raises(KvfenceError) as err:
             await first
@@ -305,22 +298,20 @@ async def test_a_refused_prefill_gives_its_pages_back_unless_a_heartbeat_reset_t
 def _register_again(c: Cluster, pool: PooledPrefill, instance_id: str) -> None:
     """The node's registration, repeated now (its earlier answer lost: the same process; or a
     restart in place: another instance at the same address)."""
-    n = pool.node
-    c.cp.registry.register(
-        control_pb2.RegisterRequest(
-            node_id=n.node_id,
-            role=n.role,
-            grpc_address=f"127.0.0.1:{n.port}",
-            model_fingerprint=n.fingerprint,
-            text_fingerprint=n.text_fingerprint,
-            layout=n.layout,
-            pool_tokens=n.pool_tokens,
-            total_pages=n.total_pages,
-            instance_id=instance_id,
-            protocol_version=n.protocol_version,
-            kvfence_version=n.kvfence_version,
-        )
-    )
+    c.cp.registry.register(pool.node.register_request(instance_id))
+
+
+def beat_when_freeing(c: Cluster, pool: PooledPrefill) -> None:
+    """From now on the node beats as it frees a request's pages, before it answers the Release
+    (its heartbeat is another RPC: it can reach the control plane first)."""
+    real_free = pool._free
+
+    def free_then_beat(request_id: str) -> bool:
+        held = real_free(request_id)
+        beat(c, pool)
+        return held
+
+    pool._free = free_then_beat  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("beat_after_free", [True, False])
@@ -340,14 +331,7 @@ async def test_pages_held_until_the_release_come_off_once_whatever_heartbeat_cam
         pool.node.free_pages -= PROMPT_PAGES
         beat(c, pool)
         if beat_after_free:
-            real_free = pool._free
-
-            def free_then_beat(request_id: str) -> bool:
-                held = real_free(request_id)
-                beat(c, pool)
-                return held
-
-            pool._free = free_then_beat  # type: ignore[method-assign]
+            beat_when_freeing(c, pool)
         pool.gate.set()
         result = await asyncio.wait_for(
             c.client(timeout=10).generate(prompt_ids=PROMPT, max_new_tokens=2), 5
