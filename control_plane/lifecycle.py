@@ -38,9 +38,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class CountedPages:
-    """A prompt's pages that a Prefill counted on its node's estimate
-    (``Node.reserved_since_heartbeat``): the node object, the pages, and the node's heartbeat
-    count (``Node.heartbeats``) when they were counted."""
+    """Pages a request counted on a node's estimate (``Node.reserved_since_heartbeat``: its
+    decode reservation, or its Prefill's prompt pages): the node object, the pages, and the
+    node's heartbeat count (``Node.heartbeats``) when they were counted. They go back to that
+    node object only, never to a process that replaced it under the same node_id."""
 
     node: Node
     pages: int
@@ -98,10 +99,8 @@ class RequestRecord:
     decode_node: str = ""
     prefill_node: str = ""
     reservation_id: str = ""
-    reserved_pages: int = 0
-    # The decode node object reserved_pages were counted on (Node.reserved_since_heartbeat):
-    # given back to it only, not to a process that replaced it under the same node_id.
-    reserved_on: Node | None = None
+    # The pages its decode reservation counted on decode_node's estimate, until the release.
+    reserved: CountedPages | None = None
     # The prompt pages its Prefill counted on prefill_node's estimate, until they are given back
     # (pipeline.Pipeline._give_back).
     prefill_counted: CountedPages | None = None

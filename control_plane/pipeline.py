@@ -450,12 +450,8 @@ class Pipeline:
             # same process registers again.
             raise Unavailable(f"decode node {node.node_id} was lost", reason="NODE_LOST")
         node.reserved_since_heartbeat += pages
-        rec.decode_node, rec.reservation_id, rec.reserved_pages = (
-            node.node_id,
-            res.reservation_id,
-            pages,
-        )
-        rec.reserved_on = node
+        rec.decode_node, rec.reservation_id = node.node_id, res.reservation_id
+        rec.reserved = CountedPages(node, pages, node.heartbeats)
         check_reservation(node.node_id, res, prompt, pages)
         return res
 
@@ -674,7 +670,7 @@ class Pipeline:
         if counted is None or not counted.pages:
             return False
         node = counted.node
-        if self.d.registry.get(node.node_id) is not node:
+        if not self.d.registry.registered(node):
             return False
         if node.heartbeats == (sent_at if held else counted.beats):
             node.reserved_since_heartbeat -= counted.pages
@@ -715,9 +711,10 @@ class Pipeline:
                 counted = rec.prefill_counted if node_id == rec.prefill_node else None
                 prefill_nodes.append((node, len(calls), counted, node.heartbeats))
             if node_id == rec.decode_node:
-                if rec.reserved_on is node:  # a replacement never counted them
-                    node.reserved_since_heartbeat -= rec.reserved_pages
-                rec.reserved_on = None
+                reserved, rec.reserved = rec.reserved, None
+                if reserved is not None and self.d.registry.registered(reserved.node):
+                    # Released pages make the count negative until the next heartbeat.
+                    node.reserved_since_heartbeat -= reserved.pages
                 if rec.state == RequestState.FINISHED:
                     # Decode gave the pages back as its stream ended (decode_svc/service.py):
                     # a Release would cost both sides an RPC per request for nothing.
