@@ -18,6 +18,16 @@ A ``Decode`` may not ask for more new tokens than its reservation was made for.
 Every RPC needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED
 and reserves, decodes or releases nothing.
 
+A duplicate ``Decode`` (a second call for the same request and reservation; the control plane
+never makes one, a retried or replayed call can) fails manifest check 1 when its manifest is
+checked after the first call's: DATA_LOSS, the pages quarantined and released, and the first
+stream ends CANCELLED. Before that check it has claimed nothing: the reservation belongs to the
+first call waiting for its transfer, and only that call's cancellation gives the pages back; a
+duplicate cancelled while it waits just goes (a warning is logged), and the first call decodes
+once the transfer arrives. So the pages go back once, never while that call still waits for them:
+at its stream's end or cancellation, a duplicate's failed check, a ``Release``, or, for a
+reservation no stream verified, the reaper (``transfer.reservation_timeout_s`` after Reserve).
+
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Reserve`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, taking nothing (the control plane tries another node); the transfers,
 ``Decode`` streams and ``Release`` calls of the reservations already made go on, and the node is
@@ -127,6 +137,9 @@ class DecodeReservation:
     state: ResState = ResState.RESERVED
     # The Decode stream's event sink once it is decoding: a release tells that stream it ended.
     emit: Callable[[tuple[str, Any]], None] | None = None
+    # A Decode call is waiting for the transfer and owns the reservation: a duplicate that waits
+    # beside it and is cancelled must not release it (module docstring).
+    awaited: bool = False
     created: float = field(default_factory=time.monotonic)
 
 
@@ -373,19 +386,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if res is not None and res.state == ResState.RESERVED:
             # The transfer normally completed before prefill returned the manifest; allow a
             # moment for the last acknowledgement to be processed.
+            owner = not res.awaited  # the first call to wait; a second is a duplicate
+            res.awaited = True
             try:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         res.transfer.done.wait(), self.cfg.transfer.batch_timeout_s
                     )
             except asyncio.CancelledError:
-                # The caller went before the KV was verified. The control plane never calls
-                # Decode twice for a reservation and releases it when the request ends, but its
-                # Release can be lost: the pages would then wait for the reaper
-                # (transfer.reservation_timeout_s). Nothing read them; give them back now.
-                if self.reservations.get(res.reservation_id) is res:
+                if not owner:
+                    # A duplicate that went before verifying anything: the pages are the
+                    # waiting owner's, which still decodes once the transfer arrives.
+                    log.warning(
+                        "duplicate Decode cancelled before verification; reservation kept",
+                        reservation_id=res.reservation_id,
+                    )
+                elif self.reservations.get(res.reservation_id) is res:
+                    # The caller went before the KV was verified. The control plane releases
+                    # the reservation when the request ends, but its Release can be lost: the
+                    # pages would then wait for the reaper (transfer.reservation_timeout_s).
+                    # Nothing read them; give them back now.
                     self._release(res.reservation_id, "decode cancelled before verification")
                 raise
+            finally:
+                if owner:
+                    res.awaited = False
             if self.reservations.get(res.reservation_id) is not res:
                 # Reaped or released meanwhile: its transfer was cancelled, not forged.
                 raise self._released_before_decode(res.reservation_id)
