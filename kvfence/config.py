@@ -18,6 +18,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 from enum import StrEnum
 from pathlib import Path, PurePath
 from types import NoneType, UnionType
@@ -224,6 +225,26 @@ class DecodeConfig(_Strict):
 
 NODE_TIMEOUT_HEARTBEATS = 2  # node_timeout_s >= this many heartbeat intervals
 
+# Of a decode reservation's life (transfer.reservation_timeout_s), the part a request may spend
+# waiting for prefill room before it fails NO_CAPACITY: control_plane.pipeline's
+# RESERVATION_USE_FRACTION, repeated here because kvfence/ does not import the control plane
+# (tests/control_plane/test_config_refused_room.py holds the two equal).
+PREFILL_ROOM_WAIT_FRACTION = 0.75
+
+
+def refused_room_bound_s(reservation_timeout_s: float) -> float:
+    """The most ``control_plane.refused_room_max_s`` may be: 2/3 of the longest wait for prefill
+    room (PREFILL_ROOM_WAIT_FRACTION x ``reservation_timeout_s``), i.e. half the reservation
+    timeout.
+
+    A node left out longer than requests wait fails every request waiting for it, room or not.
+    Out at most 2/3 of the wait, it is back in routing for at least the last third of the wait
+    of a request that began waiting when it refused (at least half as long as it was out), and a
+    request refused in the first third of its own wait still tries it again. With the default 60 s
+    timeout this is 30 s, the field's own cap, so no value accepted there before is refused."""
+    # 0.75 x 2/3 is exactly 0.5: the bound is exactly half, as the Helm chart checks it.
+    return reservation_timeout_s * (PREFILL_ROOM_WAIT_FRACTION * 2 / 3)
+
 
 class ControlPlaneConfig(_Strict):
     """The control plane's listeners and admission bounds."""
@@ -279,9 +300,9 @@ class ControlPlaneConfig(_Strict):
     # A prefill node that refused a Prefill for room (RESOURCE_EXHAUSTED) is left out at most this
     # long, whatever its heartbeats say (its pages can come back unseen, and it then sits empty
     # while requests wait). Above 0: 0 would have every request waiting for prefill room send it
-    # its whole prompt again at each wake-up. At most 30 s: those requests give up after 3/4 of
-    # transfer.reservation_timeout_s (45 s by default) and fail NO_CAPACITY; keep it well under
-    # that where the reservation timeout is lowered.
+    # its whole prompt again at each wake-up. At most 30 s, and at most half of
+    # transfer.reservation_timeout_s (ClusterConfig checks it: refused_room_bound_s). Left
+    # unset, it is 5 s cut to that bound where the reservation timeout is lowered.
     refused_room_max_s: float = Field(default=5.0, gt=0, le=30)
     admin_token_file: Path | None = None
     # Shared by the control plane and every node (kvfence/auth.py): nodes present it to register,
@@ -395,6 +416,34 @@ class ClusterConfig(_Strict):
     events: EventsConfig = EventsConfig()
     tls: TlsConfig = TlsConfig()
 
+    @model_validator(mode="after")
+    def _refused_room_within_wait(self) -> ClusterConfig:
+        """control_plane.refused_room_max_s at most refused_room_bound_s: refused when given,
+        the default cut to it when not (configs that only lower the reservation timeout, as
+        tests and local stacks do, keep loading)."""
+        cp, timeout = self.control_plane, self.transfer.reservation_timeout_s
+        bound = refused_room_bound_s(timeout)
+        if cp.refused_room_max_s <= bound:
+            return self
+        if "refused_room_max_s" in cp.model_fields_set:
+            wait = PREFILL_ROOM_WAIT_FRACTION * timeout
+            raise ValueError(
+                f"control_plane.refused_room_max_s ({cp.refused_room_max_s:g}) must be at most "
+                f"{bound:g} s, half of transfer.reservation_timeout_s ({timeout:g}): requests "
+                f"waiting for prefill room fail NO_CAPACITY after {wait:g} s "
+                f"({PREFILL_ROOM_WAIT_FRACTION:g} x reservation_timeout_s), and a prefill node "
+                "that refused for room, left out of routing up to refused_room_max_s, must be "
+                "back within 2/3 of that wait, or they fail though it has room again; lower "
+                "refused_room_max_s or raise reservation_timeout_s"
+            )
+        clamped = cp.model_copy(update={"refused_room_max_s": bound})
+        # Still the default, cut: unset, so a config rebuilt from this one with another timeout
+        # cuts it afresh.
+        clamped.model_fields_set.discard("refused_room_max_s")
+        # The models are frozen, but this one is not handed out yet: set the field in place.
+        object.__setattr__(self, "control_plane", clamped)
+        return self
+
     def page_bytes(self, shape: ModelShape) -> int:
         """Bytes of one KV page: layers x (K, V) x page_size x kv_heads x head_dim x dtype."""
         return (
@@ -499,7 +548,20 @@ def _describe(err: ValidationError, sources: EnvSources) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
-        line = f"{'.'.join(loc) or '<root>'}: {e['msg']}"
+        if not loc:
+            # A check across sections (ClusterConfig's validators): its message names the keys
+            # and their values, and its input is the whole config, so neither is repeated; the
+            # variables that set a key it names are.
+            line = e["msg"].removeprefix("Value error, ")
+            keys = re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+\b", line)
+            named = [
+                k
+                for p, k in sources.items()
+                if any(tuple(key.split("."))[: len(p)] == p for key in keys)
+            ]
+            lines.append(line if not named else f"{line} (from {', '.join(named)})")
+            continue
+        line = f"{'.'.join(loc)}: {e['msg']}"
         line += f" (got {json.dumps(e.get('input'), default=str)[:80]})"
         # the variable that set this field or the section holding it
         source = next((k for p, k in sources.items() if loc[: len(p)] == p), None)

@@ -231,6 +231,20 @@ refuses it at start, and the pre-install hook with it); JSON schema cannot compa
 {{- end }}
 
 {{/*
+control_plane.refused_room_max_s must be at most half of transfer.reservation_timeout_s
+(kvfence/config.py, refused_room_bound_s, refuses it at start, and the pre-install hook with it:
+the chart always sets the key, so kvfence never cuts its default down for it); JSON schema cannot
+compare two values.
+*/}}
+{{- define "kvfence.checkRefusedRoom" -}}
+{{- $room := float64 .Values.controlPlane.refusedRoomMaxS }}
+{{- $timeout := float64 .Values.transfer.reservationTimeoutS }}
+{{- if gt $room (divf $timeout 2) }}
+{{- fail (printf "controlPlane.refusedRoomMaxS %v exceeds %v, half of transfer.reservationTimeoutS %v: requests waiting for prefill room fail NO_CAPACITY after 0.75 x reservationTimeoutS, and a prefill node that refused for room must be back in routing within 2/3 of that wait; lower refusedRoomMaxS or raise reservationTimeoutS" .Values.controlPlane.refusedRoomMaxS (divf $timeout 2) .Values.transfer.reservationTimeoutS) }}
+{{- end }}
+{{- end }}
+
+{{/*
 "true" when a UCX_TLS value lets UCX use its TCP transport: a list naming tcp or all, or a
 "^..." list (all but those) that does not exclude tcp. A name may carry a ":aux" suffix.
 */}}
@@ -287,6 +301,7 @@ side of an endpoint (networkpolicy.yaml opens it to decode).
 {{- include "kvfence.checkMqttAuth" . }}
 {{- include "kvfence.checkMqttTls" . }}
 {{- include "kvfence.checkDeadlines" . }}
+{{- include "kvfence.checkRefusedRoom" . }}
 {{- $m := .Values.model -}}
 {{- $cp := .Values.controlPlane -}}
 cluster: {{ .Values.clusterName | quote }}
