@@ -48,6 +48,20 @@ NULL column without a default). That works only while every later release keeps 
 
 What a later release adds is kept by an older one (a restore copies the file whole; a backup is a
 page copy) but not used: e.g. a setting that release introduced has no effect after a rollback.
+
+An index that is not UNIQUE (:data:`_INDEXES`) is not a schema change in that sense and bumps no
+version: it refuses nothing an older release writes and changes nothing any release reads (SQLite
+keeps it up to date and uses it for an older release's queries too), so a version saying "has it"
+would buy nothing and make a rollback warn of a newer database for no reason. A TenantStore
+creates it ``IF NOT EXISTS`` whenever it opens a database it can use, whatever its version, so a
+database of an earlier release gets it on first open; :func:`check_database` does not require it.
+
+Authentication reads one API key by its hash (``key_sha256``'s UNIQUE index) and its tenant by
+name: its cost does not grow with the number of keys, of the tenant or of anyone. Keys are never
+deleted (a revoked one stays, and each ``kvfence up`` revokes the demo tenant's key and issues
+another), so the tenant it returns carries no key list; the admin paths that show a tenant's keys
+(:meth:`TenantStore.get`, :meth:`TenantStore.list`, and what creates tenants or sets limits)
+load them, through the ``api_keys_tenant`` index.
 """
 
 from __future__ import annotations
@@ -69,7 +83,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -115,6 +129,14 @@ CREATE TABLE IF NOT EXISTS database_identity (
 # every database has it: a database (a backup) below that version may lack it and is still a tenant
 # database (opening it in a TenantStore adds the table); one at or above it may not.
 _ADDED_TABLES = {"model_access": 1, "database_identity": 2}
+# Indexes that only make reads cheaper (none UNIQUE: a UNIQUE one is a constraint, which goes in
+# _SCHEMA and is versioned). Not versioned (see the module's docstring): a TenantStore creates them
+# on every database it opens, after _schema_problems has accepted it (an index on a column the
+# database lacks would fail before the problem could be said). api_keys_tenant: a tenant's keys in
+# created order (the admin listing) without scanning every tenant's keys.
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant, created_at);
+"""
 # The schema version this release writes in PRAGMA user_version (see the module's docstring for
 # the versions and the rule every later release must follow: additive changes only).
 SCHEMA_VERSION = 2
@@ -188,6 +210,15 @@ LIMIT_FIELDS = ("max_concurrent_requests", "max_tokens_per_request", "scrub_on_f
 
 @dataclass(frozen=True)
 class Tenant:
+    """A tenant and its limits; ``keys``: its API keys, oldest first, revoked ones included, only
+    where the admin API shows them (:meth:`TenantStore.get`, :meth:`~TenantStore.list`,
+    :meth:`~TenantStore.create_tenant`, :meth:`~TenantStore.set_limits`).
+
+    The tenant :meth:`TenantStore.authenticate` returns carries no key list (``keys`` is empty,
+    whatever keys the tenant has): every request keeps it for its whole life, and keys are never
+    deleted, so loading them would cost each request time and memory growing with the tenant's key
+    history. Read a tenant's keys from :meth:`TenantStore.get`."""
+
     name: str
     limits: TenantLimits
     keys: tuple[KeyInfo, ...] = field(default=())
@@ -313,6 +344,11 @@ class TenantStore:
             problems = _schema_problems(self._db, found)
             if problems:
                 raise NotATenantDatabase(_not_tenant_db(str(self.path), self._db, problems, found))
+            # Whatever its version: a database of an earlier release gets them here (unversioned,
+            # see the module's docstring).
+            for statement in _INDEXES.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
             if _identity(self._db) is None:
                 # Only ever into an empty table: an id, once made, is never changed.
                 self._db.execute(
@@ -481,14 +517,19 @@ class TenantStore:
         return None if row is None else str(row[0])
 
     def authenticate(self, api_key: str) -> Tenant | None:
-        """The tenant owning an unrevoked ``api_key``, else None."""
+        """The tenant owning an unrevoked ``api_key``, else None; without its key list (``keys``
+        is empty, see :class:`Tenant`).
+
+        One statement reading one key (by its hash, through ``key_sha256``'s UNIQUE index) and one
+        tenant (by name, its primary key): run for every Generate, ListModels and refused admin
+        call, it costs the same however many keys, revoked or not, this tenant or others have."""
         row = self._db.execute(
             "SELECT t.name, t.max_concurrent_requests, t.max_tokens_per_request, t.scrub_on_free "
             "FROM api_keys k JOIN tenants t ON t.name = k.tenant "
             "WHERE k.key_sha256 = ? AND k.revoked = 0",
             (hash_key(api_key),),
         ).fetchone()
-        return None if row is None else self._tenant(row)
+        return None if row is None else _tenant_without_keys(row)
 
     def save_model_access(self, model: str, online: bool, reason: str, since: str) -> None:
         """Save ``model``'s kill switch: committed, on disk, when this returns. KvfenceError
@@ -511,16 +552,17 @@ class TenantStore:
         return _model_access(self._db)
 
     def _tenant(self, row: tuple[str, int, int, int]) -> Tenant:
-        name, max_conc, max_tok, scrub = row
+        """The tenant of ``row`` with its keys (the admin paths; not :meth:`authenticate`)."""
+        tenant = _tenant_without_keys(row)
+        # Through api_keys_tenant: this tenant's keys only, already in order (no sort). rowid
+        # orders the keys created in the same second (created_at has whole seconds) as they were
+        # created, and is the index's last column, so it costs no sort either.
         keys = self._db.execute(
-            "SELECT key_id, revoked, created_at FROM api_keys WHERE tenant = ? ORDER BY created_at",
-            (name,),
+            "SELECT key_id, revoked, created_at FROM api_keys WHERE tenant = ? "
+            "ORDER BY created_at, rowid",
+            (tenant.name,),
         ).fetchall()
-        return Tenant(
-            name=name,
-            limits=TenantLimits(int(max_conc), int(max_tok), bool(scrub)),
-            keys=tuple(KeyInfo(k, bool(r), c) for k, r, c in keys),
-        )
+        return replace(tenant, keys=tuple(KeyInfo(k, bool(r), c) for k, r, c in keys))
 
     @contextmanager
     def _tx(self) -> Iterator[None]:
@@ -533,6 +575,11 @@ class TenantStore:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+
+def _tenant_without_keys(row: tuple[str, int, int, int]) -> Tenant:
+    name, max_conc, max_tok, scrub = row
+    return Tenant(name=name, limits=TenantLimits(int(max_conc), int(max_tok), bool(scrub)))
 
 
 # -- offline restore -------------------------------------------------------------------------------
