@@ -182,14 +182,16 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         yet) that the limits refuse end as a new request would be refused: over the tokens per
         request, or, oldest kept first, beyond the concurrency limit less the running ones. An
         operator lowering an abusive tenant's limits otherwise watches its queue served for up
-        to max_deadline_s. Returns how many requests ended."""
+        to max_deadline_s. Requests already interrupted (aborted, say, still waiting for their
+        tokenizer thread) are ending: they are not kept in place of a live one
+        (``Run.live``). Returns how many requests ended."""
         runs = [r for r in self.d.table if r.record.tenant_id == tenant.name]
         for run in runs:
             run.tenant = tenant
         waiting_states = (RequestState.RECEIVED, RequestState.ADMITTED)
-        waiting = [r for r in runs if r.record.state in waiting_states]
+        waiting = [r for r in runs if r.record.state in waiting_states and r.live]
         running = [r for r in runs if r.record.state not in waiting_states]
-        held = sum(1 for r in running if not r.record.terminal)
+        held = sum(1 for r in running if r.live)
         limits, ended = tenant.limits, 0
         for run in waiting:  # in the order they came (the table keeps it)
             rec = run.record

@@ -147,23 +147,32 @@ def check_limit(
     )
 
 
-def over_tenant_tokens(tenant: Tenant, total: int, when: str = "") -> InvalidArgument | None:
+def over_tenant_tokens(
+    tenant: Tenant, total: int, when: str = "", *, bound: str = ""
+) -> InvalidArgument | None:
     """The refusal of a request of ``total`` tokens (prompt + max_new) over the tenant's tokens
-    per request (``when``: said after the limit), else None."""
+    per request (``when``: said after the limit), else None. ``bound`` (from
+    :func:`prompt_tokens_at_least`) says ``total`` is a lower bound, and how it was found."""
     limit = tenant.limits.max_tokens_per_request
     if not limit or total <= limit:
         return None
+    at_least = "at least " if bound else ""
+    how = f" ({bound})" if bound else ""
     return InvalidArgument(
-        f"prompt_tokens + max_new_tokens = {total} exceeds tenant {tenant.name}'s limit of "
-        f"{limit} tokens per request{when}",
+        f"prompt_tokens + max_new_tokens = {at_least}{total}{how} exceeds tenant "
+        f"{tenant.name}'s limit of {limit} tokens per request{when}",
         reason=OVER_TENANT_TOKEN_LIMIT,
     )
 
 
-def check_tenant(tenant: Tenant, prompt: Prompt, active_requests: int) -> None:
-    """The tenant's own limits: tokens per request (never fits) and concurrency (not now)."""
+def check_tenant(tenant: Tenant, total_tokens: int, active_requests: int, bound: str = "") -> None:
+    """The tenant's own limits: tokens per request (never fits) and concurrency (not now).
+
+    ``total_tokens`` is prompt + max_new_tokens; ``bound`` says it is a lower bound (before
+    tokenizing, from :func:`prompt_tokens_at_least`), which refuses only what can never fit.
+    ``active_requests``: the tenant's other live requests."""
     limits = tenant.limits
-    too_long = over_tenant_tokens(tenant, prompt.total_tokens)
+    too_long = over_tenant_tokens(tenant, total_tokens, bound=bound)
     if too_long is not None:
         raise too_long
     if limits.max_concurrent_requests and active_requests >= limits.max_concurrent_requests:

@@ -106,6 +106,10 @@ class RequestRecord:
     prefill_counted: CountedPages | None = None
     # node_id -> role of every node that received a request-carrying RPC and may hold something.
     contacted: dict[str, str] = field(default_factory=dict)
+    # Decode nodes in ``contacted`` whose Reserve went unanswered (pipeline ``_try_reserve``): the
+    # request went on to another node, and they stay contacted only for the Release of whatever
+    # the call may have reserved late. Losing one of them takes nothing of the request.
+    unanswered: set[str] = field(default_factory=set)
     reason: str = ""
     history: list[tuple[RequestState, float]] = field(default_factory=list)
 
@@ -171,6 +175,15 @@ class Run:
     @property
     def interrupted(self) -> KvfenceError | None:
         return self._interrupt.result() if self._interrupt.done() else None
+
+    @property
+    def live(self) -> bool:
+        """Neither ended nor interrupted: what counts against its tenant's concurrency. An
+        interrupted request (aborted, key revoked, deadline, client gone) will end with its
+        interrupt, however long the await it is in takes to notice: a tokenizer thread cannot be
+        stopped, and counting it until that returned refused the tenant's next request
+        TENANT_CONCURRENCY for one nobody would be served."""
+        return not self.record.terminal and not self._interrupt.done()
 
     def interrupt(self, err: KvfenceError) -> bool:
         """Ask the pipeline to end the request with ``err``; the first interrupt wins.
@@ -294,18 +307,25 @@ class RequestTable:
     def get(self, request_id: str) -> Run | None:
         return self._runs.get(request_id)
 
-    def active_for_tenant(self, tenant_id: str) -> int:
-        """The tenant's requests not yet ended: one that has (its status sent) while its
-        releases still run does not count against its concurrency limit, or a client retrying
-        at once after an error would be refused for the request it just lost."""
+    def active_for_tenant(self, tenant_id: str, besides: Run | None = None) -> int:
+        """The tenant's live requests (:attr:`Run.live`), ``besides`` left out: one that has
+        ended (its status sent) while its releases still run does not count against its
+        concurrency limit, or a client retrying at once after an error would be refused for the
+        request it just lost; nor does one interrupted that has not ended yet."""
         return sum(
             1
             for r in self._runs.values()
-            if r.record.tenant_id == tenant_id and not r.record.terminal
+            if r.record.tenant_id == tenant_id and r is not besides and r.live
         )
 
     def using_node(self, node_id: str) -> list[Run]:
-        return [r for r in self._runs.values() if node_id in r.record.contacted]
+        """Requests that may hold something on the node: not those whose only part in it is a
+        Reserve left unanswered (``RequestRecord.unanswered``)."""
+        return [
+            r
+            for r in self._runs.values()
+            if node_id in r.record.contacted and node_id not in r.record.unanswered
+        ]
 
     def in_state(self, *states: RequestState) -> list[Run]:
         return [r for r in self._runs.values() if r.record.state in states]

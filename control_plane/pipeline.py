@@ -18,6 +18,22 @@ deadline for one would fail NO_CAPACITY, telling the operator to add capacity ra
 A new request waits before it is ADMITTED and is checked against the admissible limit again once
 nodes are there (a joining node may have a smaller pool); a queued one waits where it was queued.
 Requests that were running on a node that is lost are not retried (NODE_LOST): its KV went with it.
+
+Each Reserve is bounded by the registry's ``node_timeout_s`` (a node silent that long is lost),
+capped by the deadline left. Only the head of the admission queue reserves (``AdmissionQueue``),
+so a decode node that heartbeats but does not answer Reserve held every tenant's admission for up
+to the head's deadline (``max_deadline_s``, up to an hour) while other decode nodes sat idle. A
+Reserve not answered in time counts as a failed call towards the node's cool-down (routing's
+``node_unanswered``) and the request tries the next node; the node stays in ``contacted`` (the call
+may have reserved there late), so the request's Release reaches it, but its loss fails nothing of
+the request (``RequestRecord.unanswered``).
+
+Before the tokenizer runs, the tenant's own limits are checked with what is known without it: its
+concurrency, and a lower bound of the prompt's tokens against its tokens per request (again with
+the exact count after). An interrupt (abort, key revoked, deadline, SetLimits, client gone) while
+a request is not yet admitted fails it (FAILED / CANCELLED), not counted as an admission refusal;
+one waiting for its tokenizer thread stops waiting at once (the thread runs on, unheard), and an
+interrupted request no longer counts against its tenant's concurrency (``Run.live``).
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ from control_plane.routing import (
     decode_candidates,
     node_failed,
     node_succeeded,
+    node_unanswered,
     prefill_candidates,
     prefill_pages,
     refuse_room,
@@ -86,6 +103,9 @@ RESERVATION_USE_FRACTION = 0.75
 MODEL_OFFLINE = "MODEL_OFFLINE"
 NO_NODES = "NO_NODES"
 SHUTTING_DOWN = "SHUTTING_DOWN"
+# The refusals of _check_serving: an interrupt with one of these reasons (the model taken offline,
+# a shutdown) is the refusal a request not yet admitted gets, interrupt or not.
+SERVING_REFUSALS = frozenset({MODEL_OFFLINE, SHUTTING_DOWN})
 
 
 class EventSink(Protocol):
@@ -206,8 +226,9 @@ class Pipeline:
         try:
             self._check_serving()
             known = admission.prompt_tokens_at_least(req, self.d.model)
+            rec.max_new_tokens = req.max_new_tokens
             if known is not None:  # refuse what cannot fit before paying for the tokenizer
-                rec.prompt_tokens, rec.max_new_tokens = known[0], req.max_new_tokens
+                rec.prompt_tokens = known[0]
                 admission.check_limit(
                     known[0],
                     req.max_new_tokens,
@@ -215,12 +236,27 @@ class Pipeline:
                     self.d.model.context_window,
                     known[1],
                 )
+            # The tenant's own limits too, before the tokenizer: a tenant at its concurrency
+            # limit, or whose text is longer than its tokens per request by its bytes alone, cost
+            # a tokenizer run in the worker threads every tenant shares for each refusal. The
+            # prompt's lower bound (no bound: none, 0 tokens) refuses only what cannot fit.
+            at_least, bound = known if known is not None else (0, "a prompt not yet tokenized")
+            admission.check_tenant(
+                _tenant(run),
+                at_least + max(req.max_new_tokens, 0),
+                self.d.table.active_for_tenant(rec.tenant_id, besides=run),
+                bound,
+            )
             text_ids = None
             if req.WhichOneof("prompt") == "text" and len(req.text) >= UNLOCKED_ENCODE_CHARS:
                 # A long text off the event loop (the tokenizer releases the GIL for a text this
                 # long; a thread would cost a short one more than its tokenizing), so other
-                # tenants' streams and the nodes' heartbeats go on meanwhile.
-                text_ids = await asyncio.to_thread(self.d.model.tokenizer.encode, req.text)
+                # tenants' streams and the nodes' heartbeats go on meanwhile. Guarded: an
+                # interrupt (abort, revoked key, deadline) ends the request now; the thread
+                # cannot be stopped, its result is dropped.
+                text_ids = await run.guard(
+                    asyncio.to_thread(self.d.model.tokenizer.encode, req.text)
+                )
             prompt = admission.validate(req, self.d.model, text_ids)
             rec.prompt_tokens = len(prompt.token_ids)
             rec.max_new_tokens = prompt.sampling.max_new_tokens
@@ -230,9 +266,13 @@ class Pipeline:
                 self.d.registry.admissible_limit(),
                 self.d.model.context_window,
             )
-            # The tenant as it stands now: SetLimits may have changed it since authentication.
-            tenant = _tenant(run)
-            admission.check_tenant(tenant, prompt, self.d.table.active_for_tenant(tenant.name) - 1)
+            # Again with the exact count, and the tenant as it stands now: SetLimits may have
+            # changed it since authentication (or while the tokenizer ran).
+            admission.check_tenant(
+                _tenant(run),
+                prompt.total_tokens,
+                self.d.table.active_for_tenant(rec.tenant_id, besides=run),
+            )
             if await self._wait_for_nodes(run, deadline):
                 # The limit above counted only the nodes registered then.
                 admission.check_limit(
@@ -242,8 +282,20 @@ class Pipeline:
                     self.d.model.context_window,
                 )
         except KvfenceError as err:
-            # Cancelled while waiting for a node (the client went, an operator aborted it) is
-            # CANCELLED, as anywhere; anything else refused before admission is REJECTED.
+            interrupt = run.interrupted
+            if interrupt is not None and interrupt.reason not in SERVING_REFUSALS:
+                # Interrupted (key revoked, an operator's abort, the deadline, SetLimits, the
+                # client gone) is not a refusal at admission: it fails as it would anywhere
+                # (_fail: FAILED or CANCELLED), not counted in admission_rejections_total nor
+                # an admission_rejected event, which tell an operator about refusals. The
+                # interrupt wins over a refusal that raced it (Run.interrupt's promise). The
+                # kill switch and a shutdown interrupt waiting requests with the refusal
+                # _check_serving gives (it would at the request's next wake-up): still refusals.
+                if interrupt is err:
+                    raise
+                raise interrupt from None
+            # Cancelled is CANCELLED, as anywhere; anything else refused before admission is
+            # REJECTED.
             if not isinstance(err, Cancelled):
                 self._reject(run, err)
             raise
@@ -416,8 +468,15 @@ class Pipeline:
         first_contact = node.node_id not in rec.contacted
         rec.contacted[node.node_id] = DECODE
         self.d.clients.count(node, "Reserve")
+        # Each Reserve is bounded by node_timeout_s (a node silent that long is lost), within the
+        # deadline: only the head of the admission queue reserves, so a decode node that
+        # heartbeats but does not answer held every tenant's admission for up to the head's
+        # deadline (max_deadline_s), with other decode nodes idle.
+        left = _left(deadline)
+        node_bound = self.d.registry.node_timeout_s < left
+        timeout = min(self.d.registry.node_timeout_s, left)
         try:
-            res = await run.guard(self.d.clients.decode(node).Reserve(req, timeout=_left(deadline)))
+            res = await run.guard(self.d.clients.decode(node).Reserve(req, timeout=timeout))
         except Unavailable as err:
             if err.reason != "NODE_UNREACHABLE" or self.d.registry.registered(node):
                 raise
@@ -428,6 +487,21 @@ class Pipeline:
                 del rec.contacted[node.node_id]
             return None
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and node_bound:
+                # No answer within node_timeout_s: a failed call on the node's side (its
+                # cool-down counts it, as node_failed counts a fault), and the request goes on to
+                # the next node. It may have reserved there late: the node stays contacted, so
+                # the request's Release reaches it (_release_all), but losing it fails nothing
+                # of the request (RequestRecord.unanswered).
+                node_unanswered(self.d.registry, node, "RESERVE_TIMEOUT")
+                rec.unanswered.add(node.node_id)
+                log.warning(
+                    "decode node did not answer reserve in time",
+                    node_id=node.node_id,
+                    timeout_s=timeout,
+                    failures_in_a_row=node.failures,
+                )
+                return None
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or refused_draining(
                 self.d.registry, node, err
             ):
@@ -450,6 +524,7 @@ class Pipeline:
             # same process registers again.
             raise Unavailable(f"decode node {node.node_id} was lost", reason="NODE_LOST")
         node.reserved_since_heartbeat += pages
+        rec.unanswered.discard(node.node_id)  # answered now: the request's node
         rec.decode_node, rec.reservation_id = node.node_id, res.reservation_id
         rec.reserved = CountedPages(node, pages, node.heartbeats)
         check_reservation(node.node_id, res, prompt, pages)

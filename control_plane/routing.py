@@ -217,6 +217,12 @@ def node_failed(
     return failure
 
 
+def node_unanswered(registry: Registry, node: Node, reason: str) -> None:
+    """A call the node did not answer within its own bound (not the request's deadline) counts
+    towards its cool-down, as a fault it answered does (``node_failed``)."""
+    _count_failure(registry, node, reason)
+
+
 def node_succeeded(node: Node) -> None:
     """A call on ``node`` did its work (a Prefill and its transfer; a whole decode stream)."""
     node.failures = 0
