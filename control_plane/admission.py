@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import secrets
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
@@ -57,8 +58,10 @@ def validate(
         raise _invalid(f"unknown model {req.model!r}; this cluster serves {model.name!r}")
     if req.max_new_tokens < 1:
         raise _invalid(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-    if not req.temperature >= 0:  # also refuses NaN
-        raise _invalid(f"temperature must be >= 0, got {req.temperature}")
+    # Refuses NaN too; and infinity, which would sample every token alike, specials included:
+    # no caller means that, and a finite temperature that high says so plainly.
+    if not (req.temperature >= 0 and math.isfinite(req.temperature)):
+        raise _invalid(f"temperature must be >= 0 and finite, got {req.temperature}")
     if not 0 <= req.top_p <= 1:
         raise _invalid(f"top_p must be in [0, 1], got {req.top_p}")
     if len(req.stop) > MAX_STOP_STRINGS:

@@ -84,6 +84,8 @@ async def test_context_window_bounds_the_limit_when_pools_are_larger(tmp_path: P
         ({"prompt_ids": []}, "prompt is empty"),
         ({"prompt_ids": [1], "max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"prompt_ids": [1], "temperature": -0.5}, "temperature must be >= 0"),
+        ({"prompt_ids": [1], "temperature": float("inf")}, "temperature must be >= 0 and finite"),
+        ({"prompt_ids": [1], "temperature": float("nan")}, "temperature must be >= 0 and finite"),
         ({"prompt_ids": [1], "top_p": 1.5}, "top_p must be in [0, 1]"),
         ({"prompt_ids": [1, 384]}, ">= the vocabulary size 384"),
         ({"prompt_ids": [1], "stop": [""]}, "stop strings"),
