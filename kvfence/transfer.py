@@ -57,7 +57,10 @@ failed transfer ends the endpoint on both sides: prefill aborts it (after every 
 completed) and never reuses it; decode answers with the reason and waits for prefill to close it,
 meanwhile receiving into a scratch page (never the pool) the pages the refused hello or batch
 header had right behind it: UCX would otherwise keep them, unmatched, for as long as the process
-lives.
+lives. It receives at most as many as the reservation decode itself issued holds (not the
+sender's count of indices): for a reservation it knows, its prompt pages; for one it released,
+the count it remembers with the id; for an id it does not know, ``UNKNOWN_RESERVATION_STRAYS``.
+Pages beyond that stay in UCX.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
@@ -84,16 +87,20 @@ warning at most once per ``REJECT_LOG_INTERVAL_S`` (the line says how many were 
 last one). A connection whose hello was verified no longer counts (nor the later transfers on
 it), so prefill's pooled endpoints keep working through a flood; a prefill that opens a new
 connection meanwhile has its transfer fail at once (the endpoint is closed under its hello), not
-hang. Before decode sees a connection at all, ucxx exchanges its own peer information on it
-(a send and a receive, up to ``create_listener``'s ``connect_timeout``, 5 s, each), and nothing
-here bounds how many connections are at that stage. Nor what a connection sends besides its hello:
-messages on tags decode never receives stay in the UCX worker's queue of unexpected messages for
-the life of the process (closing the endpoint does not free them, and UCX offers no way to purge
-one endpoint's). A review's flood, 195 MiB in small messages from 50 short connections with no
-hello, left decode's memory 390 MiB higher for good, and nothing above counted it. So the UCX port
-must be reachable from prefill nodes only: a deployment requirement (a NetworkPolicy for TCP; for
-RDMA, which NetworkPolicy does not reach, the fabric's own partitioning), not a bound decode
-enforces.
+hang. A refused hello's lingering connection drains at most ``UNKNOWN_RESERVATION_STRAYS``
+stray pages when it named an id decode does not know (above). A handler that raises all the same
+(a case no check foresaw) ends its connection there: aborted, counted
+(``KvReceiver.handler_errors``) and logged at error at most once per ``REJECT_LOG_INTERVAL_S``,
+never left to ucxx. Before decode sees a connection at all, ucxx exchanges its own peer
+information on it (a send and a receive, up to ``create_listener``'s ``connect_timeout``, 5 s,
+each), and nothing here bounds how many connections are at that stage. Nor what a connection
+sends besides its hello: messages on tags decode never receives stay in the UCX worker's queue of
+unexpected messages for the life of the process (closing the endpoint does not free them, and UCX
+offers no way to purge one endpoint's). A review's flood, 195 MiB in small messages from 50 short
+connections with no hello, left decode's memory 390 MiB higher for good, and nothing above
+counted it. So the UCX port must be reachable from prefill nodes only: a deployment requirement
+(a NetworkPolicy for TCP; for RDMA, which NetworkPolicy does not reach, the fabric's own
+partitioning), not a bound decode enforces.
 
 The listener listens on every interface, whatever address the node binds its gRPC server to:
 ucxx's ``create_listener`` (0.52, installed here) takes a port only, and binds the wildcard
@@ -148,8 +155,21 @@ WARM_VERSION = 4
 log = kvlog.get_logger("transfer")
 
 
-# How many released reservation ids decode remembers (KvReceiver._released): about 100 bytes each.
+# How many released reservation ids decode remembers (KvReceiver._released, with their page
+# counts): about 100 bytes each.
 RELEASED_REMEMBERED = 8192
+# How many stray pages decode drains behind a refused hello that names a reservation it does not
+# know (``KvReceiver._linger``). Any hello can say that, unauthenticated, with as many indices as
+# fit in a control message, and each drained page costs a posted receive and a task for up to
+# batch_timeout_s (measured here: a 100 KB hello of 16000 indices cost decode about 13 MiB and
+# stalled its event loop for over half a second). So the number is a small constant: at most
+# this many times ``max_unverified_connections`` receives are ever posted for unknown ids (4096
+# at the default 256, a few MiB). It is not 0 because a legitimate sender can name an id decode
+# no longer knows: one so late that its reservation fell out of the last RELEASED_REMEMBERED
+# released ids, its warm hello's batch 0 already sent. A batch that small (a short prompt) is
+# drained whole; of a longer one the rest stays in UCX, a leak bounded by how rare such a
+# sender is.
+UNKNOWN_RESERVATION_STRAYS = 16
 
 # Decode logs connections it closed unserved (KvReceiver._reject) at most once per this many
 # seconds: a flood must not become a flood of log lines.
@@ -258,7 +278,10 @@ def page_tags(
 def _tag_base(reservation_id: str, batch: int, version: int) -> int:
     if version < 3:
         return PAGE_TAG
-    return (zlib.crc32(f"{reservation_id}\x00{batch}".encode()) << 21) | PAGE_TAG
+    # surrogatepass: a hello's reservation id is the peer's JSON, which may hold a lone
+    # surrogate ("\ud800"); a plain encode() raised out of decode's handler on it.
+    scope = f"{reservation_id}\x00{batch}".encode("utf-8", "surrogatepass")
+    return (zlib.crc32(scope) << 21) | PAGE_TAG
 
 
 def authenticator(secret: bytes, reservation_id: str) -> str:
@@ -419,6 +442,38 @@ def bind_host_of(listen: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+class _BurstLog:
+    """A log line for something that can come in floods: the first occurrence is logged at once
+    (``emit(n)``, n occurrences since the last line), later ones at most once per
+    ``REJECT_LOG_INTERVAL_S``. The rest of a burst is logged when the interval is over (a timer),
+    not at the next occurrence, which may never come."""
+
+    def __init__(self, emit: Callable[[int], None]):
+        self._emit = emit
+        self._unlogged = 0
+        self._after = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def note(self) -> None:
+        self._unlogged += 1
+        now = time.monotonic()
+        if now >= self._after:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._after - now, self.flush)
+
+    def flush(self) -> None:
+        """Log the occurrences since the last line (if any)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._unlogged:
+            return
+        self._emit(self._unlogged)
+        self._unlogged = 0
+        self._after = time.monotonic() + REJECT_LOG_INTERVAL_S
+
+
 class KvReceiver:
     """Decode's UCX listener: receives pages straight into reserved page buffers."""
 
@@ -455,8 +510,9 @@ class KvReceiver:
         # Reservations this node issued and has since released (bounded, oldest dropped): a hello
         # for one of them is a transfer that came too late (the reservation expired or the
         # request was aborted), not a forged reservation id, and must not raise a security
-        # alarm. An id never issued here is still UNKNOWN_RESERVATION.
-        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # alarm. An id never issued here is still UNKNOWN_RESERVATION. Each id maps to how many
+        # prompt pages the reservation had: a late hello's stray pages are drained up to that.
+        self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._listener: Any = None
         self._stopped = False  # stop() began: a connection that reaches us now is not served
         self._handlers: set[asyncio.Task[None]] = set()
@@ -468,15 +524,20 @@ class KvReceiver:
         # Connections closed unserved, per reason (tests, metrics); the ones not logged yet, and
         # when the next log line may be written (``_reject``).
         self.rejected: collections.Counter[str] = collections.Counter()
-        self._rejects_unlogged = 0
         self._rejects_reason = ""
-        self._reject_log_after = 0.0
-        self._reject_log_timer: asyncio.TimerHandle | None = None
+        self._reject_log = _BurstLog(self._log_rejects_line)
+        # Connections whose handler raised (a bug here, never the peer's doing alone): aborted,
+        # counted and logged at error at most once per REJECT_LOG_INTERVAL_S (``_handler_failed``).
+        self.handler_errors = 0
+        self._handler_error = ""  # the latest one, as text (the exception would keep frames)
+        self._handler_error_log = _BurstLog(self._log_handler_errors_line)
         self.connections = 0  # endpoints accepted since start (tests, metrics)
         self.transfers_served = 0  # hellos accepted, over all endpoints
         self.warm_hellos = 0  # of those, hellos that carried their first batch (v4)
         self.answers = 0  # answers sent to prefill: one per round trip of a transfer
         self.strays_drained = 0  # pages of refused batches received into scratch (``_linger``)
+        # Scratch receives posted for them, drained or not: bounded by decode's own reservations.
+        self.strays_posted = 0
         # One page that drained strays land in, shared: nothing reads it.
         self._scratch: np.ndarray[Any, Any] | None = None
 
@@ -518,6 +579,7 @@ class KvReceiver:
     async def stop(self) -> None:
         self._stopped = True
         self._log_rejects()  # what a burst left unlogged
+        self._handler_error_log.flush()
         for t in list(self.transfers.values()):
             self.cancel(t.reservation_id)
         # Idle endpoints wait for a next hello: abort them so their handlers end now (every
@@ -571,8 +633,9 @@ class KvReceiver:
         return reservation_id in self._released
 
     def forget(self, reservation_id: str) -> None:
-        if self.transfers.pop(reservation_id, None) is not None:
-            self._released[reservation_id] = None
+        t = self.transfers.pop(reservation_id, None)
+        if t is not None:
+            self._released[reservation_id] = len(t.pages)
             while len(self._released) > RELEASED_REMEMBERED:
                 self._released.popitem(last=False)
 
@@ -596,6 +659,10 @@ class KvReceiver:
         self.connections += 1
         try:
             await self._serve(ep)
+        except Exception as err:
+            # Last resort: a handler that raises (a peer's message no check above foresaw) must
+            # not escape into ucxx, which logs a traceback per connection and answers nothing.
+            self._handler_failed(ep, err)
         finally:
             self._unverified.discard(ep)
             self._endpoints.discard(ep)
@@ -611,35 +678,39 @@ class KvReceiver:
         if self._on_reject is not None:
             with contextlib.suppress(Exception):  # a failing metric must not fail the handler
                 self._on_reject(reason)
-        self._rejects_unlogged += 1
         self._rejects_reason = reason
-        now = time.monotonic()
-        if now >= self._reject_log_after:
-            self._log_rejects()
-        elif self._reject_log_timer is None:
-            # The rest of a burst is logged when the interval is over, not at the next reject
-            # (which may never come).
-            self._reject_log_timer = asyncio.get_running_loop().call_later(
-                self._reject_log_after - now, self._log_rejects
-            )
+        self._reject_log.note()
 
     def _log_rejects(self) -> None:
         """Log the connections closed unserved since the last line (if any)."""
-        if self._reject_log_timer is not None:
-            self._reject_log_timer.cancel()
-            self._reject_log_timer = None
-        if not self._rejects_unlogged:
-            return
+        self._reject_log.flush()
+
+    def _log_rejects_line(self, closed: int) -> None:
         log.warning(
             "UCX connections closed unserved",
             reason=self._rejects_reason,
-            closed=self._rejects_unlogged,
+            closed=closed,
             unverified=len(self._unverified),
             max_unverified=self.max_unverified,
             next_line_after_s=REJECT_LOG_INTERVAL_S,
         )
-        self._rejects_unlogged = 0
-        self._reject_log_after = time.monotonic() + REJECT_LOG_INTERVAL_S
+
+    def _handler_failed(self, ep: Any, err: Exception) -> None:
+        """A connection's handler raised: end the endpoint (it serves nothing more), count it,
+        and log at most once per ``REJECT_LOG_INTERVAL_S`` (a peer that can trigger it must not
+        flood the log either)."""
+        _abort(ep)
+        self.handler_errors += 1
+        self._handler_error = f"{type(err).__name__}: {err}"[:300]
+        self._handler_error_log.note()
+
+    def _log_handler_errors_line(self, failed: int) -> None:
+        log.error(
+            "UCX connection handler failed",
+            error=self._handler_error,
+            failed=failed,
+            next_line_after_s=REJECT_LOG_INTERVAL_S,
+        )
 
     async def _serve(self, ep: Any) -> None:
         """Serve successive transfers on one endpoint, one at a time, each with its own hello.
@@ -700,7 +771,16 @@ class KvReceiver:
             )
             self.report(kind, {field: problem, "reservation_id": rid[:64], "stage": "ucx_hello"})
             if PROTOCOL_VERSION >= WARM_VERSION:
-                strays.extend(self._stray_tags(rid, 0, hello.get("batch")))
+                # Drain at most what decode itself reserved, never what the (unverified) sender
+                # says: a known transfer's pages, a released one's remembered count, or for an
+                # id never issued here (or forgotten) a small constant.
+                if t is not None:
+                    cap = len(t.pages)
+                elif problem == RESERVATION_RELEASED:
+                    cap = self._released.get(rid, 0)
+                else:
+                    cap = UNKNOWN_RESERVATION_STRAYS
+                strays.extend(self._stray_tags(rid, 0, hello.get("batch"), cap))
             with contextlib.suppress(Exception):
                 await self._answer(ep, {"ok": False, "error": problem}, frame)
             return False
@@ -775,24 +855,27 @@ class KvReceiver:
         refused warm hello of 4 pages of 32 KiB). They are received here into a scratch page
         that nothing reads, and so let go. The receives are posted at once, before the sender
         can close (here ucxx matched no message queued for an endpoint that had closed), and
-        they are at most one batch's, as for an accepted batch.
+        they are at most as many as decode's own reservation holds (``UNKNOWN_RESERVATION_STRAYS``
+        for an id it does not know), whatever number of indices the sender put in the header.
         """
         ops = [_recv(ep, np.empty(1, np.uint8), tag=LINGER_TAG)]
         if strays and self._scratch is None:
             self._scratch = np.empty(self.pool.page_bytes, np.uint8)
         drains = [asyncio.ensure_future(_recv(ep, self._scratch, tag=tag)) for tag in strays]
+        self.strays_posted += len(drains)
         with contextlib.suppress(Exception):
             await _within(ep, [*ops, *drains], self.batch_timeout_s)
         self.strays_drained += sum(_succeeded(d) for d in drains)
 
-    def _stray_tags(self, rid: str, batch: int, header: Any) -> list[int]:
-        """The tags of the pages a sender sends behind the header of batch ``batch`` (at most
-        one batch: ``max_batch_bytes`` of pages, one page at least)."""
+    def _stray_tags(self, rid: str, batch: int, header: Any, cap: int) -> list[int]:
+        """The tags of the pages a sender sends behind the header of batch ``batch``, at most
+        ``cap``: the size of the reservation decode issued (or a small constant for one it does
+        not know), never the sender's own count alone. Not decode's ``max_batch_bytes``: a
+        prefill whose batches are larger (BATCH_TOO_LARGE, mid-rollout) sent them all."""
         indices = header.get("indices") if isinstance(header, dict) else None
         if not isinstance(indices, list):
             return []
-        n = min(len(indices), pages_per_batch(self.max_batch_bytes, self.pool.page_bytes))
-        return page_tags(rid, batch, n, PROTOCOL_VERSION)
+        return page_tags(rid, batch, min(len(indices), cap, PAGE_TAG), PROTOCOL_VERSION)
 
     async def _receive_batches(
         self,
@@ -813,7 +896,9 @@ class KvReceiver:
                 [header] = await _within(ep, [_recv_json(ep)], self.batch_timeout_s)
             if header.get("done"):
                 return
-            strays[:] = self._stray_tags(t.reservation_id, batch, header)
+            # Bounded by decode's own reservation, not by its max_batch_bytes: a batch refused as
+            # BATCH_TOO_LARGE had every one of its pages sent behind the header.
+            strays[:] = self._stray_tags(t.reservation_id, batch, header, len(t.pages))
             indices = header.get("indices")
             if not isinstance(indices, list) or not indices:
                 raise TransferError("batch without indices", reason="PROTOCOL")
