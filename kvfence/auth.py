@@ -4,6 +4,11 @@ and every call to a node).
 Each comes from a configured file (e.g. a Kubernetes Secret) when one is set; otherwise the first
 process of the cluster to start (the control plane, or a node that starts before it on the same
 machine) generates it into ``<state_dir>/<name>`` with mode 0600 and it is kept across restarts.
+The file is written and fsynced under a temporary name and linked into place only if the name is
+still free, so a crash never leaves it empty and processes starting together all read the one that
+got there first. An empty file (an older release could leave one when it crashed between creating
+and writing it) counts as a lost token: a warning is logged and a new token replaces it, by one
+process only (a lock on the file), as a missing one would be.
 Nodes on the same machine (``kvfence up``) read the generated file; nodes elsewhere need the file
 configured. Without the node token a process that can reach the control plane could register
 itself as a decode node and be sent other tenants' KV, and one that can reach a node could reserve
@@ -13,58 +18,133 @@ Both directions send it as ``authorization: Bearer <token>`` metadata (:func:`wi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hmac
 import os
 import secrets
-import time
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvfence import logging as kvlog
+
 S = TypeVar("S")
+
+log = kvlog.get_logger("auth")
 
 ADMIN_TOKEN_FILE = "admin_token"
 NODE_TOKEN_FILE = "node_token"
 
 
+class EmptyTokenFile(ValueError):
+    """A token file that holds no token."""
+
+
 def read_token(path: Path) -> str:
     token = Path(path).read_text().strip()
     if not token:
-        raise ValueError(f"token file {path} is empty")
+        raise EmptyTokenFile(f"token file {path} is empty")
     return token
 
 
 def load_or_create_token(configured: Path | None, state_dir: Path, name: str, prefix: str) -> str:
-    """The token in ``configured``, else the one in ``state_dir/name`` (created if missing)."""
+    """The token in ``configured``, else the one in ``state_dir/name`` (created if missing, or
+    replaced if empty: see the module docstring)."""
     if configured is not None:
         return read_token(configured)
     path = Path(state_dir) / name
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        token = prefix + secrets.token_urlsafe(32)
-        # O_EXCL + 0600: never readable by others, not even for a moment, and never overwritten.
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # another process of the cluster made it first: theirs is the token
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(token + "\n")
-            return token
-    return _read_written(path)
-
-
-def _read_written(path: Path, wait_s: float = 2.0) -> str:
-    """``read_token``, waiting a moment for a file another process has created but not yet
-    written."""
-    deadline = time.monotonic() + wait_s
+    # Each round either returns or saw another process change the file meanwhile (it created the
+    # missing file, or replaced the empty one): the next round reads what that process wrote.
     while True:
         try:
             return read_token(path)
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            token = prefix + secrets.token_urlsafe(32)
+            if _create(path, token):
+                return token
+        except EmptyTokenFile:
+            token = prefix + secrets.token_urlsafe(32)
+            if _replace_empty(path, token):
+                return token
+
+
+def _write_temp(directory: Path, name: str, token: str) -> str:
+    """A new file in ``directory`` holding ``token``, on disk (fsynced), mode 0600 (mkstemp): the
+    token is never readable by others, not even for a moment."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create(path: Path, token: str) -> bool:
+    """Put ``token`` at ``path`` unless something is there already (False: another process of
+    the cluster made it first, and theirs is the token). The token is written and fsynced under
+    a temporary name and then linked into place, so ``path`` never exists empty or half
+    written, not even after a crash."""
+    tmp = _write_temp(path.parent, path.name, token)
+    try:
+        try:
+            os.link(tmp, path)  # unlike a rename, fails if the name exists: never overwrites
+        except FileExistsError:
+            return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    _fsync_dir(path.parent)
+    return True
+
+
+def _replace_empty(path: Path, token: str) -> bool:
+    """Replace the empty token file at ``path`` with ``token`` (False: another process replaced
+    or removed it first: read again). This release never leaves the file empty (``_create``); an
+    older one could, when it crashed between creating the file and writing it, and every start
+    then failed until someone deleted the file. Processes that find it empty at once lock it,
+    and only the first to hold the lock while it is still the same empty file replaces it: the
+    others then read that process's token."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (held for the lock below)
+    except FileNotFoundError:
+        return False
+    with f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        held = os.fstat(f.fileno())
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino) or f.read().strip():
+            return False
+        log.warning(
+            "token file is empty (an older release crashed while writing it): a new token "
+            "replaces it; whoever needs this token needs the new one",
+            path=str(path),
+        )
+        tmp = _write_temp(path.parent, path.name, token)
+        try:
+            os.replace(tmp, path)  # the lock is held: nothing else replaces it meanwhile
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        _fsync_dir(path.parent)
+        return True
 
 
 def node_token_path(configured: Path | None, state_dir: Path) -> Path:

@@ -7,9 +7,11 @@ never logged by kvfence code; log token counts instead.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -78,3 +80,38 @@ def request_context(request_id: str, tenant_id: str, **extra: Any) -> Iterator[N
         # bindings were made in the first context; there is nothing of them to undo here.
         with suppress(ValueError):
             structlog.contextvars.reset_contextvars(**tokens)
+
+
+class BurstLog:
+    """A log line for something that can come in floods (refused connections or calls, whoever
+    reaches a port sets how often): the first occurrence is logged at once (``emit(n)``, n
+    occurrences since the last line), later ones at most once per ``interval_s``. The rest of a
+    burst is logged when the interval is over (a timer on the running loop), not at the next
+    occurrence, which may never come."""
+
+    def __init__(self, emit: Callable[[int], None], interval_s: float):
+        self._emit = emit
+        self.interval_s = interval_s
+        self._unlogged = 0
+        self._after = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def note(self) -> None:
+        """One occurrence (on the event loop)."""
+        self._unlogged += 1
+        now = time.monotonic()
+        if now >= self._after:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._after - now, self.flush)
+
+    def flush(self) -> None:
+        """Log the occurrences since the last line (if any)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._unlogged:
+            return
+        self._emit(self._unlogged)
+        self._unlogged = 0
+        self._after = time.monotonic() + self.interval_s

@@ -98,30 +98,54 @@ class NodeRuntime:
         )
 
 
+# A refused node call is logged at most once per this interval (the line counts the refusals since
+# the last one): whoever reaches a node's port must not set how much the node logs.
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
 class NodeTokenCheck:
     """Refuses a node RPC without the cluster node token: UNAUTHENTICATED, before the call
     touches anything (it is not counted as served: ``rpc_count`` and ``rpcs_total`` stay), counted
-    in ``requests_total{status="UNAUTHENTICATED"}`` and logged without the token. One constant-time
-    compare per call; a ``Decode`` stream is checked once, when it opens."""
+    in ``requests_total{status="UNAUTHENTICATED"}`` (every refusal) and logged without the token:
+    the first refusal at once, later ones at most one line per ``interval_s``
+    (``REFUSAL_LOG_INTERVAL_S``), which says how many were refused since the last line
+    (``refused``) and the latest one's method, peer and reason; the rest of a burst is logged by a
+    timer when the interval is over, not at the next refusal, which may never come. One
+    constant-time compare per call; a ``Decode`` stream is checked once, when it opens."""
 
-    def __init__(self, token: str, metrics: Metrics):
+    def __init__(self, token: str, metrics: Metrics, interval_s: float = REFUSAL_LOG_INTERVAL_S):
         if not token:
             raise ValueError("a node needs the cluster node token")
         self._token = token
         self._metrics = metrics
+        self._latest: dict[str, str] = {}  # the latest refusal's method, peer and reason
+        self._log = kvlog.BurstLog(self._log_line, interval_s)
 
     async def __call__(self, context: grpc.aio.ServicerContext, method: str) -> None:
         presented = bearer_token(context)
         if token_matches(presented, self._token):
             return
         self._metrics.requests_total.labels(status="UNAUTHENTICATED").inc()
+        self._latest = {
+            "method": method,
+            "peer": context.peer(),
+            "reason": "no node token" if presented is None else "wrong node token",
+        }
+        self._log.note()
+        await abort(context, Unauthenticated(f"{method} needs the cluster node token"))
+
+    def flush_log(self) -> None:
+        """Log the refusals since the last line, if any: the timer's job (nothing calls it at
+        shutdown yet, so refusals of the last interval before a stop are counted, not logged)."""
+        self._log.flush()
+
+    def _log_line(self, refused: int) -> None:
         log.warning(
             "node rpc refused",
-            method=method,
-            peer=context.peer(),
-            reason="no node token" if presented is None else "wrong node token",
+            refused=refused,
+            next_line_after_s=self._log.interval_s,
+            **self._latest,
         )
-        await abort(context, Unauthenticated(f"{method} needs the cluster node token"))
 
 
 class RegistrationRefused(RuntimeError):

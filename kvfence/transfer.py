@@ -442,38 +442,6 @@ def bind_host_of(listen: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-class _BurstLog:
-    """A log line for something that can come in floods: the first occurrence is logged at once
-    (``emit(n)``, n occurrences since the last line), later ones at most once per
-    ``REJECT_LOG_INTERVAL_S``. The rest of a burst is logged when the interval is over (a timer),
-    not at the next occurrence, which may never come."""
-
-    def __init__(self, emit: Callable[[int], None]):
-        self._emit = emit
-        self._unlogged = 0
-        self._after = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-
-    def note(self) -> None:
-        self._unlogged += 1
-        now = time.monotonic()
-        if now >= self._after:
-            self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._after - now, self.flush)
-
-    def flush(self) -> None:
-        """Log the occurrences since the last line (if any)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._unlogged:
-            return
-        self._emit(self._unlogged)
-        self._unlogged = 0
-        self._after = time.monotonic() + REJECT_LOG_INTERVAL_S
-
-
 class KvReceiver:
     """Decode's UCX listener: receives pages straight into reserved page buffers."""
 
@@ -525,12 +493,14 @@ class KvReceiver:
         # when the next log line may be written (``_reject``).
         self.rejected: collections.Counter[str] = collections.Counter()
         self._rejects_reason = ""
-        self._reject_log = _BurstLog(self._log_rejects_line)
+        self._reject_log = kvlog.BurstLog(self._log_rejects_line, REJECT_LOG_INTERVAL_S)
         # Connections whose handler raised (a bug here, never the peer's doing alone): aborted,
         # counted and logged at error at most once per REJECT_LOG_INTERVAL_S (``_handler_failed``).
         self.handler_errors = 0
         self._handler_error = ""  # the latest one, as text (the exception would keep frames)
-        self._handler_error_log = _BurstLog(self._log_handler_errors_line)
+        self._handler_error_log = kvlog.BurstLog(
+            self._log_handler_errors_line, REJECT_LOG_INTERVAL_S
+        )
         self.connections = 0  # endpoints accepted since start (tests, metrics)
         self.transfers_served = 0  # hellos accepted, over all endpoints
         self.warm_hellos = 0  # of those, hellos that carried their first batch (v4)
