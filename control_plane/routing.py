@@ -78,13 +78,22 @@ class NodeClients:
         credentials: grpc.ChannelCredentials | None = None,
         metrics: Metrics | None = None,
         registered: Callable[[Node], bool] | None = None,
+        tls_server_name: str | None = None,
     ):
         """``registered(node)``: whether ``node`` is its id's registered view now
-        (Registry.registered)."""
+        (Registry.registered). ``tls_server_name`` (tls.internal_server_name): the name every
+        node's certificate is verified against, in place of the host of its advertised address."""
         if not node_token:
             raise ValueError("the control plane calls nodes with the cluster node token")
         self._node_token = node_token
         self._credentials = credentials
+        # A node advertises its pod IP, which a certificate shared by every node (one Secret)
+        # cannot name: verify the name it does carry instead.
+        self._secure_options = (
+            CHANNEL_OPTIONS
+            if tls_server_name is None
+            else [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
+        )
         self._metrics = metrics
         self._registered = registered
         self._channels: dict[str, _NodeChannel] = {}
@@ -109,7 +118,7 @@ class NodeClients:
             channel = grpc.aio.insecure_channel(node.grpc_address, options=CHANNEL_OPTIONS)
         else:
             channel = grpc.aio.secure_channel(
-                node.grpc_address, self._credentials, options=CHANNEL_OPTIONS
+                node.grpc_address, self._credentials, options=self._secure_options
             )
         known = self._channels[node.node_id] = _NodeChannel(node.grpc_address, channel)
         return known

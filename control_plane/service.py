@@ -130,6 +130,7 @@ class ControlPlane:
                 tls.internal_channel_credentials(cfg.tls),
                 self.metrics,
                 registered=self.registry.registered,
+                tls_server_name=cfg.tls.internal_server_name,
             )
             self.deps = PipelineDeps(
                 model=self.model,

@@ -392,14 +392,47 @@ class EventsConfig(_Strict):
         return self
 
 
+# Why internal mTLS alone is refused (ClusterConfig, at load) and what registry_channel_credentials
+# raises for a TlsConfig built without that check: the registry is served on the public listener.
+REGISTRY_IN_CLEAR = (
+    "tls.internal_ca, tls.internal_cert and tls.internal_key (mutual TLS between the services) "
+    "are set but tls.public_cert and tls.public_key are not: nodes register and heartbeat on "
+    "the control plane's public listener, so their node token would travel there in clear; set "
+    "tls.public_cert and tls.public_key too (a certificate signed by tls.internal_ca, which the "
+    "nodes verify it with)"
+)
+
+
+_TLS_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_TLS_NAME_PATTERN = rf"^{_TLS_LABEL}(\.{_TLS_LABEL})*$"
+
+
 class TlsConfig(_Strict):
-    """TLS on the public endpoint and mutual TLS between services (paths to PEM files)."""
+    """TLS on the public endpoint and mutual TLS between services (paths to PEM files).
+
+    ``internal_server_name``: the name the control plane verifies every node's certificate
+    against (gRPC ``ssl_target_name_override``) instead of the host of the node's advertised
+    address, for a certificate shared by the nodes that cannot name each pod's IP; None = the
+    dialled host."""
 
     public_cert: Path | None = None
     public_key: Path | None = None
     internal_ca: Path | None = None
     internal_cert: Path | None = None
     internal_key: Path | None = None
+    # A DNS name (or IPv4 address) as a certificate's subjectAltName has it; nothing resolves it.
+    internal_server_name: str | None = Field(
+        default=None, max_length=253, pattern=_TLS_NAME_PATTERN
+    )
+
+    @model_validator(mode="after")
+    def _server_name_needs_internal_tls(self) -> TlsConfig:
+        if self.internal_server_name is not None and self.internal_ca is None:
+            raise ValueError(
+                "internal_server_name without internal_ca: the control plane calls nodes in "
+                "clear, there is no node certificate to verify the name against"
+            )
+        return self
 
 
 class ClusterConfig(_Strict):
@@ -415,6 +448,17 @@ class ClusterConfig(_Strict):
     control_plane: ControlPlaneConfig = ControlPlaneConfig()
     events: EventsConfig = EventsConfig()
     tls: TlsConfig = TlsConfig()
+
+    @model_validator(mode="after")
+    def _registry_not_in_clear(self) -> ClusterConfig:
+        """Internal mTLS without public TLS: refused (REGISTRY_IN_CLEAR). On ClusterConfig, not
+        TlsConfig, so a TlsConfig holding the internal files alone (a node's server credentials in
+        tests) still builds; a partial internal set is refused where credentials are built."""
+        t = self.tls
+        internal = (t.internal_ca, t.internal_cert, t.internal_key)
+        if all(f is not None for f in internal) and (t.public_cert is None or t.public_key is None):
+            raise ValueError(REGISTRY_IN_CLEAR)
+        return self
 
     @model_validator(mode="after")
     def _refused_room_within_wait(self) -> ClusterConfig:

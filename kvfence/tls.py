@@ -1,5 +1,11 @@
 """gRPC credentials from PEM files: TLS on the public endpoint, mutual TLS between services.
 
+What each covers: the public endpoint (Generation, the node registry, and the admin port) is
+server-authenticated TLS: a node's Register / Heartbeat are authenticated by the node token it
+carries, over that TLS, with no client certificate asked for. Mutual TLS covers the control
+plane's calls to nodes (Reserve, Prefill, Decode, Release, Stats). The KV pages themselves go
+prefill -> decode over UCX, which none of this encrypts.
+
 Files are read once, when the credentials are built; a missing, unreadable or non-PEM file raises
 :class:`TlsError` naming the file and the setting it came from, instead of gRPC's opaque handshake
 failure later.
@@ -11,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from kvfence.config import ConfigError, TlsConfig
+from kvfence.config import REGISTRY_IN_CLEAR, ConfigError, TlsConfig
 
 PathLike = Path | str
 
@@ -100,9 +106,14 @@ def internal_channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | No
 
 
 def registry_channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
-    """How a node reaches the control plane's registry: TLS trusting the internal CA when the
-    public endpoint has TLS (with the node's own certificate when one is set), else plaintext."""
+    """How a node reaches the control plane's registry (served on the public listener): TLS
+    trusting the internal CA when the public endpoint has TLS (with the node's own certificate when
+    one is set), plaintext when no TLS is configured at all. Internal mTLS without public TLS is an
+    error, not plaintext: the node token would go out in clear while the operator believes
+    service-to-service traffic is protected (a loaded config refuses it already)."""
     if tls.public_cert is None:
+        if any(f is not None for f in (tls.internal_ca, tls.internal_cert, tls.internal_key)):
+            raise TlsError(REGISTRY_IN_CLEAR)
         return None
     if tls.internal_ca is None:
         raise TlsError("tls.public_cert is set: nodes need tls.internal_ca to verify it")

@@ -45,6 +45,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-control-plane.%s.svc" (include "kvfence.fullname" .) .Release.Namespace }}
 {{- end }}
 
+{{/* The name the control plane verifies node certificates against (tls.internalServerName): the
+     nodes advertise pod IPs, which the one internal.crt every pod mounts cannot name. */}}
+{{- define "kvfence.nodeTlsName" -}}
+{{- default (printf "%s-node.%s.svc" (include "kvfence.fullname" .) .Release.Namespace) .Values.tls.internalServerName }}
+{{- end }}
+
 {{- define "kvfence.adminSecretName" -}}
 {{- default (printf "%s-admin-token" (include "kvfence.fullname" .)) .Values.adminToken.existingSecret }}
 {{- end }}
@@ -380,6 +386,7 @@ tls:
   internal_ca: /etc/kvfence/tls/ca.crt
   internal_cert: /etc/kvfence/tls/internal.crt
   internal_key: /etc/kvfence/tls/internal.key
+  internal_server_name: {{ include "kvfence.nodeTlsName" . | quote }}
 {{- end }}
 {{- end }}
 
