@@ -97,7 +97,10 @@ class NodeClients:
         self._metrics = metrics
         self._registered = registered
         self._channels: dict[str, _NodeChannel] = {}
+        # By (node_id, method) for the nodes registered, and by method for those lost since
+        # (``forget``): kept per node id for good, it grew with every node that ever came and went.
         self.rpc_counts: Counter[tuple[str, str]] = Counter()
+        self._lost_rpc_counts: Counter[str] = Counter()
 
     def _channel(self, node: Node) -> _NodeChannel:
         known = self._channels.get(node.node_id)
@@ -145,7 +148,14 @@ class NodeClients:
         return known.prefill
 
     def total(self, method: str | None = None) -> int:
-        return sum(n for (_, m), n in self.rpc_counts.items() if method in (None, m))
+        lost = sum(n for m, n in self._lost_rpc_counts.items() if method in (None, m))
+        return lost + sum(n for (_, m), n in self.rpc_counts.items() if method in (None, m))
+
+    def forget(self, node_id: str) -> None:
+        """A node lost: its channel closed (``drop``), and its calls counted by method only."""
+        self.drop(node_id)
+        for key in [k for k in self.rpc_counts if k[0] == node_id]:
+            self._lost_rpc_counts[key[1]] += self.rpc_counts.pop(key)
 
     def drop(self, node_id: str) -> None:
         known = self._channels.pop(node_id, None)

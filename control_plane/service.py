@@ -436,7 +436,7 @@ class ControlPlane:
             failed += run.interrupt(
                 Unavailable(f"{node.role} node {node.node_id} was lost", reason="NODE_LOST")
             )
-        self.clients.drop(node.node_id)
+        self.clients.forget(node.node_id)
         self.events.emit("node_lost", node=node.node_id, role=node.role, failed_requests=failed)
         self.queue.notify()
 
