@@ -4,6 +4,12 @@ The request itself runs in a task of its own (:class:`control_plane.pipeline.Pip
 RPC handler: when the client cancels or its deadline passes, gRPC cancels the handler, and the
 handler only turns that into an interrupt. The request task then cancels its node RPCs and releases
 everything it holds, independent of the dead RPC.
+
+The handler ends the RPC as soon as the request's answer is decided: with OK once the final
+message (finish reason, usage) is written, with the error once the pipeline emits it. The request
+task releases on the nodes after that, on its own (a node slow to answer Release held a finished
+answer up to RELEASE_TIMEOUT_S, past a client's deadline); the servicer keeps it in ``tasks``,
+which the control plane's ``stop`` waits for, and logs its failure.
 """
 
 from __future__ import annotations
@@ -24,12 +30,19 @@ from kvfence.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvfence.logging import request_context
+from kvfence.logging import get_logger, request_context
 from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc
 from kvfence.server import abort, bearer_token, take_ready
 
 _DONE = object()
+
+log = get_logger("generation")
+
+
+def is_final(msg: client_pb2.GenerateResponse) -> bool:
+    """The request's last message: it carries the finish reason and usage."""
+    return msg.HasField("usage") or bool(msg.finish_reason)
 
 
 def coalesce_tokens(
@@ -41,9 +54,7 @@ def coalesce_tokens(
     finish reason) is never merged into nor merged."""
 
     def plain(item: object) -> bool:
-        return isinstance(item, client_pb2.GenerateResponse) and not (
-            item.HasField("usage") or item.finish_reason
-        )
+        return isinstance(item, client_pb2.GenerateResponse) and not is_final(item)
 
     if not plain(first):
         return first, None
@@ -119,8 +130,10 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         with request_context(run.record.request_id, tenant.name):
             self.table.add(run)
             task = loop.create_task(self._run(run, request, deadline, out))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+            # Owned here until it ends: the handler may return before it does (below). Added in
+            # the request's context, so that a failure logged at its end names the request.
+            self.tasks.add(task)
+            task.add_done_callback(self._ended)
         try:
             item = await out.get()
             while item is not _DONE:
@@ -129,6 +142,10 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
                 assert isinstance(item, client_pb2.GenerateResponse)
                 merged, item = coalesce_tokens(item, out)
                 await context.write(merged)
+                if is_final(merged):
+                    # The answer is whole: the client hears OK now, not after the releases the
+                    # request task still awaits (each up to RELEASE_TIMEOUT_S on a silent node).
+                    return
                 if item is None:
                     item = await out.get()
         except asyncio.CancelledError:
@@ -143,6 +160,14 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
             # an abort (the request's own error) the request has ended, and this is a no-op.
             run.interrupt(Cancelled("the response could not be written: the client has gone"))
             raise
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if task.cancelled():
+            return
+        err = task.exception()  # retrieved, so asyncio does not report it again at collection
+        if err is not None:
+            log.error("request task failed", exc_info=err)
 
     async def _run(
         self,

@@ -11,8 +11,9 @@ Against a TLS endpoint pass ``tls_ca`` (the CA that signed its certificate), and
 when that certificate does not name the host of ``target`` (through a port-forward: 127.0.0.1).
 
 Failures raise the typed errors of :mod:`kvfence.errors` (``InvalidArgument``, ``Unavailable``,
-``IntegrityError`` ...), rebuilt from the gRPC status with its ErrorInfo reason. This interface is
-stable: tests and operators depend on it.
+``IntegrityError`` ...), rebuilt from the gRPC status with its ErrorInfo reason; arguments the wire
+cannot carry (see ``build_request``) raise ``InvalidArgument`` before anything is sent. This
+interface is stable: tests and operators depend on it.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from typing import Any
 import grpc
 
 from kvfence.auth import bearer_metadata
-from kvfence.errors import Cancelled, IntegrityError, from_rpc_error
+from kvfence.errors import Cancelled, IntegrityError, InvalidArgument, from_rpc_error
 from kvfence.proto.kvfence.v1 import (
     client_pb2,
     client_pb2_grpc,
     control_pb2,
     control_pb2_grpc,
 )
-from kvfence.server import CHANNEL_OPTIONS
+from kvfence.server import client_channel_options
 from kvfence.tls import TlsError, read_pem
 
 
@@ -100,6 +101,31 @@ class GenerationAccumulator:
         )
 
 
+UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids on the wire
+UINT64_MAX = 2**64 - 1  # the seed
+# The ErrorInfo reason of the control plane's parameter refusals (control_plane.admission), which
+# this client gives the refusals it makes itself.
+INVALID_PARAMETERS = "INVALID_PARAMETERS"
+
+
+def _check_range(name: str, value: int, high: int) -> None:
+    if not 0 <= value <= high:
+        raise InvalidArgument(
+            f"{name} must be in 0..{high}, got {value}", reason=INVALID_PARAMETERS
+        )
+
+
+def _check_utf8(name: str, text: str) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError as err:
+        # The message names the position only: ascii-safe, and no prompt text in an error.
+        raise InvalidArgument(
+            f"{name} is not valid UTF-8 text (character {err.start} is a lone surrogate)",
+            reason=INVALID_PARAMETERS,
+        ) from None
+
+
 def build_request(
     prompt: str | None,
     prompt_ids: Sequence[int] | None,
@@ -112,9 +138,23 @@ def build_request(
     ignore_eos: bool = False,
     model: str = "",
 ) -> client_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments; exactly one of ``prompt`` / ``prompt_ids``."""
+    """The GenerateRequest for these arguments; exactly one of ``prompt`` / ``prompt_ids``.
+
+    InvalidArgument (reason INVALID_PARAMETERS, as the control plane's refusals) for what the wire
+    cannot carry: a number outside its field's range (max_new_tokens and token ids are uint32, the
+    seed uint64) or a string that is not valid UTF-8 (a lone surrogate, e.g. undecodable bytes of
+    a command line). The rest (max_new_tokens 0, an empty prompt ...) the control plane checks."""
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("pass exactly one of prompt or prompt_ids")
+    _check_range("max_new_tokens", max_new_tokens, UINT32_MAX)
+    if seed is not None:
+        _check_range("seed", seed, UINT64_MAX)
+    for i, token in enumerate(prompt_ids or ()):
+        _check_range(f"prompt_ids[{i}]", token, UINT32_MAX)
+    _check_utf8("prompt", prompt or "")
+    _check_utf8("model", model)
+    for i, text in enumerate(stop):
+        _check_utf8(f"stop[{i}]", text)
     req = client_pb2.GenerateRequest(
         model=model,
         max_new_tokens=max_new_tokens,
@@ -159,16 +199,19 @@ def _credentials(tls_ca: Path | str | bytes | None) -> grpc.ChannelCredentials |
 def _options(
     tls_ca: Path | str | bytes | None, tls_server_name: str | None
 ) -> list[tuple[str, Any]]:
-    """Channel options; with ``tls_server_name`` the server's certificate must name that instead of
-    the host of the target (also sent as SNI): through a port-forward, or a Service whose name the
-    certificate does not carry. TlsError without ``tls_ca`` (no TLS, no certificate to check)."""
+    """Channel options, with keepalive (``kvfence.server.client_channel_options``: a connection
+    lost silently fails the call instead of hanging it); with ``tls_server_name`` the server's
+    certificate must name that instead of the host of the target (also sent as SNI): through a
+    port-forward, or a Service whose name the certificate does not carry. TlsError without
+    ``tls_ca`` (no TLS, no certificate to check)."""
+    options = client_channel_options()
     if tls_server_name is None:
-        return CHANNEL_OPTIONS
+        return options
     if not tls_server_name.strip():
         raise TlsError("the TLS server name is empty")
     if tls_ca is None:
         raise TlsError("a TLS server name needs the CA of a TLS endpoint (tls_ca)")
-    return [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls_server_name)]
+    return [*options, ("grpc.ssl_target_name_override", tls_server_name)]
 
 
 def _sync_channel(

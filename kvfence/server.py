@@ -39,6 +39,38 @@ CHANNEL_OPTIONS = [
 # it a taken port fails to bind (BindError) instead.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
+# Keepalive of the clients' channels (kvfence.client): while a call is open the client pings the
+# connection every KEEPALIVE_TIME_MS and drops it when a ping goes unanswered for
+# KEEPALIVE_TIMEOUT_MS, so that a connection lost without a word (a NAT or load balancer
+# forgetting it, a host gone) fails the call UNAVAILABLE instead of leaving it waiting for good:
+# the clients set no deadline of their own. Pings go on however long the call sends nothing
+# (max_pings_without_data 0): a request may wait silently in the admission queue.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+# How often a server accepts a ping on a connection it has sent nothing on since. gRPC's default
+# is once in 5 minutes, and after the third ping too soon it closes the connection with GOAWAY
+# too_many_pings, failing the calls on it (UNAVAILABLE): below KEEPALIVE_TIME_MS, with room for
+# timer jitter.
+MIN_PING_INTERVAL_MS = 10_000
+
+
+def client_channel_options() -> list[tuple[str, Any]]:
+    """CHANNEL_OPTIONS with the clients' keepalive (above)."""
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options() -> list[tuple[str, Any]]:
+    """SERVER_OPTIONS, accepting the clients' keepalive pings (MIN_PING_INTERVAL_MS)."""
+    return [
+        *SERVER_OPTIONS,
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ]
+
 
 class BindError(OSError):
     """A server could not listen on its address (in use, not local, or unusable credentials)."""
@@ -62,7 +94,7 @@ class GrpcServer:
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ) -> GrpcServer:
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        server = grpc.aio.server(options=server_options(), interceptors=list(interceptors))
         for add, servicer in servicers:
             add(servicer, server)
         health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]

@@ -2,8 +2,9 @@
 
 Text goes to stdout as it arrives; ``--json`` prints one object with the token ids, text, finish
 reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2; so
-does bad input (an out-of-range number or token id, an unusable ``--tls-ca`` file,
-``--tls-server-name`` without ``--tls-ca``), in one line. ``--tls-server-name`` (env
+does bad input (an out-of-range number or token id, a prompt or ``--stop`` string that is not
+valid UTF-8, an unusable ``--tls-ca`` file, ``--tls-server-name`` without ``--tls-ca``), in one
+line. ``--tls-server-name`` (env
 KVFENCE_TLS_SERVER_NAME) is the name the certificate carries when it does not name the host of
 ``--target`` (through a port-forward).
 """
