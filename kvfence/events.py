@@ -52,17 +52,38 @@ When the buffer is full the oldest non-security event goes first; security event
 
 One message the broker always rejects must not block the ones behind it: Mosquitto drops the
 connection of a client that sends a packet over its ``max_packet_size``, so re-sending
-the buffer from its oldest event would fail the same way on every connection. Each connection the
-broker closed therefore counts against every event (and node status not yet acknowledged) it had
-in flight; one that timed out (no answer: a stalled broker or path) counts against nothing. One
-that failed before is re-sent alone, acknowledged before anything else goes out; one in flight on
-``MAX_SEND_ATTEMPTS`` such connections is dropped, counted (``events_dropped_total``) and logged as
-an error naming its kind and seq, except a security event: that is cut to its header (kind, seq,
-ts, node, ``truncated: true``, ``original_bytes``) and sent so, and dropped only if that fails as
-often. An event that cannot be encoded at all (JSON) is dropped and counted at once. The
+the buffer from its oldest event would fail the same way on every connection. Each connection
+that failed (not one that timed out: no answer, a stalled broker or path, counts against nothing)
+therefore counts against every event (and node status not yet acknowledged) it had in flight,
+and one that failed before is re-sent alone, acknowledged before anything else goes out. One in
+flight on ``MAX_SEND_ATTEMPTS`` such connections is dropped when the last of them says the broker
+rejects a packet: over MQTT 5 its DISCONNECT says so (0x95 Packet too large, 0x81 Malformed
+packet, 0x99 Payload format invalid: ``REJECTED_PACKET_REASONS``), and a connection that ended
+otherwise (a reset, a broker restart) is an outage that drops nothing, however often; over MQTT
+3.1.1 a broker cannot say why, and any failed connection counts. (Mosquitto can lose that
+DISCONNECT when more of our packets reach it after it closed the connection; the message alone
+gets it.) A dropped event is counted (``events_dropped_total``) and logged as an error naming its
+kind and seq, except a security event: that is cut to its header (kind, seq, ts, node,
+``truncated: true``, ``original_bytes``) and sent so, and dropped only if that fails as often.
+An event that cannot be encoded at all (JSON) is dropped and counted at once. The
 reconnect backoff starts over only after a connection made progress (the broker acknowledged
 something new, or it stayed up ``BACKOFF_RESET_AFTER_S``): a broker that drops every connection at
 once is retried ever more slowly, up to ``BACKOFF_MAX_S``.
+
+The node status (``publish_node_status``) is retained, and every connection leaves a will (the same
+topic, retained: ``"online": false`` and no ``"ts"``, which every status the bus publishes carries)
+that the broker publishes when the connection ends without a normal DISCONNECT (a crash, or
+``KEEPALIVE_S`` x 1.5 without a packet: ``EventBus(keepalive_s=)``). The status is the first
+message published on every connection, and one window slot is kept for it, so it never waits for
+event acknowledgements. ``stop()`` publishes ``"online": false`` (with "ts") and waits up to its
+flush timeout; when the broker has not acknowledged that by then (a slow broker), the connection
+ends so that the broker publishes the will (MQTT 5: DISCONNECT 0x04 "Disconnect with will message";
+MQTT 3.1.1: no DISCONNECT), since a normal DISCONNECT makes it discard the will. Each connection
+subscribes to the node's own status topic (QoS 0; MQTT 5: No Local, no retained message) before it
+publishes anything: an ``"online": false`` seen there while the bus runs with an online status is
+the will of an older connection the broker ended late (a half-open path: the bus reconnected first,
+with a new client id), or a stopping process with the same node id, and the bus publishes its
+status again (a warning). An account that may not read that topic is warned about, once.
 """
 
 from __future__ import annotations
@@ -86,6 +107,9 @@ from typing import TYPE_CHECKING, Any
 import aiomqtt
 import paho.mqtt.client as paho_mqtt
 from aiomqtt.exceptions import MqttConnectError  # not re-exported by aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from kvfence.config import ConfigError
 from kvfence.logging import get_logger
@@ -114,11 +138,22 @@ BACKOFF_MAX_S = 2.0
 # A connection that ends without the broker acknowledging anything new (an event, a newer node
 # status) sooner than this after its CONNACK made no progress: the backoff keeps growing.
 BACKOFF_RESET_AFTER_S = 5.0
-# An event (or node status) in flight on this many connections that each failed is dropped: the
-# broker rejects it (Mosquitto disconnects a client whose packet exceeds its max_packet_size).
+# An event (or node status) in flight on this many connections that each failed is dropped when
+# the last one says the broker rejects it (Mosquitto disconnects a client whose packet exceeds
+# its max_packet_size; see REJECTED_PACKET_REASONS).
 MAX_SEND_ATTEMPTS = 3
 PUBLISH_TIMEOUT_S = 5.0
+# MQTT keepalive (s): a broker that hears nothing for 1.5 times this ends the connection and
+# publishes its will (EventBus(keepalive_s=) overrides it).
+KEEPALIVE_S = 10
 MAX_IN_FLIGHT = 64
+# MQTT 5 DISCONNECT reason codes by which a broker says it closed the connection over a packet
+# the client sent: 0x81 Malformed packet, 0x95 Packet too large (Mosquitto's max_packet_size),
+# 0x99 Payload format invalid. Only a connection that ended so can drop a message (MQTT 5); any
+# other end (a reset, a restart, a keepalive timeout) is an outage and drops nothing.
+REJECTED_PACKET_REASONS = frozenset({0x81, 0x95, 0x99})
+# The MQTT 5 DISCONNECT reason code "Disconnect with will message": the broker publishes the will.
+DISCONNECT_WITH_WILL = 0x04
 # An MQTT 5 PUBACK reason code from this one up: the broker did not take the message (0x87 Not
 # authorized: its ACL; 0x97 Quota exceeded, 0x99 Payload format invalid...). Below it (0x00
 # Success, 0x10 No matching subscribers) it did.
@@ -403,6 +438,14 @@ class _Client(aiomqtt.Client):
     as before: a refused message then counts as delivered (``EventBus`` warns once).
     Finally, a TLS alert that ended the connection before the CONNACK (TLS 1.3's "certificate
     required") turns aiomqtt's "Operation timed out" into ``MqttTlsAlert``.
+
+    Two more for ``EventBus``: ``broker_disconnect_reason`` is the reason code of a DISCONNECT the
+    broker sent (MQTT 5; paho's ``on_disconnect`` flags tell it from a connection that just broke,
+    which aiomqtt reports alike), and ``leave_will``, set before ``__aexit__``, ends the connection
+    so that the broker publishes the will instead of discarding it as a normal DISCONNECT makes
+    it: over MQTT 5 a DISCONNECT with reason 0x04 "Disconnect with will message" (paho's
+    ``disconnect``, which aiomqtt calls, is wrapped to add it), over MQTT 3.1.1 (no reason codes)
+    by closing the socket without a DISCONNECT.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -414,6 +457,12 @@ class _Client(aiomqtt.Client):
         self._kv_abandoned = False
         self._kv_connecting = False
         self._kv_tls_context: ssl.SSLContext | None = kwargs.get("tls_context")
+        self._kv_protocol = kwargs.get("protocol")
+        # The reason code of the DISCONNECT the broker sent (MQTT 5) before this connection
+        # ended; None while it is up, and when it just broke (a reset, a keepalive timeout).
+        self.broker_disconnect_reason: int | None = None
+        # Set: __aexit__ leaves the will to the broker (see the class docstring).
+        self.leave_will = False
         # The Receive Maximum of the broker's CONNACK (MQTT 5): at most this many QoS 1 messages
         # unacknowledged at a time. None: the broker set none (or MQTT 3.1.1).
         self.receive_maximum: int | None = None
@@ -446,6 +495,32 @@ class _Client(aiomqtt.Client):
                 aiomqtt_on_connect(client, userdata, flags, reason_code, props)
 
             paho.on_connect = on_connect
+        aiomqtt_on_disconnect = getattr(paho, "on_disconnect", None)
+        if paho is not None and callable(aiomqtt_on_disconnect):
+
+            def on_disconnect(
+                client: Any, userdata: Any, flags: Any, reason_code: Any, props: Any = None
+            ) -> None:
+                if getattr(flags, "is_disconnect_packet_from_server", False):
+                    code = getattr(reason_code, "value", reason_code)
+                    if isinstance(code, int):
+                        self.broker_disconnect_reason = code
+                aiomqtt_on_disconnect(client, userdata, flags, reason_code, props)
+
+            paho.on_disconnect = on_disconnect
+        paho_disconnect = getattr(paho, "disconnect", None)
+        if paho is not None and callable(paho_disconnect):
+
+            def disconnect(reasoncode: Any = None, properties: Any = None) -> Any:
+                if reasoncode is None and self.leave_will and self._speaks_v5:
+                    reasoncode = ReasonCode(PacketTypes.DISCONNECT, identifier=DISCONNECT_WITH_WILL)
+                return paho_disconnect(reasoncode, properties)
+
+            paho.disconnect = disconnect
+
+    @property
+    def _speaks_v5(self) -> bool:
+        return self._kv_protocol == aiomqtt.ProtocolVersion.V5
 
     @property
     def puback_codes(self) -> bool:
@@ -516,6 +591,7 @@ class _Client(aiomqtt.Client):
     async def __aenter__(self) -> _Client:
         with self._kv_guard:
             self._kv_abandoned = False
+        self.broker_disconnect_reason = None
         if self._kv_tls_context is not None:
             self._kv_tls_context.kvfence_alert = None  # type: ignore[attr-defined]
         try:
@@ -534,6 +610,14 @@ class _Client(aiomqtt.Client):
 
     async def __aexit__(self, *exc_info: Any) -> None:
         try:
+            if self.leave_will and not self._speaks_v5:
+                # MQTT 3.1.1 has no "disconnect with will": a connection that ends without a
+                # DISCONNECT is one the broker publishes the will of. aiomqtt (2.5.1) skips its
+                # own DISCONNECT once its private ``_disconnected`` future is done.
+                self._close()
+                disconnected = getattr(self, "_disconnected", None)
+                if isinstance(disconnected, asyncio.Future) and not disconnected.done():
+                    disconnected.set_result(None)
             await super().__aexit__(*exc_info)
         finally:
             self._close()
@@ -677,6 +761,10 @@ class _Buffer:
         # seq order), or the index would grow by one per event for the life of the process.
         while self._plain and self._plain[0] not in self.events:
             self._plain.popleft()
+        # An event that stays at the front (held: its topic refused by the broker's ACL) stops
+        # that trim; then rebuild the index once it is mostly stale (amortized O(1) per ack).
+        if len(self._plain) > 2 * len(self.events) + 16:
+            self._plain = collections.deque(s for s in self._plain if s in self.events)
         return found
 
     def discard(self, seq: int) -> bool:
@@ -723,9 +811,12 @@ class EventBus:
         metrics: Metrics | None = None,
         credentials: MqttCredentials | None = None,
         tls: MqttTls | None = None,
+        keepalive_s: int = KEEPALIVE_S,
     ):
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        if keepalive_s < 1:
+            raise ValueError(f"keepalive_s must be >= 1, got {keepalive_s}")
         for what, name in (("cluster", cluster), ("node_id", node_id)):
             # a topic level: "/" would split it, and a broker refuses "+" / "#" in a published
             # topic (it drops the message or the connection), so nothing would ever be delivered
@@ -739,6 +830,7 @@ class EventBus:
         self.mqtt_port = mqtt_port
         self.credentials = credentials
         self.tls = tls
+        self.keepalive_s = keepalive_s
         self.metrics = metrics
         # The last RECENT_SIZE events emitted, for in-process checks ("was an event emitted?").
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_SIZE)
@@ -780,6 +872,9 @@ class EventBus:
         self._released: collections.deque[int] = collections.deque()
         self._refused_logged: dict[str, float] = {}  # topic -> monotonic time of its last error
         self._refused_total = metrics.events_refused_total if metrics is not None else None
+        # The live connection's client (None between connections): stop() may leave it the will.
+        self._client: _Client | None = None
+        self._watch_warned = False  # warned that the broker refused the own-status subscription
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -894,8 +989,22 @@ class EventBus:
             self._status_version += 1
             self._status_failures = 0
             self._status_dirty = True
+            offline_version = self._status_version
         self._poke()
         await self.wait_drained(flush_timeout)
+        with self._lock:
+            offline_delivered = self._status_delivered >= offline_version
+        client = self._client
+        if not offline_delivered and client is not None:
+            # The broker has not confirmed the offline status (a slow broker, a backlog): the
+            # normal DISCONNECT that cancelling sends would make it discard the will, and the
+            # retained status would say online for good. Leave the will to it instead.
+            client.leave_will = True
+            log.info(
+                "event bus stops before the broker acknowledged the offline status: it "
+                "publishes the will",
+                pending=self.pending,
+            )
         task.cancel()
         # Bounded: a broker that hangs can hold aiomqtt's disconnect for its whole timeout.
         # (asyncio.wait, not a suppressed await: a cancel aimed at stop() itself must stand.)
@@ -962,7 +1071,7 @@ class EventBus:
                     self.mqtt_port,
                     identifier=f"kvfence-{self.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                     timeout=PUBLISH_TIMEOUT_S,
-                    keepalive=10,
+                    keepalive=self.keepalive_s,
                     will=aiomqtt.Will(
                         node_topic(self.cluster, self.node_id),
                         self._offline_payload(),
@@ -978,6 +1087,7 @@ class EventBus:
                 async with client:
                     entered = True
                     connected_at = time.monotonic()
+                    self._client = client
                     with self._lock:
                         self._in_flight.clear()
                         self._status_in_flight.clear()
@@ -1051,6 +1161,7 @@ class EventBus:
                 log.exception("event bus publisher failed", retry_in_s=backoff)
             finally:
                 self.connected = False
+                self._client = None
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 # stop() cancelled us, and aiomqtt's disconnect turned the cancellation into an
@@ -1073,17 +1184,27 @@ class EventBus:
             )
         failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         publishers: set[asyncio.Task[None]] = set()
-        watch = asyncio.create_task(_watch_disconnect(client))
-        send = asyncio.create_task(self._send_loop(client, publishers, failed))
+        watch = asyncio.create_task(self._watch(client))
+        subscribe = asyncio.create_task(self._watch_own_status(client))
+        send: asyncio.Task[None] | None = None
         try:
+            # Nothing is published before the broker answered the SUBSCRIBE (or a timeout):
+            # Mosquitto closes the connection of a packet too large with the rest of it unread,
+            # which resets it, and what it had not sent yet is lost, the DISCONNECT that says why
+            # (see _blame_in_flight) included. (Seen with its SUBACK and a retained message.)
+            await asyncio.wait(
+                {watch, subscribe}, timeout=PUBLISH_TIMEOUT_S, return_when="FIRST_COMPLETED"
+            )
+            send = asyncio.create_task(self._send_loop(client, publishers, failed))
             done, _ = await asyncio.wait({watch, send, failed}, return_when="FIRST_COMPLETED")
             for fut in done:
                 fut.result()  # raises the MqttError that ended the connection
         except Exception as err:
-            self._blame_in_flight(err)  # not on a cancel (stop()): that is no failed attempt
+            # not on a cancel (stop()): that is no failed attempt
+            self._blame_in_flight(err, getattr(client, "broker_disconnect_reason", None))
             raise
         finally:
-            tasks = [watch, send, *publishers]
+            tasks = [subscribe, watch, *([] if send is None else [send]), *publishers]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -1100,7 +1221,7 @@ class EventBus:
         assert self._wake is not None and self._idle is not None
         # The broker's Receive Maximum (MQTT 5) bounds what may be unacknowledged at once.
         receive_maximum = getattr(client, "receive_maximum", None)
-        window = asyncio.Semaphore(min(MAX_IN_FLIGHT, receive_maximum or MAX_IN_FLIGHT))
+        window = _Window(min(MAX_IN_FLIGHT, receive_maximum or MAX_IN_FLIGHT))
 
         def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
             task = asyncio.create_task(coro)
@@ -1108,14 +1229,17 @@ class EventBus:
             task.add_done_callback(lambda t: _on_publish_done(t, publishers, failed))
             return task
 
-        async def send(publish: Callable[[], Coroutine[Any, Any, None]], alone: bool) -> None:
-            """Publish. ``alone`` (it was in flight on a connection that failed): once nothing
-            else is in flight, and nothing else goes out before its acknowledgement, so that a
-            failure now is blamed on it only, not on the events sent with it."""
+        async def send(
+            publish: Callable[[], Coroutine[Any, Any, None]], alone: bool, status: bool
+        ) -> None:
+            """Publish in a slot of the window (one the caller saw free, unless ``alone``).
+            ``alone`` (it was in flight on a connection that failed): once nothing else is in
+            flight, and nothing else goes out before its acknowledgement, so that a failure
+            now is blamed on it only, not on the events sent with it."""
             if alone:
                 while publishers:
                     await asyncio.wait(set(publishers))
-            await window.acquire()
+            window.take(status)
             task = spawn(publish())
             if alone:
                 await asyncio.wait({task})
@@ -1127,12 +1251,18 @@ class EventBus:
                 status = self._status if self._status_dirty else None
                 version = self._status_version
                 alone = self._status_failures > 0
-                if status is not None and not self._may_send(self._status_topic):
+                if status is not None and not alone and not window.status_free():
+                    # the previous version is still unacknowledged: this one goes out when that
+                    # is answered (its end wakes the loop), and events flow meanwhile
+                    status = None
+                elif status is not None and not self._may_send(self._status_topic):
                     status = None  # refused by the broker: held (still dirty) until its next try
                 elif status is not None:
                     self._status_dirty = False
             if status is not None:
-                await send(lambda: self._publish_status(client, status, version, window), alone)
+                await send(
+                    lambda: self._publish_status(client, status, version, window), alone, True
+                )
 
         cursor = self._buffer.first_seq() or self._seq + 1  # everything unacked is re-sent
         while True:
@@ -1141,6 +1271,10 @@ class EventBus:
                 # The status goes first, and before the rest of a backlog: stop()'s offline status
                 # must not wait behind thousands of events and then be cut off by the flush timeout.
                 await send_status()
+                if not window.event_free(self._status is not None):
+                    # No event slot free: wait for one (a publish that ends wakes the loop) here,
+                    # not in send(), so that a new status (stop()'s) still goes out at once.
+                    break
                 with self._lock:
                     event = self._next_held()  # accepted again, or a refused topic's next try
                     if event is None:
@@ -1157,7 +1291,7 @@ class EventBus:
                     alone = event is not None and event["seq"] in self._buffer.failures
                 if event is None:
                     break
-                await send(partial(self._publish_event, client, event, window), alone)
+                await send(partial(self._publish_event, client, event, window), alone, False)
             if self._is_drained():
                 self._idle.set()
             retry_in = self._next_try_in()
@@ -1166,6 +1300,80 @@ class EventBus:
             else:  # a refused topic's next try is due then (or something new comes first)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), retry_in)
+
+    async def _watch(self, client: aiomqtt.Client) -> None:
+        """Read the connection's messages until it drops (the iterator raises MqttError: the
+        public way to learn of a disconnect while no publish is outstanding): those of this
+        node's own status topic (``_watch_own_status``), see ``_status_seen``."""
+        async for message in client.messages:
+            self._status_seen(message)
+
+    async def _watch_own_status(self, client: aiomqtt.Client) -> None:
+        """Subscribe to this node's status topic. Without an answer in time it keeps waiting (a
+        slow broker is no reason to end the connection); a refusal (the account may not read it)
+        is a warning, once: the node then cannot notice a stale will.
+
+        QoS 0, and over MQTT 5 neither its own messages (No Local) nor the retained one (Retain
+        Handling 2): the broker then has nothing to send after its SUBACK, which _serve_connection
+        waits for before it publishes anything (see there). A will that was retained before the
+        SUBACK is overwritten by the status this connection publishes first anyway; one published
+        after it arrives live. (QoS 1 would add a PUBACK of ours that can reach the broker after
+        it closed the connection.)"""
+        topic = self._status_topic
+        try:
+            if self._protocol == aiomqtt.ProtocolVersion.V5:
+                options = SubscribeOptions(
+                    qos=0, noLocal=True, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND
+                )
+                granted = await client.subscribe(topic, options=options, timeout=math.inf)
+            else:
+                granted = await client.subscribe(topic, qos=0, timeout=math.inf)
+        except aiomqtt.MqttError:
+            return  # the connection broke: the message iterator says so
+        codes = [getattr(code, "value", code) for code in (granted or ())]
+        refused = any(isinstance(code, int) and code >= PUBACK_REFUSED_FROM for code in codes)
+        if refused and not self._watch_warned:
+            self._watch_warned = True
+            log.warning(
+                "event bus cannot read its own node status",
+                topic=topic,
+                username=_username(self.credentials),
+                consequence="the will of a connection the broker ends late (a half-open "
+                "path) can show this node offline until its next status",
+                hint=f"let the account read {TOPIC_ROOT}/{self.cluster}/nodes/<node_id>",
+            )
+
+    def _status_seen(self, message: aiomqtt.Message) -> None:
+        """A message on this node's status topic: an "online": false while this bus runs with
+        an online status (not stopping, which sets its own offline status) is not this
+        connection's, and overwrote the retained status: the will of an older connection that
+        the broker ended late (after the bus had reconnected: a half-open path), or a stopping
+        process with the same node id. The current status is published again."""
+        if str(message.topic) != self._status_topic:
+            return
+        raw = message.payload
+        try:
+            seen = json.loads(raw if isinstance(raw, bytes | bytearray | str) else str(raw))
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(seen, dict) or seen.get("online") is not False:
+            return
+        with self._lock:
+            status = self._status
+            if (
+                self._task is None  # stopping
+                or status is None
+                or status.get("online") is not True
+                or self._status_given_up == self._status_version
+            ):
+                return
+            self._status_dirty = True
+        log.warning(
+            "node status overwritten as offline: publishing it again",
+            topic=self._status_topic,
+            will="ts" not in seen,
+        )
+        self._poke()
 
     # -- messages the broker refused (MQTT 5 PUBACK >= 0x80) ----------------------------------
 
@@ -1325,7 +1533,7 @@ class EventBus:
         )
 
     async def _publish_event(
-        self, client: aiomqtt.Client, event: dict[str, Any], window: asyncio.Semaphore
+        self, client: aiomqtt.Client, event: dict[str, Any], window: _Window
     ) -> None:
         seq = event["seq"]
         try:
@@ -1343,7 +1551,8 @@ class EventBus:
             else:
                 refused = None
         finally:
-            window.release()
+            window.release(status=False)
+            self._poke()  # the send loop may wait for this slot
         with self._lock:
             self._in_flight.discard(seq)
             if refused is None:
@@ -1382,18 +1591,31 @@ class EventBus:
         )
         self._mark_progress()
 
-    def _blame_in_flight(self, err: Exception) -> None:
-        """The connection failed: count it against every event and status it had in flight.
-        What reached MAX_SEND_ATTEMPTS is dropped (the broker rejects it, it seems); the
-        rest is re-sent alone on the next connection (see _send_loop)."""
+    def _blame_in_flight(self, err: Exception, broker_reason: int | None = None) -> None:
+        """The connection failed (``broker_reason``: the reason code of the DISCONNECT the
+        broker sent, MQTT 5): count it against every event and status it had in flight, which
+        are re-sent alone on the next connection (see _send_loop). One that reached
+        MAX_SEND_ATTEMPTS is dropped (a security event cut to its header first) when this
+        failure says the broker rejects a packet it was sent.
+
+        Over MQTT 5 the broker says so (``REJECTED_PACKET_REASONS``: 0x95 Packet too large...);
+        a connection that ended otherwise (a reset, a broker restart, a keepalive timeout) is an
+        outage, and dropping on it dropped innocent events (security ones cut to their header)
+        after three. It still counts, and so isolates what was in flight: Mosquitto loses its
+        DISCONNECT at times when packets we sent after the one too large reach it after it
+        closed the connection (it resets it), and the message it rejected, re-sent alone, gets
+        the DISCONNECT that says so, which then drops it on its MAX_SEND_ATTEMPTS-th failed
+        connection. (Alone, only it was in flight when the broker said so.) Over MQTT 3.1.1 a
+        broker cannot say why it closed a connection, so any close that was not a timeout
+        counts in full there. A timeout (no answer in time: a slow or stalled broker, a lossy
+        path) counts against nothing."""
         doomed: list[dict[str, Any]] = []
         cut: list[dict[str, Any]] = []
         status_given_up = None
+        v5 = self._protocol == aiomqtt.ProtocolVersion.V5
+        rejected = not v5 or broker_reason in REJECTED_PACKET_REASONS
         with self._lock:
             if _timed_out(err):
-                # No answer in time (a slow or stalled broker, a lossy path): nothing says the
-                # broker refused what was in flight, and blaming it would drop innocent events
-                # (security ones included) over an ordinary outage.
                 self._in_flight.clear()
                 self._status_in_flight.clear()
                 return
@@ -1403,7 +1625,7 @@ class EventBus:
                     continue
                 failures = self._buffer.failures.get(seq, 0) + 1
                 self._buffer.failures[seq] = failures
-                if failures < MAX_SEND_ATTEMPTS:
+                if failures < MAX_SEND_ATTEMPTS or not rejected:
                     continue
                 if event["kind"] in SECURITY_KINDS and not event.get("truncated"):
                     # The audit trail keeps a record of it: its header, marked truncated, with
@@ -1422,16 +1644,28 @@ class EventBus:
                 and self._status_version > self._status_delivered
             ):
                 self._status_failures += 1
-                if self._status_failures >= MAX_SEND_ATTEMPTS:
+                if self._status_failures >= MAX_SEND_ATTEMPTS and rejected:
                     status_given_up = self._status_version
                     self._status_given_up = status_given_up
                     self._status_acked = max(self._status_acked, status_given_up)
                     self._status_dirty = False
             self._status_in_flight.clear()
-        why = (
-            f"the connection failed each of the {MAX_SEND_ATTEMPTS} times it was sent: the broker "
-            "rejects it (larger than its max_packet_size?)"
-        )
+        if not cut and not doomed and status_given_up is None:
+            return
+        if v5:
+            assert broker_reason is not None  # else nothing was rejected
+            code = ReasonCode(PacketTypes.DISCONNECT, identifier=broker_reason)
+            why = (
+                f"the connection failed each of the {MAX_SEND_ATTEMPTS} times it was sent, the "
+                f"last time closed by the broker saying {_reason_name(code)} "
+                f"(0x{broker_reason:02x}): it rejects it"
+            )
+        else:
+            why = (
+                f"the connection failed each of the {MAX_SEND_ATTEMPTS} times it was sent "
+                "(MQTT 3.1.1: the broker cannot say why; one that rejects a packet over its "
+                "max_packet_size closes the connection, but so does a broker restart)"
+            )
         # an MqttError says nothing of the payload; another exception's message might
         error = str(err) if isinstance(err, aiomqtt.MqttError) else type(err).__name__
         for event in cut:
@@ -1458,7 +1692,7 @@ class EventBus:
         client: aiomqtt.Client,
         status: dict[str, Any],
         version: int,
-        window: asyncio.Semaphore,
+        window: _Window,
     ) -> None:
         try:
             try:
@@ -1489,7 +1723,8 @@ class EventBus:
                 self._status_dirty = self._status_given_up != self._status_version
             raise
         finally:
-            window.release()
+            window.release(status=True)
+            self._poke()  # a newer status may wait for this slot
         self._accepted(self._status_topic)
         with self._lock:
             self._status_in_flight.discard(version)
@@ -1587,6 +1822,8 @@ class EventBus:
         return f"set {cert} and {key} (a certificate the broker's CA signed, and its key)"
 
     def _offline_payload(self) -> bytes:
+        """The will: this node offline. Without "ts", which every status the bus publishes
+        carries (stop()'s offline one too), so that a reader can tell the two apart."""
         return _encode({"cluster": self.cluster, "node_id": self.node_id, "online": False})
 
     def _log(self, event: dict[str, Any]) -> None:
@@ -1595,6 +1832,38 @@ class EventBus:
             log.warning("cluster event", **fields)
         else:
             log.info("cluster event", **fields)
+
+
+class _Window:
+    """The messages a connection may have unacknowledged at once (the broker's Receive Maximum):
+    ``size`` slots. While the bus has a node status and none of its versions is in flight, one
+    slot is kept free for it: the status (stop()'s offline one above all) never waits for event
+    acknowledgements, which a slow broker with a backlog holds for longer than stop()'s flush
+    timeout. One status version is in flight at a time. With a single slot they share it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.events = 0
+        self.status = 0
+
+    def event_free(self, keep_for_status: bool) -> bool:
+        keep = 1 if keep_for_status and self.status == 0 and self.size > 1 else 0
+        return self.events + self.status + keep < self.size
+
+    def status_free(self) -> bool:
+        return self.status == 0 and self.events < self.size
+
+    def take(self, status: bool) -> None:
+        if status:
+            self.status += 1
+        else:
+            self.events += 1
+
+    def release(self, status: bool) -> None:
+        if status:
+            self.status -= 1
+        else:
+            self.events -= 1
 
 
 def _on_publish_done(
@@ -1606,13 +1875,6 @@ def _on_publish_done(
     err = task.exception()
     if err is not None and not failed.done():
         failed.set_exception(err)
-
-
-async def _watch_disconnect(client: aiomqtt.Client) -> None:
-    # The messages iterator raises MqttError when the connection drops; we subscribe to nothing,
-    # so this is the public way to learn about a disconnect while no publish is outstanding.
-    async for _ in client.messages:
-        pass
 
 
 def _timed_out(err: BaseException) -> bool:

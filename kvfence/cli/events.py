@@ -16,7 +16,8 @@ subscription, it prints one hint on stderr (stdout carries only events) and keep
 cluster and topic it listens on, the clusters this broker has a retained node status of that the
 account may read (``clusters_seen``), and what the silence may mean.
 Exit codes: 0 stopped by the user or ``--limit`` reached, 1 the broker cannot be reached, refused
-the account, failed the TLS handshake or the connection dropped, 2 bad usage.
+the account, failed the TLS handshake or the connection dropped, 2 bad usage (among it a
+``--cluster`` that cannot be an MQTT topic level: empty, or with "/", "+", "#" or NUL).
 It connects with MQTT 5, and with MQTT 3.1.1 to a broker that answers "unsupported protocol
 version".
 """
@@ -39,6 +40,7 @@ from kvfence.config import ConfigError, load_config
 from kvfence.events import (
     EVENT_KINDS,
     SECURITY_KINDS,
+    TOPIC_RESERVED,
     TOPIC_ROOT,
     MqttCredentials,
     MqttTls,
@@ -124,6 +126,14 @@ def events(
     if unknown:
         _exit(
             f"events: unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(EVENT_KINDS)}",
+            EXIT_USAGE,
+        )
+    if cluster is not None and (not cluster or any(c in cluster for c in TOPIC_RESERVED)):
+        # a topic level: "+" or "#" would subscribe to every cluster (or be refused by the
+        # broker), "/" to a topic no cluster publishes to
+        _exit(
+            f"events: --cluster {cluster!r} cannot be a cluster name: it must be non-empty and "
+            f"hold none of {', '.join(repr(c) for c in TOPIC_RESERVED)}",
             EXIT_USAGE,
         )
     host, port, name, credentials, tls = _target(
