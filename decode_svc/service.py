@@ -14,7 +14,18 @@ control plane): the control plane's ``Release``, which it logs and forgets when 
 needed for them; nor when the ``Decode`` call is cancelled while it waits for the transfer to
 complete, before the KV is verified (its pages go back at once, unread). A ``Release`` that arrives
 while the stream is open ends the stream CANCELLED.
-A ``Decode`` may not ask for more new tokens than its reservation was made for.
+A ``Decode`` may not ask for more new tokens than its reservation was made for: INVALID_ARGUMENT,
+checked (with the other sampling parameters) only after the manifest verified, so a tampered
+manifest is an integrity failure whatever parameters come with it; a verified manifest with bad
+parameters leaves the reservation as it was (a corrected ``Decode`` can still use it).
+A ``Decode`` for a reservation this node has already released (reaped after
+``transfer.reservation_timeout_s``, released by the control plane, or released while the call
+waited for the transfer) is refused UNAVAILABLE, reason ``RESERVATION_RELEASED``, without any
+manifest check and with no integrity failure reported (no event, no count): it is a late
+``Decode``, not a forgery.
+The integrity log lines of a reservation carry the reservation's own request and tenant ids; a
+``Decode`` that claimed other ones is logged with them as ``claimed_request_id`` /
+``claimed_tenant_id``.
 Every RPC needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED
 and reserves, decodes or releases nothing.
 
@@ -296,9 +307,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     break
                 else:
                     failure: KvfenceError = value
-                    if isinstance(failure, IntegrityError):
-                        self._integrity_failure(res, failure, stage="decode")
-                    self._release(res.reservation_id, "error")
+                    with self._logged_as(res, request):
+                        if isinstance(failure, IntegrityError):
+                            self._integrity_failure(res, failure, stage="decode")
+                        self._release(res.reservation_id, "error")
                     await _end(context, failure)
         finally:
             # Finished, failed, or the control plane gone: nothing reads these pages any more,
@@ -377,8 +389,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _verify(
         self, request: decode_pb2.DecodeRequest, res: DecodeReservation | None
     ) -> Any:
-        """Manifest checks 1-6 and the sampling parameters; returns those parameters. On failure
-        quarantine, report, release and raise."""
+        """Manifest checks 1-6, then the sampling parameters; returns those parameters. A failed
+        manifest check quarantines, reports, releases and raises; bad parameters (checked only
+        once the manifest verified) raise InvalidArgument and leave the reservation as it was."""
         if res is None and self.receiver.released(request.reservation_id):
             raise self._released_before_decode(request.reservation_id)
         if res is not None and res.request_id != request.request_id:
@@ -431,16 +444,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 checksum_algo=kernels.CHECKSUM_ALGO,
                 vocab_size=self.rt.engine.vocab_size,
             )
-        try:
-            params: Any = sampling_from_proto(request.sampling)
-        except ValueError as err:
-            raise InvalidArgument(str(err)) from None
-        if res is not None and params.max_new_tokens > res.max_new_tokens:
-            # Its tokens would run past the reserved pages.
-            raise InvalidArgument(
-                f"max_new_tokens {params.max_new_tokens} is over the "
-                f"{res.max_new_tokens} this reservation was made for"
-            )
+        # The manifest first: a forged or tampered one is an integrity failure (quarantine, event)
+        # whatever else the call carries, never hidden behind a bad parameter's INVALID_ARGUMENT.
         try:
             mf.verify(
                 request.manifest,
@@ -453,9 +458,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if res is None:
                 self._report_integrity(request.request_id, request.tenant_id, err, "manifest")
             else:
-                self._integrity_failure(res, err, stage="manifest")
-                self._release(res.reservation_id, "integrity")
+                with self._logged_as(res, request):
+                    self._integrity_failure(res, err, stage="manifest")
+                    self._release(res.reservation_id, "integrity")
             raise
+        assert res is not None  # check 1 refuses a manifest without a reservation
+        # A verified manifest with bad parameters is refused without touching the reservation:
+        # it stays RESERVED with its transfer complete, so a corrected Decode verifies it again
+        # and decodes (or the reaper, or the control plane's Release, gives the pages back).
+        try:
+            params: Any = sampling_from_proto(request.sampling)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        if params.max_new_tokens > res.max_new_tokens:
+            # Its tokens would run past the reserved pages.
+            raise InvalidArgument(
+                f"max_new_tokens {params.max_new_tokens} is over the "
+                f"{res.max_new_tokens} this reservation was made for"
+            )
         return params
 
     def _released_before_decode(self, reservation_id: str) -> Unavailable:
@@ -470,8 +490,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _checksums(self, page_ids: list[int], seeds: list[int]) -> list[int]:
-        sums = kernels.page_checksum(self.pool.kv, torch.tensor(page_ids), torch.tensor(seeds))
+        # The ids and seeds go where the pool is: page_checksum refuses tensors on another device
+        # (on a CUDA pool, CPU ones would fail every verification with ValueError).
+        device = self.pool.kv.device
+        sums = kernels.page_checksum(
+            self.pool.kv,
+            torch.tensor(page_ids, dtype=torch.int64, device=device),
+            torch.tensor(seeds, dtype=torch.int64, device=device),
+        )
         return [int(x) & 0xFFFFFFFFFFFFFFFF for x in sums.tolist()]
+
+    @staticmethod
+    def _logged_as(
+        res: DecodeReservation, request: decode_pb2.DecodeRequest
+    ) -> contextlib.AbstractContextManager[None]:
+        """Log lines about ``res`` carry its own request and tenant ids, not the ones the Decode
+        call claims (bound by ``Decode``, unverified: a forged tenant must not be what the log
+        names); a claim that differs is kept as ``claimed_request_id`` / ``claimed_tenant_id``."""
+        claimed: dict[str, str] = {}
+        if request.request_id != res.request_id:
+            claimed["claimed_request_id"] = request.request_id
+        if request.tenant_id != res.tenant_id:
+            claimed["claimed_tenant_id"] = request.tenant_id
+        return kvlog.request_context(res.request_id, res.tenant_id, **claimed)
 
     def _integrity_failure(self, res: DecodeReservation, err: IntegrityError, stage: str) -> None:
         res.state = ResState.FAILED

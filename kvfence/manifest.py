@@ -9,7 +9,9 @@ Decode accepts a transfer only if all six checks of DESIGN.md hold, in this orde
    exactly the first ``ceil(token_count / page_size)`` reserved pages in order, every listed page
    was received exactly once, and ``tokens_in_page`` adds up to ``token_count`` (full pages but the
    last);
-4. ``GENERATION`` every ``(page_id, generation)`` matches the pool right now;
+4. ``GENERATION`` every ``(page_id, generation)`` matches the pool right now (check 3 already
+   compares the listed generations with the reservation's, so a manifest carrying a stale one fails
+   ``COVERAGE``; this one fails only when decode's own pool moved under the reservation);
 5. ``CHECKSUM`` every page's checksum, recomputed over the memory that was received, matches (seeded
    with the reservation id and page index, so a correct copy of another page or a replay fails);
 6. ``MODEL`` / ``LAYOUT`` fingerprint and layout equal decode's own, and (``MODEL``) the first token
@@ -33,7 +35,10 @@ from kvfence.proto.kvfence.v1 import common_pb2
 
 
 def canonical_bytes(m: common_pb2.KvManifest) -> bytes:
-    """Every manifest field but the MAC, in a fixed textual encoding (stable across versions)."""
+    """Every manifest field but the MAC, in a fixed textual encoding (stable across versions).
+
+    Strings are encoded as they are, never normalised: two Unicode forms of one text (NFC and
+    NFD) are different bytes, so a MAC over one does not verify the other."""
     body = {
         "v": 1,
         "request_id": m.request_id,

@@ -301,8 +301,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         res = req.reservation
         page_size = self.pool.page_size
         seeds = [kernels.checksum_seed(res.reservation_id, i) for i in range(len(refs))]
+        # The ids and seeds go where the pool is: page_checksum refuses tensors on another device
+        # (on a CUDA pool, CPU ones would fail every Prefill with ValueError).
+        device = self.pool.kv.device
         sums = kernels.page_checksum(
-            self.pool.kv, torch.tensor([r.page_id for r in refs]), torch.tensor(seeds)
+            self.pool.kv,
+            torch.tensor([r.page_id for r in refs], dtype=torch.int64, device=device),
+            torch.tensor(seeds, dtype=torch.int64, device=device),
         ).tolist()
         pages = []
         for i, dest in enumerate(res.pages[: len(refs)]):
