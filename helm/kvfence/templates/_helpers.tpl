@@ -251,6 +251,18 @@ compare two values.
 {{- end }}
 
 {{/*
+control_plane.node_timeout_s must be at least 2 x heartbeat_interval_s (kvfence/config.py,
+NODE_TIMEOUT_HEARTBEATS, refuses it at start, and the pre-install hook with it: without the hook,
+configCheck.enabled=false, every pod would crash-loop); JSON schema cannot compare two values.
+*/}}
+{{- define "kvfence.checkNodeTimeout" -}}
+{{- $cp := .Values.controlPlane }}
+{{- if lt (float64 $cp.nodeTimeoutS) (mulf 2 (float64 $cp.heartbeatIntervalS)) }}
+{{- fail (printf "controlPlane.nodeTimeoutS %v is under 2 x controlPlane.heartbeatIntervalS %v: one late heartbeat would drop a healthy node, and kvfence refuses the config at start; raise nodeTimeoutS to at least %v or lower heartbeatIntervalS" $cp.nodeTimeoutS $cp.heartbeatIntervalS (mulf 2 (float64 $cp.heartbeatIntervalS))) }}
+{{- end }}
+{{- end }}
+
+{{/*
 "true" when a UCX_TLS value lets UCX use its TCP transport: a list naming tcp or all, or a
 "^..." list (all but those) that does not exclude tcp. A name may carry a ":aux" suffix.
 */}}
@@ -296,6 +308,40 @@ side of an endpoint (networkpolicy.yaml opens it to decode).
 {{- end }}
 {{- end }}
 
+{{/*
+A service's ports, each bound in the same pod: two equal (metrics on the gRPC port) or one inside
+the role's ucx.tcpPortRange, from which UCX's TCP transport binds, render and install fine and
+then fail at bind, in a crash loop. Call with (dict "root" $ "role" ROLE) after
+kvfence.checkUcxPortRange; ROLE "control-plane" checks controlPlane.ports.
+*/}}
+{{- define "kvfence.checkPorts" -}}
+{{- $role := .role }}
+{{- $prefix := ternary "controlPlane" $role (eq $role "control-plane") }}
+{{- $v := index .root.Values $prefix }}
+{{- $names := ternary (list "grpc" "admin" "metrics") (list "grpc" "ucx" "metrics") (eq $role "control-plane") }}
+{{- $seen := dict }}
+{{- range $name := $names }}
+{{- $port := int (index $v.ports $name) }}
+{{- with index $seen (toString $port) }}
+{{- fail (printf "%s.ports.%s and %s.ports.%s are both %d: one pod cannot bind a port twice; give each its own" $prefix . $prefix $name $port) }}
+{{- end }}
+{{- $_ := set $seen (toString $port) $name }}
+{{- end }}
+{{- if ne $role "control-plane" }}
+{{- with $v.ucx.tcpPortRange }}
+{{- $r := splitList "-" . }}
+{{- $lo := atoi (first $r) }}
+{{- $hi := atoi (last $r) }}
+{{- range $names }}
+{{- $port := int (index $v.ports .) }}
+{{- if and (ge $port $lo) (le $port $hi) }}
+{{- fail (printf "%s.ports.%s %d lies inside %s.ucx.tcpPortRange %q, from which UCX's TCP transport binds its listening ports in the same pod: move the port or the range" $prefix . $port $prefix $v.ucx.tcpPortRange) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* max_position_embeddings of the embedded tiny model (kvfence/model/tiny.py); a test keeps them equal. */}}
 {{- define "kvfence.tinyContextWindow" -}}
 2048
@@ -308,6 +354,7 @@ side of an endpoint (networkpolicy.yaml opens it to decode).
 {{- include "kvfence.checkMqttTls" . }}
 {{- include "kvfence.checkDeadlines" . }}
 {{- include "kvfence.checkRefusedRoom" . }}
+{{- include "kvfence.checkNodeTimeout" . }}
 {{- $m := .Values.model -}}
 {{- $cp := .Values.controlPlane -}}
 cluster: {{ .Values.clusterName | quote }}
@@ -367,7 +414,9 @@ control_plane:
 events:
   {{- with include "kvfence.mqttHostPort" . }}
   mqtt_host: {{ (split ":" .)._0 | quote }}
-  mqtt_port: {{ (split ":" .)._1 }}
+  {{- /* a number, decimal (atoi: the schema allows no leading zero, which YAML would read as
+         octal, and sprig's int would too) */}}
+  mqtt_port: {{ (split ":" .)._1 | atoi }}
   {{- else }}
   mqtt_host: null
   {{- end }}
@@ -406,14 +455,17 @@ tls:
   value: /tmp
 {{- end }}
 
-{{/* gRPC probes; Kubernetes gRPC probes speak plaintext only, so with TLS they check TCP. */}}
+{{/* gRPC probes; Kubernetes gRPC probes speak plaintext only, so with TLS they check TCP. Call
+     with (dict "root" $ "port" P "startupTimeoutS" S): the startup probe gives the service S
+     seconds (at least one 5 s period) to start serving before the kubelet restarts it. */}}
 {{- define "kvfence.probes" -}}
 {{- $check := dict "grpc" (dict "port" (int .port)) }}
 {{- if .root.Values.tls.enabled }}{{ $check = dict "tcpSocket" (dict "port" (int .port)) }}{{ end -}}
+{{- $period := 5 }}
 startupProbe:
   {{- toYaml $check | nindent 2 }}
-  periodSeconds: 5
-  failureThreshold: 120
+  periodSeconds: {{ $period }}
+  failureThreshold: {{ max 1 (int (ceil (divf (float64 .startupTimeoutS) $period))) }}
 readinessProbe:
   {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
@@ -425,18 +477,37 @@ livenessProbe:
   timeoutSeconds: 5
 {{- end }}
 
-{{/* Volumes for the config, the admin token and TLS material. */}}
+{{/*
+The TLS Secret's keys a service reads (kvfence/tls.py): prefill and decode serve and verify with
+the internal CA and certificate only, and reach the registry trusting ca.crt (they never read
+public.crt or public.key: tls.public_cert in their config only tells them the registry speaks
+TLS). public.key is the public and admin endpoints' private key: a node pod, which runs model
+code and takes tenants' KV, has no business holding it. The control plane serves the public
+endpoint and calls the nodes: all five.
+*/}}
+{{- define "kvfence.tlsKeys" -}}
+{{- if eq . "control-plane" }}public.crt,public.key,ca.crt,internal.crt,internal.key
+{{- else }}ca.crt,internal.crt,internal.key
+{{- end }}
+{{- end }}
+
+{{/* Volumes for the config, /tmp and the TLS material; call with (dict "root" $ "role" ROLE). */}}
 {{- define "kvfence.commonVolumes" -}}
+{{- $root := .root }}
 - name: config
   configMap:
-    name: {{ include "kvfence.fullname" . }}-config
+    name: {{ include "kvfence.fullname" $root }}-config
 - name: tmp
   emptyDir: {}
-{{- if .Values.tls.enabled }}
+{{- if $root.Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ include "kvfence.tlsSecretName" . }}
+    secretName: {{ include "kvfence.tlsSecretName" $root }}
     defaultMode: 0440
+    items:
+      {{- range splitList "," (include "kvfence.tlsKeys" .role) }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
 {{- end }}
 {{- end }}
 

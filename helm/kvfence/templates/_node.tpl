@@ -20,6 +20,7 @@ file; the role, identity and addresses of each pod come from KVFENCE__NODE__* en
 {{- $_ := set $resources "limits" $limits }}
 {{- $_ := set $resources "requests" $requests }}
 {{- include "kvfence.checkUcxPortRange" (dict "root" $root "role" $role) }}
+{{- include "kvfence.checkPorts" (dict "root" $root "role" $role) }}
 {{- /* A pod holding a device (an extended resource: a name with a domain, as gpu and rdma add;
        or a resource claim) may have no spare one to surge into: Kubernetes' default rollout
        (maxSurge 25% rounded up, maxUnavailable 25% rounded down: 1 and 0 under 4 replicas)
@@ -142,13 +143,15 @@ spec:
             {{- with $v.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- include "kvfence.probes" (dict "root" $root "port" $v.ports.grpc) | nindent 10 }}
+          {{- include "kvfence.probes" (dict "root" $root "port" $v.ports.grpc "startupTimeoutS" $v.startupTimeoutS) | nindent 10 }}
           securityContext:
             {{- $sc := deepCopy $root.Values.securityContext }}
-            {{- if $v.rdma.enabled }}
+            {{- if $v.rdma.ipcLock }}
             {{- /* Registering KV pages with the HCA pins them. IPC_LOCK lifts the memlock limit
-                   only for a container running as root: as runAsUser 10001 the pods need the
-                   node runtime's memlock limit raised (values.yaml, prefill.rdma). */}}
+                   only for a process running as root (a non-root process gets no capability
+                   from the container's bounding set), and Pod Security baseline and restricted
+                   refuse it: added only when rdma.ipcLock asks for it. As runAsUser 10001 the
+                   pods need the node runtime's memlock limit raised (values.yaml, prefill.rdma). */}}
             {{- $caps := deepCopy ($sc.capabilities | default dict) }}
             {{- $_ := set $caps "add" (concat ($caps.add | default list) (list "IPC_LOCK") | uniq) }}
             {{- $_ := set $sc "capabilities" $caps }}
@@ -177,7 +180,7 @@ spec:
               readOnly: true
             {{- end }}
       volumes:
-        {{- include "kvfence.commonVolumes" $root | nindent 8 }}
+        {{- include "kvfence.commonVolumes" (dict "root" $root "role" $role) | nindent 8 }}
         {{- include "kvfence.nodeTokenVolume" $root | nindent 8 }}
         {{- if include "kvfence.mqttAuth" $root }}
         {{- include "kvfence.mqttPasswordVolume" $root | nindent 8 }}
@@ -208,7 +211,14 @@ spec:
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-{{- if $v.pdb.enabled }}
+{{- /* With one replica no PDB helps: maxUnavailable 0 would block every node drain forever, 1
+       lets a drain evict the only pod (the role has no node until its replacement starts),
+       the same as no PDB. So none is rendered below two replicas; from two, one that allows
+       every pod to go at once would protect nothing and is refused. */}}
+{{- if and $v.pdb.enabled (gt (int $v.replicas) 1) }}
+{{- if ge (int $v.pdb.maxUnavailable) (int $v.replicas) }}
+{{- fail (printf "%s.pdb.maxUnavailable %d is not below %s.replicas %d: the PodDisruptionBudget would let a node drain evict every %s pod at once; lower maxUnavailable (1 keeps %d of %d serving), or set %s.pdb.enabled=false" $role (int $v.pdb.maxUnavailable) $role (int $v.replicas) $role (sub (int $v.replicas) 1) (int $v.replicas) $role) }}
+{{- end }}
 ---
 apiVersion: policy/v1
 kind: PodDisruptionBudget

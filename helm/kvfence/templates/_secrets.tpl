@@ -55,7 +55,10 @@ generated token is a randAlphaNum draw, and the Secret and the checksums must se
 {{- end }}
 
 {{/* A token: the given value, else the one already in the release's Secret (a generated token is
-kept across upgrades), else a new random one. Call with (dict "root" $ "name" N "key" K "value" V). */}}
+kept across upgrades), else a new random one. Call with (dict "root" $ "name" N "key" K "value" V).
+lookup answers only a render with cluster access: under `helm template`, Argo CD or
+--dry-run=client it returns nothing, so every such render draws a new token (values.yaml,
+adminToken; NOTES.txt warns while any is generated). Not refused: a first install has none. */}}
 {{- define "kvfence.token" -}}
 {{- $token := .value }}
 {{- if not $token }}
