@@ -19,7 +19,8 @@ none registered, or every registered one draining. That began when the role's la
 started draining or left; a draining node leaving later does not restart it, since requests have
 had nowhere to go since the drain. The replacement of a role's last node usually registers
 seconds after the old one starts draining (its Deployment starts it as the old pod terminates),
-and every node registers again within a heartbeat of a control plane's restart, so the pipeline
+and every node registers again within about a heartbeat interval (at least 1 s: its reconnect
+backoff is capped there) and one heartbeat of a control plane's restart, so the pipeline
 lets a request wait that long for one (``control_plane.no_node_wait_s``) instead of failing it
 NO_NODES at once, or letting it wait out its deadline for a draining node and fail NO_CAPACITY as
 if the pool were merely full.
@@ -131,8 +132,10 @@ class Registry:
         self.failure_cooldown_s = failure_cooldown_s
         self.refused_room_max_s = refused_room_max_s
         self._nodes: dict[str, Node] = {}
-        # node_id -> the replaced process last warned about (its heartbeats go on every beat).
-        self._superseded_warned: dict[str, str] = {}
+        # node_id -> the replaced processes (instance ids) already warned about: their heartbeats
+        # go on every beat, and each is logged once. Dropped with the node (_lose), so ids that
+        # come and go (every pod of a rolling update has a new one) leave nothing behind.
+        self._superseded_warned: dict[str, set[str]] = {}
         # When each role last went without a node that takes requests (monotonic): its last one
         # started draining or left. A new registry has none yet.
         self._vacant_since: dict[str, float] = dict.fromkeys(ROLES, time.monotonic())
@@ -243,8 +246,9 @@ class Registry:
             # The process this node_id named before its replacement registered (a pod replaced
             # while the old one still drains): its load and its draining flag are not the
             # replacement's. Marking the replacement draining took it out of routing for good.
-            if self._superseded_warned.get(node.node_id) != req.instance_id:  # once, not per beat
-                self._superseded_warned[node.node_id] = req.instance_id
+            warned = self._superseded_warned.setdefault(node.node_id, set())
+            if req.instance_id not in warned:  # once per replaced process, not per beat
+                warned.add(req.instance_id)
                 log.warning(
                     "heartbeat from a replaced process ignored",
                     node_id=node.node_id,
@@ -301,6 +305,10 @@ class Registry:
             # an old view of it must not fail the requests running on its successor.
             return
         del self._nodes[node.node_id]
+        # Forget which replaced processes were warned about: one still beating is answered
+        # "unknown" now (it may register again), and warned about anew only if a later
+        # registration supersedes it again.
+        self._superseded_warned.pop(node.node_id, None)
         # A draining node leaving ends nothing that took requests: the vacancy, if any, began
         # when the role's last non-draining node drained.
         if not node.draining and not self.taking_requests(node.role):

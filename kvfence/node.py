@@ -4,7 +4,17 @@ node token check on their RPCs.
 ``NodeRuntime`` loads the checkpoint (the embedded tiny model when the config names none), sizes the
 pool for the node's role and builds the engine. ``NodeAgent`` registers the node with the control
 plane and heartbeats (with ``draining`` set once the node shuts down: ``kvfence.node_main``); a
-refusal (fingerprint or layout mismatch) is fatal for the node.
+refusal (fingerprint, protocol or layout mismatch, the wrong node token) is fatal for the node,
+at start and later alike: a heartbeat refused UNAUTHENTICATED, or a re-registration refused after
+the control plane forgot the node, ends the heartbeats and calls ``on_refused`` (the node drains,
+stops and exits non-zero: ``kvfence.node_main.serve_node``).
+
+One node token per process: the one read at start is what the node presents to the control plane
+and what it requires of the control plane's calls. A rotated token therefore takes a restart of
+the node (and the control plane): a node that kept registering with a new token while refusing
+the calls that carry it would stay registered and SERVING and fail every request sent to it;
+instead its heartbeat is refused UNAUTHENTICATED by a control plane restarted on the new token,
+which is fatal, and the pod restarts on the new one.
 ``NodeTokenCheck`` refuses every Prefill / Decode service call that does not carry the cluster node
 token (only the control plane holds it); gRPC health and reflection are other services and stay
 open.
@@ -13,7 +23,6 @@ open.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,11 +158,57 @@ class NodeTokenCheck:
 
 
 class RegistrationRefused(RuntimeError):
-    """The control plane refused this node (e.g. a different model fingerprint)."""
+    """The control plane refused this node (e.g. a different model fingerprint, the wrong node
+    token), or, as ``RegistrationAbandoned``, the node gave up registering."""
+
+
+class RegistrationAbandoned(RegistrationRefused):
+    """Registration given up without a refusal: the control plane stayed unreachable, or the node
+    started draining. Fatal at start (the node never joined); a running node's heartbeats go on."""
+
+
+# A heartbeat that raised something unexpected (its load, a callback) is logged with its
+# traceback, at most once per this interval if it repeats every beat: the beats go on regardless.
+HEARTBEAT_ERROR_LOG_INTERVAL_S = 10.0
+# The heartbeat RPC's timeout is half the interval (below), but no shorter than this: below it a
+# loaded event loop would fail healthy beats. Only intervals under twice this (tests) are affected.
+MIN_HEARTBEAT_TIMEOUT_S = 0.05
+# gRPC's reconnect backoff grows to 120 s by default: after a long control plane outage a node
+# would register again up to two minutes after it is back, while the registry counts on every node
+# registering within a heartbeat or so (control_plane.no_node_wait_s). Capped at the heartbeat
+# interval (a second at least, so an unreachable control plane is not dialled in a tight loop).
+MIN_RECONNECT_CAP_S = 1.0
+INITIAL_RECONNECT_BACKOFF_MS = 200
+
+
+def reconnect_options(interval_s: float) -> list[tuple[str, int]]:
+    """Channel options that keep the agent's reconnect attempts within ``max(interval_s, 1 s)`` of
+    each other (gRPC's backoff would grow to 120 s), and give up an attempt that gets no answer at
+    all (an address whose packets are dropped) after as long, instead of gRPC's 20 s."""
+    cap_ms = int(max(interval_s, MIN_RECONNECT_CAP_S) * 1000)
+    return [
+        ("grpc.initial_reconnect_backoff_ms", min(INITIAL_RECONNECT_BACKOFF_MS, cap_ms)),
+        ("grpc.max_reconnect_backoff_ms", cap_ms),
+        ("grpc.min_reconnect_backoff_ms", cap_ms),
+    ]
 
 
 class NodeAgent:
-    """Registers a node with the control plane and keeps it alive with heartbeats."""
+    """Registers a node with the control plane and keeps it alive with heartbeats.
+
+    Heartbeats go on a fixed cadence, one every ``interval_s`` from the start of the last, each
+    RPC bounded by ``beat_timeout_s`` (half the interval); a beat that got no answer is followed by
+    the next one half an interval after it, not a full one. So one lost beat leaves the control
+    plane without news for about 1.5 intervals (the beat before it, then its retry), within
+    ``node_timeout_s``, which is at least 2 intervals (``kvfence.config``), with half an interval
+    to spare for delays and a late timer. The cadence was once "a full interval after the last beat
+    ended", and the RPC timeout max(interval, 1 s): one lost beat made about three intervals of
+    silence, and the node was dropped as lost (its requests failed) though it was healthy.
+
+    The token is the one the process read at start (``token``; or ``token_path``, read once here):
+    see the module docstring. ``on_refused(reason)`` is called once when the control plane refuses
+    this node at runtime (its heartbeat UNAUTHENTICATED, a re-registration refused); the heartbeats
+    end then. Anything else a heartbeat raises is logged and the beats go on."""
 
     def __init__(
         self,
@@ -164,6 +219,9 @@ class NodeAgent:
         token_path: Path | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         on_forgotten: Callable[[], None] | None = None,
+        *,
+        token: str | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ):
         self.control_plane = control_plane
         # Every registration says which control-plane/node contract and release this node runs
@@ -176,31 +234,47 @@ class NodeAgent:
         self.interval_s = interval_s
         # Another process registered with this node_id since (HeartbeatResponse.superseded).
         self.superseded = False
+        options = [*CHANNEL_OPTIONS, *reconnect_options(interval_s)]
         self._channel = (
-            grpc.aio.insecure_channel(control_plane, options=CHANNEL_OPTIONS)
+            grpc.aio.insecure_channel(control_plane, options=options)
             if credentials is None
-            else grpc.aio.secure_channel(control_plane, credentials, options=CHANNEL_OPTIONS)
+            else grpc.aio.secure_channel(control_plane, credentials, options=options)
         )
         self._stub = control_pb2_grpc.NodeRegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.token_path = token_path
+        if token is None and token_path is not None and token_path.exists():
+            token = read_token(token_path)
+        # Read once, never again (module docstring): what the node's own RPC check requires too.
+        self._token_metadata = bearer_metadata(token) if token else ()
         # Called when the control plane no longer knows this node: it has failed every request
         # that used the node, so whatever the node still holds for them must go.
         self.on_forgotten = on_forgotten
+        self.on_refused = on_refused
+        # Why the control plane refused this node at runtime ("" while it has not): no heartbeat
+        # is sent after that.
+        self.refused = ""
+        self._error: BaseException | None = None  # the latest unexpected heartbeat error
+        self._error_log = kvlog.BurstLog(self._log_error, HEARTBEAT_ERROR_LOG_INTERVAL_S)
+
+    @property
+    def beat_timeout_s(self) -> float:
+        """A heartbeat RPC's timeout, and how soon after a beat without an answer the next one
+        goes (class docstring)."""
+        return max(self.interval_s / 2, MIN_HEARTBEAT_TIMEOUT_S)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        if self.token_path is None or not self.token_path.exists():
-            return ()
-        return bearer_metadata(read_token(self.token_path))
+        return self._token_metadata
 
     async def register(self, timeout_s: float = 30.0) -> None:
-        """Register, retrying while the control plane is not up yet; raise when refused."""
+        """Register, retrying while the control plane is not up yet; raise when refused
+        (``RegistrationAbandoned`` when it gave up: unreachable, or draining)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             if self.load().draining:
                 # A node shutting down must not join again: registered after its replacement
                 # (a retry that outlasted a control plane restart), it would supersede that one.
-                raise RegistrationRefused("this node is draining: it does not register again")
+                raise RegistrationAbandoned("this node is draining: it does not register again")
             try:
                 resp = await self._stub.Register(
                     self.register_request, timeout=5, metadata=self._metadata()
@@ -212,7 +286,7 @@ class NodeAgent:
                         f"{err.details()} (wrong or missing node token)"
                     ) from None
                 if asyncio.get_running_loop().time() > deadline:
-                    raise RegistrationRefused(
+                    raise RegistrationAbandoned(
                         f"control plane {self.control_plane} unreachable: {err.code().name}"
                     ) from None
                 await asyncio.sleep(0.2)
@@ -226,18 +300,29 @@ class NodeAgent:
         self._task = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.heartbeat()
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + self.interval_s
+        while not self.refused:
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            sent = loop.time()
+            answered = await self.heartbeat()
+            # From this beat's start, not its end (class docstring).
+            next_at = sent + (self.interval_s if answered else self.beat_timeout_s)
 
-    async def heartbeat(self) -> None:
-        """One heartbeat with the node's load (``load()``), its draining flag included; failures
-        are logged. Called by the heartbeat loop, and at once when the node starts draining, so
-        the control plane stops routing to it without waiting for the next beat."""
-        req = self.load()
+    async def heartbeat(self) -> bool:
+        """One heartbeat with the node's load (``load()``), its draining flag included; True when
+        the control plane answered it. Never raises: failures are logged, a refusal ends the
+        heartbeats (``on_refused``). Called by the heartbeat loop, and at once when the node
+        starts draining, so the control plane stops routing to it without waiting for the next
+        beat."""
+        if self.refused:
+            return False  # the control plane refused this node: nothing more to tell it
+        draining = False
         try:
+            req = self.load()
+            draining = req.draining
             resp = await self._stub.Heartbeat(
-                req, timeout=max(self.interval_s, 1.0), metadata=self._metadata()
+                req, timeout=self.beat_timeout_s, metadata=self._metadata()
             )
             if resp.superseded:
                 # Another process registered with this node_id: it is this node now. Joining
@@ -254,7 +339,7 @@ class NodeAgent:
                         node_id=self.register_request.node_id,
                         draining=req.draining,
                     )
-                return
+                return True
             self.superseded = False
             if not resp.known:
                 if self.on_forgotten is not None:
@@ -262,19 +347,61 @@ class NodeAgent:
                 if req.draining:
                     # Shutting down: it holds nothing now, and must not join again.
                     log.warning("control plane forgot this draining node; released everything")
-                    return
+                    return True
                 log.warning("control plane forgot this node; releasing and re-registering")
                 await self.register()
+            return True
+        except RegistrationAbandoned as err:
+            # Not a refusal: the next heartbeat, answered "unknown" again, retries.
+            log.warning("re-registration given up", reason=str(err))
         except RegistrationRefused as err:
-            log.error("re-registration refused", reason=str(err))
+            # A fingerprint, protocol or layout the control plane refuses (it restarted on another
+            # model or release), or its token: at start the same refusal is fatal, and it is now.
+            self._refuse(str(err), "re-registration refused")
         except grpc.aio.AioRpcError as err:
-            log.warning("heartbeat failed", code=err.code().name, draining=req.draining)
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                # The control plane holds another node token (restarted on a rotated one): this
+                # process keeps the one it started with (module docstring), so it must restart.
+                self._refuse(
+                    f"{err.details()} (the control plane's node token differs from the one this "
+                    "node started with: restart the node on the current token)",
+                    "heartbeat refused",
+                )
+            else:
+                log.warning("heartbeat failed", code=err.code().name, draining=draining)
+        except Exception as err:  # its load() or a callback: must not end the heartbeats
+            self._error = err
+            self._error_log.note()
+        return False
+
+    def _refuse(self, reason: str, what: str) -> None:
+        if self.refused:
+            return
+        self.refused = reason
+        log.error(f"{what}: the node stops", node_id=self.register_request.node_id, reason=reason)
+        if self.on_refused is not None:
+            self.on_refused(reason)
+
+    def _log_error(self, errors: int) -> None:
+        log.error(
+            "heartbeat raised; the heartbeats go on",
+            errors=errors,
+            next_line_after_s=self._error_log.interval_s,
+            exc_info=self._error,
+        )
 
     async def stop(self) -> None:
+        """Stop heartbeating and close the channel; never raises what the heartbeat task did (it
+        is logged)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("heartbeat task had failed")
+        self._error_log.flush()
         await self._channel.close(None)
 
 

@@ -6,7 +6,7 @@ off; MQTT without a broker or with mqtt.auth.enabled false).
 
 secrets.yaml renders these, and every Deployment that mounts one hashes its data into the pod
 template (checksum/secrets): the control plane reads both tokens, and every service its TLS files,
-once at start (nodes reread the node token file, but the kubelet refreshes it only after a delay),
+once at start (nodes too: each keeps the node token it started with, both ways; kvfence.node),
 so without the hash a rotated Secret would restart nothing and the pods would keep the old value.
 
 Resolved once per render and kept in .Values (every template of the chart shares that map): a
