@@ -49,11 +49,11 @@ def _invalid(message: str) -> InvalidArgument:
     return InvalidArgument(message, reason=INVALID_PARAMETERS)
 
 
-def validate(
-    req: client_pb2.GenerateRequest, model: ModelInfo, text_ids: list[int] | None = None
-) -> Prompt:
-    """Check the parameters and tokenize (unless the caller did: ``text_ids``); raises
-    InvalidArgument naming the bad field."""
+def check_parameters(req: client_pb2.GenerateRequest, model: ModelInfo) -> None:
+    """Everything :func:`validate` checks that needs no tokenizer: the model, the sampling
+    parameters, the stop strings, and a prompt that is empty or holds ids outside the vocabulary.
+    The pipeline runs it before the tenant's concurrency limit, so a request that can never be
+    served is refused INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED."""
     if req.model and req.model != model.name:
         raise _invalid(f"unknown model {req.model!r}; this cluster serves {model.name!r}")
     if req.max_new_tokens < 1:
@@ -69,22 +69,31 @@ def validate(
     if any(not s or len(s) > MAX_STOP_CHARS for s in req.stop):
         raise _invalid(f"stop strings must be 1-{MAX_STOP_CHARS} characters long")
     kind = req.WhichOneof("prompt")
-    if kind == "text":
-        if text_ids is not None:
-            ids = text_ids
-        else:
-            ids = model.tokenizer.encode(req.text) if req.text else []
-    elif kind == "token_ids":
-        ids = list(req.token_ids.ids)
+    if kind == "token_ids":
+        ids = req.token_ids.ids
         bad = [i for i in ids if i >= model.vocab_size]
         if bad:
             raise _invalid(
                 f"{len(bad)} prompt token ids are >= the vocabulary size {model.vocab_size} "
                 f"(first: {bad[0]})"
             )
+        if not ids:
+            raise _invalid("the prompt is empty")
+    elif kind != "text" or not req.text:
+        raise _invalid("the prompt is empty")
+
+
+def validate(
+    req: client_pb2.GenerateRequest, model: ModelInfo, text_ids: list[int] | None = None
+) -> Prompt:
+    """Check the parameters (:func:`check_parameters`) and tokenize (unless the caller did:
+    ``text_ids``); raises InvalidArgument naming the bad field."""
+    check_parameters(req, model)
+    if req.WhichOneof("prompt") == "text":
+        ids = text_ids if text_ids is not None else model.tokenizer.encode(req.text)
     else:
-        ids = []
-    if not ids:
+        ids = list(req.token_ids.ids)
+    if not ids:  # a text that tokenizes to nothing
         raise _invalid("the prompt is empty")
     sampling = common_pb2.SamplingParams(
         max_new_tokens=req.max_new_tokens,

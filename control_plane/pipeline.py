@@ -225,6 +225,9 @@ class Pipeline:
         rec = run.record
         try:
             self._check_serving()
+            # What needs no tokenizer first: a request that can never be served is refused
+            # INVALID_ARGUMENT, never a retryable refusal of the limits below.
+            admission.check_parameters(req, self.d.model)
             known = admission.prompt_tokens_at_least(req, self.d.model)
             rec.max_new_tokens = req.max_new_tokens
             if known is not None:  # refuse what cannot fit before paying for the tokenizer
@@ -419,7 +422,12 @@ class Pipeline:
                         # Both nodes hold the tenant's KV: both zero it when freed, if the tenant
                         # asks (as it asks now: SetLimits may have changed it while this waited).
                         scrub_on_free = _tenant(run).limits.scrub_on_free or self.d.scrub_on_free
-                        for node in decode_candidates(self.d.registry, pages, skip=set()):
+                        # A node whose Reserve for this request went unanswered goes last.
+                        candidates = sorted(
+                            decode_candidates(self.d.registry, pages, skip=set()),
+                            key=lambda n: n.node_id in run.record.unanswered,
+                        )
+                        for node in candidates:
                             # Listed before the awaits of the earlier candidates: one lost or
                             # registered again since (a new process) is not this node any more.
                             if not self.d.registry.registered(node) or node.draining:
@@ -464,6 +472,17 @@ class Pipeline:
             max_new_tokens=prompt.sampling.max_new_tokens,
             scrub_on_free=scrub_on_free,
         )
+        # Its last Reserve for this request went unanswered and may have reserved late: decode
+        # refuses a second reservation for one request (INVALID_ARGUMENT), which failed the
+        # request. Release whatever that call left first; a node that does not answer the
+        # Release either is skipped this round.
+        retried = node.node_id in rec.unanswered
+        if retried:
+            held = await run.guard(
+                self.d.clients.release(node, rec.request_id, "reserve retried after no answer")
+            )
+            if held is None:
+                return None
         # Recorded before the call: a call cut short may still have reserved on the node.
         first_contact = node.node_id not in rec.contacted
         rec.contacted[node.node_id] = DECODE
@@ -515,6 +534,10 @@ class Pipeline:
                 if first_contact:
                     del rec.contacted[node.node_id]
                 self.d.registry.lose(node, "refused connections")
+                return None
+            if retried and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # The unanswered call reserved after the Release above was answered: the next
+                # round releases it again.
                 return None
             raise node_failed(self.d.registry, node, err) from None
         if not self.d.registry.registered(node):
