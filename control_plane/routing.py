@@ -127,7 +127,10 @@ class NodeClients:
         return known
 
     def count(self, node: Node, method: str) -> None:
-        self.rpc_counts[(node.node_id, method)] += 1
+        if self._registered is None or self._registered(node):
+            self.rpc_counts[(node.node_id, method)] += 1
+        else:  # lost (forgotten) already: by method only, or its key would come back for good
+            self._lost_rpc_counts[method] += 1
         if self._metrics is not None:
             self._metrics.rpcs_total.labels(method=f"client:{method}").inc()
 

@@ -33,3 +33,12 @@ def test_a_node_forgotten_and_back_counts_afresh_under_its_id() -> None:
     clients.forget("prefill-0")
     clients.count(node("prefill-0"), "Prefill")
     assert clients.rpc_counts[("prefill-0", "Prefill")] == 1 and clients.total("Prefill") == 2
+
+
+def test_a_call_counted_on_a_node_already_lost_does_not_bring_its_key_back() -> None:
+    lost = {"decode-0"}
+    clients = NodeClients("kvfn_token", registered=lambda n: n.node_id not in lost)
+    clients.count(node("decode-0"), "Decode")  # a request that chose it before it was lost
+    clients.count(node("decode-1"), "Decode")  # control: a registered node keeps its key
+    assert dict(clients.rpc_counts) == {("decode-1", "Decode"): 1}
+    assert clients.total("Decode") == 2
