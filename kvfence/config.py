@@ -275,8 +275,10 @@ class ControlPlaneConfig(_Strict):
     shutdown_refuse_s: float = Field(default=1.0, ge=0)
     # Sent to nodes in whole ms (a uint32): from 1 ms to about 49 days.
     heartbeat_interval_s: float = Field(default=1.0, ge=0.001, le=4_000_000)
-    # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late or missed
-    # heartbeat does not drop a healthy node (a shorter timeout makes nodes flap lost/joined).
+    # A node silent this long is lost. At least 2x heartbeat_interval_s, so one late heartbeat does
+    # not drop a healthy node (a shorter timeout makes nodes flap lost/joined); one lost heartbeat
+    # takes about interval + max(interval, 1 s) (kvfence.node.NodeAgent), which the default 5 s
+    # covers at the default 1 s interval.
     node_timeout_s: float = Field(default=5.0, gt=0)
     # A request that finds no node of a role registered (its last one drained and was dropped, or
     # crashed; or this control plane just started) waits in the admission queue, within its

@@ -170,9 +170,10 @@ class RegistrationAbandoned(RegistrationRefused):
 # A heartbeat that raised something unexpected (its load, a callback) is logged with its
 # traceback, at most once per this interval if it repeats every beat: the beats go on regardless.
 HEARTBEAT_ERROR_LOG_INTERVAL_S = 10.0
-# The heartbeat RPC's timeout is half the interval (below), but no shorter than this: below it a
-# loaded event loop would fail healthy beats. Only intervals under twice this (tests) are affected.
-MIN_HEARTBEAT_TIMEOUT_S = 0.05
+# The heartbeat RPC's timeout is the interval, but never under this: a busy control plane answers
+# late, and a beat given up before it is read never counts (grpc-aio drops the call unread), so a
+# shorter bound (half the interval, tried once) dropped healthy nodes from a loaded control plane.
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
 # gRPC's reconnect backoff grows to 120 s by default: after a long control plane outage a node
 # would register again up to two minutes after it is back, while the registry counts on every node
 # registering within a heartbeat or so (control_plane.no_node_wait_s). Capped at the heartbeat
@@ -197,13 +198,14 @@ class NodeAgent:
     """Registers a node with the control plane and keeps it alive with heartbeats.
 
     Heartbeats go on a fixed cadence, one every ``interval_s`` from the start of the last, each
-    RPC bounded by ``beat_timeout_s`` (half the interval); a beat that got no answer is followed by
-    the next one half an interval after it, not a full one. So one lost beat leaves the control
-    plane without news for about 1.5 intervals (the beat before it, then its retry), within
-    ``node_timeout_s``, which is at least 2 intervals (``kvfence.config``), with half an interval
-    to spare for delays and a late timer. The cadence was once "a full interval after the last beat
-    ended", and the RPC timeout max(interval, 1 s): one lost beat made about three intervals of
-    silence, and the node was dropped as lost (its requests failed) though it was healthy.
+    RPC bounded by ``beat_timeout_s`` (the interval, 1 s at least: a loaded control plane answers
+    late, and a beat given up before it was read never counts); a beat without an answer is
+    followed by the next one at once when it took that long, half an interval after it when it
+    failed fast (the control plane down). So one lost beat leaves the control plane without news
+    for about ``interval_s + beat_timeout_s``: 2 s at the default 1 s interval, within the default
+    ``node_timeout_s`` of 5 s; a node timeout at its minimum (2 intervals, ``kvfence.config``) is
+    not enough for that. (The cadence was once "a full interval after the last beat ended", which
+    added a third interval.)
 
     The token is the one the process read at start (``token``; or ``token_path``, read once here):
     see the module docstring. ``on_refused(reason)`` is called once when the control plane refuses
@@ -261,7 +263,7 @@ class NodeAgent:
     def beat_timeout_s(self) -> float:
         """A heartbeat RPC's timeout, and how soon after a beat without an answer the next one
         goes (class docstring)."""
-        return max(self.interval_s / 2, MIN_HEARTBEAT_TIMEOUT_S)
+        return max(self.interval_s, MIN_HEARTBEAT_TIMEOUT_S)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return self._token_metadata
@@ -306,8 +308,10 @@ class NodeAgent:
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             sent = loop.time()
             answered = await self.heartbeat()
-            # From this beat's start, not its end (class docstring).
-            next_at = sent + (self.interval_s if answered else self.beat_timeout_s)
+            # From this beat's start, not its end; an unanswered one is tried again at once when
+            # it waited out its timeout, after half an interval when it failed fast (class
+            # docstring).
+            next_at = sent + (self.interval_s if answered else self.interval_s / 2)
 
     async def heartbeat(self) -> bool:
         """One heartbeat with the node's load (``load()``), its draining flag included; True when
