@@ -87,11 +87,14 @@ def _write_temp(directory: Path, name: str, token: str) -> str:
 
 
 def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make the new name durable where the filesystem can (some network and FUSE filesystems
+    refuse to fsync a directory: the token is written all the same)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _create(path: Path, token: str) -> bool:
@@ -105,9 +108,28 @@ def _create(path: Path, token: str) -> bool:
             os.link(tmp, path)  # unlike a rename, fails if the name exists: never overwrites
         except FileExistsError:
             return False
+        except OSError:
+            # A filesystem without hard links (SMB, many FUSE mounts): create the name itself,
+            # O_EXCL, as releases before this one did. A crash between the create and the write
+            # can leave it empty there, which the next start replaces (_replace_empty).
+            return _create_in_place(path, token)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+    _fsync_dir(path.parent)
+    return True
+
+
+def _create_in_place(path: Path, token: str) -> bool:
+    """``_create`` where hard links are refused: O_EXCL + 0600, written and fsynced."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_dir(path.parent)
     return True
 

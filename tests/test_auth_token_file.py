@@ -179,3 +179,27 @@ def test_losing_the_create_race_reads_the_winners_token(tmp_path, monkeypatch):
     monkeypatch.setattr(auth.os, "link", winner_first)
     assert load_node_token(None, tmp_path) == "kvfn_winner"
     assert (tmp_path / "node_token").read_text() == "kvfn_winner\n" and no_temp_files(tmp_path)
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["no-hard-links", "control-links"])
+def test_a_filesystem_without_hard_links_still_gets_a_token(tmp_path, monkeypatch, links):
+    """SMB and many FUSE mounts refuse hard links (EPERM, EOPNOTSUPP): the link into place
+    raised, and every first start in such a state_dir failed. It falls back to creating the
+    file itself, O_EXCL and 0600. Control: where links work, the link is used."""
+    linked = []
+    real_link = os.link
+
+    def link(src, dst):
+        if not links:
+            raise PermissionError(1, "Operation not permitted")
+        linked.append(dst)
+        return real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link)
+    token = load_or_create_token(None, tmp_path, "node_token", "kvfn_")
+    path = tmp_path / "node_token"
+    assert token.startswith("kvfn_") and path.read_text().strip() == token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_token(None, tmp_path, "node_token", "kvfn_") == token
+    assert [p.name for p in tmp_path.iterdir()] == ["node_token"]  # no temporary left
+    assert linked == ([path] if links else [])
