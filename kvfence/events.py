@@ -1349,7 +1349,10 @@ class EventBus:
         connection's, and overwrote the retained status: the will of an older connection that
         the broker ended late (after the bus had reconnected: a half-open path), or a stopping
         process with the same node id. The current status is published again."""
-        if str(message.topic) != self._status_topic:
+        if str(message.topic) != self._status_topic or message.retain:
+            # Retained: the broker's stored status, sent on subscribe (MQTT 3.1.1 has no way to
+            # ask it not to): old news, which this connection's own status replaces anyway. A
+            # will the broker publishes now reaches a subscriber with the retain flag clear.
             return
         raw = message.payload
         try:
