@@ -5,7 +5,10 @@ for nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
+import pytest
 import structlog
 from test_prefill_decode import (  # noqa: F401  (nodes, tiny_dir: fixtures)
     _all_free,
@@ -22,6 +25,14 @@ from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2
 PROMPT = list(range(3, 23))
 SAMPLING = common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True)
 OVERSIZED = common_pb2.SamplingParams(max_new_tokens=50, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _all_log_levels() -> Iterator[None]:
+    """Log through structlog's defaults, every level: a CLI test run in-process before this one
+    configures structlog at WARNING, which dropped the info lines these tests read."""
+    structlog.reset_defaults()
+    yield
 
 
 def integrity_events(dec) -> list[dict]:
