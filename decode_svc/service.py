@@ -67,7 +67,6 @@ from enum import Enum
 from typing import Any, NoReturn
 
 import grpc
-import torch
 
 import kernels
 from kvfence import logging as kvlog
@@ -490,15 +489,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
     def _checksums(self, page_ids: list[int], seeds: list[int]) -> list[int]:
-        # The ids and seeds go where the pool is: page_checksum refuses tensors on another device
-        # (on a CUDA pool, CPU ones would fail every verification with ValueError).
-        device = self.pool.kv.device
-        sums = kernels.page_checksum(
-            self.pool.kv,
-            torch.tensor(page_ids, dtype=torch.int64, device=device),
-            torch.tensor(seeds, dtype=torch.int64, device=device),
-        )
-        return [int(x) & 0xFFFFFFFFFFFFFFFF for x in sums.tolist()]
+        return kernels.page_checksums(self.pool.kv, page_ids, seeds)
 
     @staticmethod
     def _logged_as(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
@@ -27,6 +28,7 @@ __all__ = [
     "checksum_as_uint64",
     "checksum_seed",
     "page_checksum",
+    "page_checksums",
     "paged_decode_attention",
     "plan_decode_attention",
     "scrub_pages",
@@ -190,6 +192,21 @@ def page_checksum(
     return _impl(kv_pages.device).page_checksum(  # type: ignore[no-any-return]
         kv_pages, page_ids, seeds
     )
+
+
+def page_checksums(
+    kv_pages: torch.Tensor, page_ids: Sequence[int], seeds: Sequence[int]
+) -> list[int]:
+    """``page_checksum`` of pages listed on the host, as unsigned ints (the proto's uint64). The
+    ids and seeds go where the pool is: ``page_checksum`` refuses tensors on another device (on a
+    CUDA pool, CPU ones would fail every Prefill's manifest and every verification)."""
+    device = kv_pages.device
+    sums = page_checksum(
+        kv_pages,
+        torch.tensor(page_ids, dtype=torch.int64, device=device),
+        torch.tensor(seeds, dtype=torch.int64, device=device),
+    )
+    return [checksum_as_uint64(int(x)) for x in sums.tolist()]
 
 
 def scrub_pages(

@@ -38,7 +38,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 import kernels
 from kvfence import logging as kvlog
@@ -301,14 +300,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         res = req.reservation
         page_size = self.pool.page_size
         seeds = [kernels.checksum_seed(res.reservation_id, i) for i in range(len(refs))]
-        # The ids and seeds go where the pool is: page_checksum refuses tensors on another device
-        # (on a CUDA pool, CPU ones would fail every Prefill with ValueError).
-        device = self.pool.kv.device
-        sums = kernels.page_checksum(
-            self.pool.kv,
-            torch.tensor([r.page_id for r in refs], dtype=torch.int64, device=device),
-            torch.tensor(seeds, dtype=torch.int64, device=device),
-        ).tolist()
+        sums = kernels.page_checksums(self.pool.kv, [r.page_id for r in refs], seeds)
         pages = []
         for i, dest in enumerate(res.pages[: len(refs)]):
             in_page = min(page_size, n_tokens - i * page_size)
@@ -317,7 +309,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     page_id=dest.page_id,
                     generation=dest.generation,
                     tokens_in_page=in_page,
-                    checksum=int(sums[i]) & 0xFFFFFFFFFFFFFFFF,
+                    checksum=sums[i],
                 )
             )
         return common_pb2.KvManifest(
