@@ -18,17 +18,17 @@ from typing import Any
 
 from control_plane.model_info import ModelInfo
 from control_plane.tenants import Tenant
-from kvfence.errors import InvalidArgument, ResourceExhausted
+from kvfence.errors import INVALID_PARAMETERS, InvalidArgument, ResourceExhausted
 from kvfence.proto.kvfence.v1 import client_pb2, common_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
-# ErrorInfo reasons (and admission_rejections_total labels) of admission refusals.
+# ErrorInfo reasons (and admission_rejections_total labels) of admission refusals; and
+# INVALID_PARAMETERS (kvfence.errors, which the client shares).
 OVER_ADMISSIBLE_LIMIT = "OVER_ADMISSIBLE_LIMIT"
 OVER_TENANT_TOKEN_LIMIT = "OVER_TENANT_TOKEN_LIMIT"
 TENANT_CONCURRENCY = "TENANT_CONCURRENCY"
-INVALID_PARAMETERS = "INVALID_PARAMETERS"
 QUEUE_FULL = "QUEUE_FULL"
 NO_CAPACITY = "NO_CAPACITY"
 

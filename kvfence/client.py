@@ -28,7 +28,13 @@ from typing import Any
 import grpc
 
 from kvfence.auth import bearer_metadata
-from kvfence.errors import Cancelled, IntegrityError, InvalidArgument, from_rpc_error
+from kvfence.errors import (
+    INVALID_PARAMETERS,
+    Cancelled,
+    IntegrityError,
+    InvalidArgument,
+    from_rpc_error,
+)
 from kvfence.proto.kvfence.v1 import (
     client_pb2,
     client_pb2_grpc,
@@ -103,9 +109,6 @@ class GenerationAccumulator:
 
 UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids on the wire
 UINT64_MAX = 2**64 - 1  # the seed
-# The ErrorInfo reason of the control plane's parameter refusals (control_plane.admission), which
-# this client gives the refusals it makes itself.
-INVALID_PARAMETERS = "INVALID_PARAMETERS"
 
 
 def _check_range(name: str, value: int, high: int) -> None:

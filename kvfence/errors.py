@@ -24,6 +24,9 @@ NODE_DRAINING = "NODE_DRAINING"
 RESERVATION_RELEASED = "RESERVATION_RELEASED"
 # A request ended because the API key it was sent with was revoked while it waited or ran.
 API_KEY_REVOKED = "API_KEY_REVOKED"
+# INVALID_ARGUMENT for a request's parameters: the control plane's refusal
+# (control_plane.admission) and the Python client's, of arguments the wire cannot carry.
+INVALID_PARAMETERS = "INVALID_PARAMETERS"
 
 # Every check whose failure a service counts in kvfence_integrity_failures_total{check}: the
 # reasons of the IntegrityErrors the KV path raises (manifest, tag, stream checks) and the
