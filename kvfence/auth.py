@@ -76,14 +76,19 @@ def _write_temp(directory: Path, name: str, token: str) -> str:
     token is never readable by others, not even for a moment."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(fd, token)
     except BaseException:
         os.unlink(tmp)
         raise
     return tmp
+
+
+def _write_synced(fd: int, token: str) -> None:
+    """Write ``token`` to the open file ``fd``, fsync it and close it."""
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -126,19 +131,17 @@ def _create_in_place(path: Path, token: str) -> bool:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(fd, token)
     _fsync_dir(path.parent)
     return True
 
 
 def _replace_empty(path: Path, token: str) -> bool:
     """Replace the empty token file at ``path`` with ``token`` (False: another process replaced
-    or removed it first: read again). This release never leaves the file empty (``_create``); an
-    older one could, when it crashed between creating the file and writing it, and every start
-    then failed until someone deleted the file. Processes that find it empty at once lock it,
+    or removed it first: read again). This release leaves the file empty only on a filesystem
+    without hard links (``_create_in_place``); an older one could anywhere, when it crashed
+    between creating the file and writing it, and every start then failed until someone deleted
+    the file. Processes that find it empty at once lock it,
     and only the first to hold the lock while it is still the same empty file replaces it: the
     others then read that process's token."""
     try:
