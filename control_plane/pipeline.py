@@ -246,7 +246,7 @@ class Pipeline:
             at_least, bound = known if known is not None else (0, "a prompt not yet tokenized")
             admission.check_tenant(
                 _tenant(run),
-                at_least + max(req.max_new_tokens, 0),
+                at_least + req.max_new_tokens,
                 self.d.table.active_for_tenant(rec.tenant_id, besides=run),
                 bound,
             )

@@ -244,7 +244,6 @@ class NodeAgent:
         )
         self._stub = control_pb2_grpc.NodeRegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
-        self.token_path = token_path
         if token is None and token_path is not None and token_path.exists():
             token = read_token(token_path)
         # Read once, never again (module docstring): what the node's own RPC check requires too.
@@ -261,8 +260,7 @@ class NodeAgent:
 
     @property
     def beat_timeout_s(self) -> float:
-        """A heartbeat RPC's timeout, and how soon after a beat without an answer the next one
-        goes (class docstring)."""
+        """A heartbeat RPC's timeout (class docstring)."""
         return max(self.interval_s, MIN_HEARTBEAT_TIMEOUT_S)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvfence import logging as kvlog
-from kvfence.auth import load_node_token, node_token_path
+from kvfence.auth import load_node_token
 from kvfence.config import ClusterConfig, Role
 from kvfence.events import EventBus
 from kvfence.metrics import Metrics
@@ -283,13 +283,11 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
                     instance_id=instance_id,
                 )
 
-            token = node_token_path(cfg.control_plane.node_token_file, cfg.control_plane.state_dir)
             agent = NodeAgent(
                 _control_plane_address(cfg),
                 request,
                 load,
                 cfg.control_plane.heartbeat_interval_s,
-                token_path=token,
                 credentials=channel_credentials,
                 on_forgotten=servicer.release_all,
                 token=node_token,  # the one the node's own RPCs require (kvfence.node)
