@@ -23,6 +23,8 @@ A ``Decode`` for a reservation this node has already released (reaped after
 waited for the transfer) is refused UNAVAILABLE, reason ``RESERVATION_RELEASED``, without any
 manifest check and with no integrity failure reported (no event, no count): it is a late
 ``Decode``, not a forgery.
+A ``Decode`` whose request or tenant id is not its reservation's fails check 1 (DATA_LOSS) and
+leaves that reservation as it was: it is not that request's to decode or to give back.
 The integrity log lines of a reservation carry the reservation's own request and tenant ids; a
 ``Decode`` that claimed other ones is logged with them as ``claimed_request_id`` /
 ``claimed_tenant_id``.
@@ -393,8 +395,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         once the manifest verified) raise InvalidArgument and leave the reservation as it was."""
         if res is None and self.receiver.released(request.reservation_id):
             raise self._released_before_decode(request.reservation_id)
-        if res is not None and res.request_id != request.request_id:
-            res = None  # never act on another request's reservation
+        if res is not None and (res.request_id, res.tenant_id) != (
+            request.request_id,
+            request.tenant_id,
+        ):
+            # Never act on another request's reservation, nor on this one under another
+            # tenant's name: check 1 (same request and tenant) then fails with DATA_LOSS and the
+            # reservation stays as it was. Decode's log lines bind the call's claimed ids.
+            res = None
         if res is not None and res.state == ResState.RESERVED:
             # The transfer normally completed before prefill returned the manifest; allow a
             # moment for the last acknowledgement to be processed.
@@ -469,6 +477,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params: Any = sampling_from_proto(request.sampling)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
+        if params.missing_seed:
+            # Prefill refuses it too; here it would raise inside the shared decode step and
+            # fail every row of it, other tenants' included.
+            raise InvalidArgument("a sampled request (temperature > 0) needs a seed")
         if params.max_new_tokens > res.max_new_tokens:
             # Its tokens would run past the reserved pages.
             raise InvalidArgument(

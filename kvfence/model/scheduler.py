@@ -5,9 +5,11 @@ A sequence enters one of two ways:
 * ``add(seq_id, prompt_ids, sampling)`` (colocated): it waits until the pool can hold
   ``prompt + max_new_tokens`` tokens, then the scheduler allocates its pages (owner = seq_id),
   prefills it and samples the first token. The scheduler releases those pages when it finishes.
-* ``add_prefilled(seq_id, prompt_len, first_token, pages, sampling)`` (decode node): its KV pages
-  were filled by a verified transfer and its first token is known. The caller owns those pages and
-  releases them after the sequence's final output.
+* ``add_prefilled(seq_id, prompt_len, first_token, pages, sampling)``: its KV pages were filled
+  elsewhere (as a verified transfer fills them) and its first token is known. The caller owns
+  those pages and releases them after the sequence's final output. The decode node does not
+  use this scheduler: its ``DecodeBatcher`` (``decode_svc/batcher.py``) steps the verified
+  sequences; this entry keeps the split path testable against the colocated one in-process.
 
 Status moves only inside ``step()``::
 

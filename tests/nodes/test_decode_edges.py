@@ -214,3 +214,78 @@ async def test_a_reservation_released_while_its_decode_waits_is_not_an_integrity
             assert err.code() == grpc.StatusCode.DATA_LOSS
             assert error_info(err).reason == "RESERVATION"
         await _all_free(dec.rt.pool)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+async def test_a_sampled_decode_without_a_seed_is_refused_and_fails_no_other_row(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    seeded,
+):
+    """A sampled row with no seed raised inside the shared decode step: every row of it failed
+    INTERNAL, another tenant's included (and the control plane counts INTERNAL against the
+    node). Decode now refuses that call INVALID_ARGUMENT, as prefill does, before it joins a
+    step. Control: the same call with a seed decodes beside the other tenant's."""
+    async with node_pair(tiny_dir, tmp_path) as (dec, _, dstub, pstub):
+        greedy = common_pb2.SamplingParams(max_new_tokens=40, ignore_eos=True)
+        sampled = common_pb2.SamplingParams(max_new_tokens=8, temperature=0.7, seed=7)
+        res_a, call_a = await reserve_and_prefill(
+            dstub, pstub, "a", list(range(3, 23)), greedy, tenant="tenant-a", max_new=40
+        )
+        # Prefill refuses a seedless sampled request, so it is given the seeded parameters.
+        res_b, call_b = await reserve_and_prefill(
+            dstub, pstub, "b", list(range(5, 25)), sampled, tenant="tenant-b", max_new=8
+        )
+        reply_a, reply_b = await call_a, await call_b
+        request_b = _decode_request(res_b, reply_b, "b", sampled, tenant="tenant-b")
+        if not seeded:
+            request_b.sampling.ClearField("seed")
+        stream_a = dstub.Decode(_decode_request(res_a, reply_a, "a", greedy, tenant="tenant-a"))
+        assert (await stream_a.read()).verified
+        a, b = await asyncio.gather(_read_rest(stream_a), _outcome(dstub.Decode(request_b)))
+        assert a[1] is None and len(a[0]) == 40, a
+        if seeded:
+            assert b[1] is None and len(b[0]) == 8, b
+        else:
+            assert b[1] is not None and b[1].code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "needs a seed" in (b[1].details() or "")
+            assert b[0] == []
+        assert integrity_failures(dec) == 0
+        for rid in ("a", "b"):
+            await pstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
+            await dstub.Release(prefill_pb2.ReleaseRequest(request_id=rid))
+        await _all_free(dec.rt.pool)
+        assert dec.servicer.batcher._thread.is_alive()
+
+
+@pytest.mark.parametrize("claimed", ["tenant-other", "tenant-a"])
+async def test_a_decode_under_another_tenants_name_fails_check_1_and_leaves_the_reservation(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    claimed,
+):
+    """Check 1 is "the same request and tenant": a Decode that names the reservation's request
+    but another tenant decoded all the same (only the request id was compared), its log lines
+    naming the claimed tenant. Now it is DATA_LOSS RESERVATION and the reservation stays as it
+    was: the real call decodes afterwards. Control: the right tenant decodes at once."""
+    async with node_pair(tiny_dir, tmp_path) as (dec, _, dstub, pstub):
+        sampling = common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
+        res, call = await reserve_and_prefill(
+            dstub, pstub, "r1", list(range(3, 23)), sampling, tenant="tenant-a", max_new=4
+        )
+        reply = await call
+        request = _decode_request(res, reply, "r1", sampling, tenant=claimed)
+        tokens, err = await _outcome(dstub.Decode(request))
+        if claimed == "tenant-a":
+            assert err is None and len(tokens) == 4
+            assert integrity_failures(dec) == 0
+        else:
+            assert err is not None and err.code() == grpc.StatusCode.DATA_LOSS
+            assert error_info(err).reason == "RESERVATION" and tokens == []
+            assert integrity_failures(dec) == 1
+            # The reservation was not that call's to touch: its own request decodes now.
+            right = _decode_request(res, reply, "r1", sampling, tenant="tenant-a")
+            tokens, err = await _outcome(dstub.Decode(right))
+            assert err is None and len(tokens) == 4
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id="r1"))
+        await _all_free(dec.rt.pool)
