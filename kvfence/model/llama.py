@@ -109,6 +109,10 @@ class ModelArgs:
             )
         except KeyError as err:
             raise ValueError(f"config.json lacks {err.args[0]!r}") from None
+        if args.head_dim % 2:
+            # rope rotates pairs of dimensions (rotate_half): an odd head loaded fine and failed
+            # on the first request; transformers refuses it when it builds the model.
+            raise ValueError(f"head_dim {args.head_dim} is odd; rotary embeddings need it even")
         if args.num_heads % args.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"

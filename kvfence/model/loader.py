@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvfence.config import ModelShape
 from kvfence.model.llama import ModelArgs, Transformer
@@ -54,7 +54,10 @@ def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shard index's files, or every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (ValueError, AttributeError) as err:  # not JSON, or JSON but not an object
+            raise ValueError(f"{index} is not a valid shard index: {err}") from None
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -189,14 +192,27 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(args)
     state: dict[str, torch.Tensor] = {}
+    stored_in: dict[str, Path] = {}
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                state[name] = f.get_tensor(name).to(device=device, dtype=TORCH_DTYPES[dtype])
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # the embedding is the head, as in transformers
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    state[name] = f.get_tensor(name).to(device=device, dtype=TORCH_DTYPES[dtype])
+                    stored_in[name] = file
+        except SafetensorError as err:  # truncated or otherwise broken: no traceback at start
+            raise ValueError(f"{file} is not a readable safetensors file: {err}") from None
+    if args.tie_word_embeddings and "lm_head.weight" in state:
+        # transformers 5 ties only when the stored head is the embedding; given another head it
+        # serves that one. A file that says "tied" and holds two different matrices is
+        # ambiguous, so it is refused rather than either matrix guessed.
+        head, embed = state.pop("lm_head.weight"), state.get("model.embed_tokens.weight")
+        if embed is not None and not torch.equal(head, embed):
+            raise ValueError(
+                f"{stored_in['lm_head.weight']}: tie_word_embeddings is true but lm_head.weight "
+                "differs from the embedding model.embed_tokens.weight"
+            )
     tied = {"lm_head.weight"} if args.tie_word_embeddings else set()
     expected = set(model.state_dict()) - tied
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)

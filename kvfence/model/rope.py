@@ -30,10 +30,16 @@ class RopeSpec:
     def from_config(cls, cfg: dict[str, Any]) -> RopeSpec:
         # transformers >= 5 writes "rope_parameters" (theta inside); older checkpoints write
         # "rope_theta" plus an optional "rope_scaling" dict whose type key was once "type".
-        raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        params = dict(raw)
-        theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = str(params.pop("rope_type", params.pop("type", "default")))
+        new, old = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+        if new and old and _normalised(new, cfg) != _normalised(old, cfg):
+            # transformers 5 lets rope_scaling win (an operator pasting a model card's
+            # long-context snippet into a v5-saved config); a file that says two things is
+            # ambiguous, so neither is guessed.
+            raise ValueError(
+                f"config.json has both 'rope_parameters' {new} and 'rope_scaling' {old}, "
+                "which disagree; keep one"
+            )
+        theta, rope_type, params = _normalised(new or old or {}, cfg)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -56,6 +62,15 @@ class RopeSpec:
         if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial rotary embeddings are not supported")
         return cls(theta, rope_type, tuple(sorted(params.items())))
+
+
+def _normalised(raw: Any, cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
+    """(theta, rope type, other keys) of one rope dict: theta from the dict or the top-level
+    rope_theta, the type under either spelling."""
+    params = dict(raw)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = str(params.pop("rope_type", params.pop("type", "default")))
+    return theta, rope_type, params
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

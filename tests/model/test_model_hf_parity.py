@@ -9,6 +9,7 @@ share every step.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,91 @@ def test_dynamic_rope_is_served_up_to_max_position_embeddings_and_no_further(
     over = {"model": {"path": str(tmp_path), "context_window": 48}}
     with pytest.raises(ValueError, match="max_position_embeddings 32 with dynamic rope"):
         load_model_info(parse_config(over, environ={}))
+
+
+def _hf_from(directory: Path) -> Any:
+    """transformers' model as it reads ``directory`` (after a test edited its files)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def test_rope_scaling_added_to_a_v5_config_is_refused_unless_it_agrees(tmp_path: Path) -> None:
+    """transformers 5 saves "rope_parameters"; an operator who then adds a model card's
+    "rope_scaling" gets it applied by transformers, which lets rope_scaling win, while kvfence
+    read rope_parameters and served other tokens than HF. Disagreeing dicts are refused; the
+    control, a rope_scaling that says the same as rope_parameters in the old spelling (type,
+    theta from the default), loads and gives HF's tokens."""
+    import json
+
+    make_hf_checkpoint(
+        tmp_path,
+        dict(
+            model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            rope_theta=10000.0, max_position_embeddings=256,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+        ),
+    )  # fmt: skip
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in cfg and "rope_theta" not in cfg  # as transformers 5 saves it
+    snippet = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+    cfg["rope_scaling"] = {**snippet, "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert _hf_from(tmp_path).config.rope_parameters["factor"] == 2.0  # HF applies rope_scaling
+    with pytest.raises(ValueError, match=r"both 'rope_parameters'.*'rope_scaling'.*keep one"):
+        load_model(tmp_path)
+
+    cfg["rope_scaling"] = snippet
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = _hf_from(tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.args.rope.rope_type == "yarn"
+    engine = ColocatedEngine(loaded, page_size=16, num_pages=16)
+    ids = prompt(40, 97, salt=5)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    [out] = engine.generate([GenerationRequest(ids, params)])
+    assert_same(engine, ids, out.token_ids, hf_greedy(hf, ids))
+
+
+def test_a_tied_checkpoint_with_another_lm_head_is_refused(tmp_path: Path) -> None:
+    """tie_word_embeddings true, and the file also holds an lm_head.weight: transformers 5 serves
+    that head when it differs from the embedding, kvfence dropped it and served the embedding.
+    Such a file is ambiguous and refused, naming the file and keys. Control: a stored head equal
+    to the embedding loads, tied, with HF's tokens."""
+    from safetensors.torch import load_file, save_file
+
+    tied = tmp_path / "tied"
+    make_hf_checkpoint(
+        tied,
+        dict(
+            model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+    )  # fmt: skip
+    weights = tied / "model.safetensors"
+    state = load_file(weights)
+    assert "lm_head.weight" not in state  # transformers saves a tied head once
+    embed = state["model.embed_tokens.weight"]
+
+    save_file({**state, "lm_head.weight": embed.clone()}, str(weights), metadata={"format": "pt"})
+    hf = _hf_from(tied)
+    loaded = load_model(tied)
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    engine = ColocatedEngine(loaded, page_size=16, num_pages=16)
+    ids = prompt(20, 97, salt=1)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    [out] = engine.generate([GenerationRequest(ids, params)])
+    assert_same(engine, ids, out.token_ids, hf_greedy(hf, ids))
+
+    other = {**state, "lm_head.weight": torch.randn_like(embed) * 0.3}
+    save_file(other, str(weights), metadata={"format": "pt"})
+    assert not torch.equal(_hf_from(tied).lm_head.weight, embed)  # HF serves the stored head
+    with pytest.raises(
+        ValueError, match=r"tie_word_embeddings is true but lm_head\.weight differs"
+    ):
+        load_model(tied)
+    with pytest.raises(ValueError, match=re.escape(str(weights))):
+        load_model(tied)

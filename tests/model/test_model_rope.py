@@ -81,3 +81,51 @@ def test_llama3_without_its_frequency_factors_is_refused(missing: str) -> None:
     with pytest.raises(ValueError, match=f"llama3' needs '{missing}'"):
         RopeSpec.from_config({**BASE, "rope_scaling": rope})
     RopeSpec.from_config({**BASE, "rope_scaling": LLAMA3})  # control: complete, accepted
+
+
+# A transformers-5-saved config (theta inside rope_parameters, no top-level rope_theta).
+V5 = {k: v for k, v in BASE.items() if k != "rope_theta"}
+V5_YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(
+    "name, rope_scaling",
+    [
+        # an operator pastes a model card's long-context snippet into a v5-saved default config
+        ("another type", {"type": "linear", "factor": 4.0}),
+        ("another factor", {"type": "yarn", "factor": 2.0}),
+        # transformers takes theta from rope_scaling, else the top level, else 10000
+        ("another theta", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0}),
+        ("an extra key", {"type": "yarn", "factor": 4.0, "beta_fast": 16}),
+    ],
+)  # fmt: skip
+def test_rope_parameters_and_rope_scaling_that_disagree_are_refused(
+    name: str, rope_scaling: dict
+) -> None:
+    """transformers 5 lets rope_scaling win over rope_parameters; kvfence read rope_parameters
+    first and served another rotation than HF, silently. Two rope dicts that say different
+    things are refused now, naming both."""
+    cfg = {**V5, "rope_parameters": V5_YARN, "rope_scaling": rope_scaling}
+    with pytest.raises(ValueError, match=r"both 'rope_parameters'.*'rope_scaling'.*keep one"):
+        RopeSpec.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "name, cfg",
+    [
+        # the old type spelling and a theta folded in from the default
+        ("type spelling, default theta", {**V5, "rope_scaling": {"type": "yarn", "factor": 4}}),
+        ("same dict", {**V5, "rope_scaling": dict(V5_YARN)}),
+        # theta from the top level on the rope_scaling side
+        ("top-level theta", {
+            **V5, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        }),
+        # an empty dict is no rope dict (as transformers: `rope_scaling or rope_parameters`)
+        ("empty rope_scaling", {**V5, "rope_scaling": {}}),
+    ],
+)  # fmt: skip
+def test_rope_parameters_and_rope_scaling_that_agree_load_as_either(name: str, cfg: dict) -> None:
+    """The control: both keys present and saying the same thing once normalised."""
+    alone = RopeSpec.from_config({**V5, "rope_parameters": V5_YARN})
+    assert RopeSpec.from_config({**cfg, "rope_parameters": V5_YARN}) == alone, name
+    assert alone.rope_type == "yarn" and alone.theta == 10000.0 and alone.get("factor") == 4.0
