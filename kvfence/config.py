@@ -7,7 +7,10 @@ addresses, paths, roles) takes the value exactly as written (``KVFENCE__NODE__NO
 the string "0123"); where the field may be unset, ``null`` or ``~`` unsets it. Every other value is
 parsed as YAML (numbers, booleans, ``null``, a flow mapping for a whole section). A malformed name,
 or two variables that set the same field or a field and the section holding it, is a ConfigError
-that names the variables.
+that names the variables. An invalid value that came from the environment is reported with the
+variables behind it, "(from KVFENCE__...)": the one that set the field or the section holding it,
+and, for an error about a whole section (its cross-field checks, or a section name that does not
+exist), every variable that set something in that section.
 
 A bad value raises :class:`ConfigError` whose message names the field and the rule it broke.
 """
@@ -255,8 +258,10 @@ class ControlPlaneConfig(_Strict):
     address: str = ""
     state_dir: Path = Path(".kvfence")
     admission_queue: int = Field(default=256, ge=1)
-    # Places of the admission queue one tenant may hold (at most admission_queue): so that one
-    # tenant cannot lock the others out of it.
+    # Places of the admission queue one tenant may hold: so that one tenant cannot lock the others
+    # out of it. At most admission_queue: a larger value given is refused (it would be cut to
+    # admission_queue, and the operator believe in a bound that is not there); left unset, the
+    # default 64 is cut to admission_queue where that is lowered (as tests and small stacks do).
     admission_queue_per_tenant: int = Field(default=64, ge=1)
     default_deadline_s: float = Field(default=120.0, gt=0, le=MAX_DEADLINE_S)
     # The longest deadline a client may ask (its gRPC timeout is cut to this): a request holds
@@ -326,6 +331,48 @@ class ControlPlaneConfig(_Strict):
                 f"max_deadline_s ({self.max_deadline_s:g})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _admin_listener_of_its_own(self) -> ControlPlaneConfig:
+        """The two listeners cannot share a port (kvfence binds without SO_REUSEPORT): refused
+        here, so that ``check-config --static`` (the chart's pre-install hook) says so rather
+        than the control plane failing to bind at start."""
+        if _same_listener(self.listen, self.admin_listen):
+            raise ValueError(
+                f"admin_listen ({self.admin_listen}) and listen ({self.listen}) take the same "
+                "port: the admin API needs a listener of its own, give it another port"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tenant_share_within_queue(self) -> ControlPlaneConfig:
+        if (
+            "admission_queue_per_tenant" in self.model_fields_set
+            and self.admission_queue_per_tenant > self.admission_queue
+        ):
+            raise ValueError(
+                f"admission_queue_per_tenant ({self.admission_queue_per_tenant}) must not exceed "
+                f"admission_queue ({self.admission_queue}): one tenant's share of the queue "
+                "cannot be larger than the queue"
+            )
+        return self
+
+
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "[::]"})
+
+
+def _same_listener(a: str, b: str) -> bool:
+    """Whether binding ``a`` and then ``b`` (host:port) would collide: the same port, not 0 (a
+    port of the system's choosing), on the same host or where either is a wildcard address,
+    which takes the port on every interface."""
+    if ":" not in a or ":" not in b:
+        return False  # not host:port: binding it fails, naming it, at start
+    host_a, port_a = a.strip().rsplit(":", 1)
+    host_b, port_b = b.strip().rsplit(":", 1)
+    if port_a != port_b or port_a.lstrip("0") == "":
+        return False
+    host_a, host_b = host_a.lower(), host_b.lower()
+    return host_a == host_b or host_a in _WILDCARD_HOSTS or host_b in _WILDCARD_HOSTS
 
 
 class EventsConfig(_Strict):
@@ -450,6 +497,26 @@ class ClusterConfig(_Strict):
     control_plane: ControlPlaneConfig = ControlPlaneConfig()
     events: EventsConfig = EventsConfig()
     tls: TlsConfig = TlsConfig()
+
+    @model_validator(mode="after")
+    def _public_tls_together(self) -> ClusterConfig:
+        """tls.public_cert and tls.public_key: both or neither, refused at load (so by
+        ``check-config --static``) rather than when the control plane builds its credentials
+        (kvfence.tls.public_server_credentials, which checks it again for a TlsConfig built
+        without this). On ClusterConfig, as the next check, so that a TlsConfig can still be
+        built with a partial set (tests of those credential checks do)."""
+        t = self.tls
+        if (t.public_cert is None) != (t.public_key is None):
+            have, missing = (
+                ("tls.public_cert", "tls.public_key")
+                if t.public_key is None
+                else ("tls.public_key", "tls.public_cert")
+            )
+            raise ValueError(
+                f"{have} is set but {missing} is not: give both (TLS on the public endpoint), "
+                "or neither (plaintext)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _registry_not_in_clear(self) -> ClusterConfig:
@@ -609,9 +676,11 @@ def _describe(err: ValidationError, sources: EnvSources) -> str:
             continue
         line = f"{'.'.join(loc)}: {e['msg']}"
         line += f" (got {json.dumps(e.get('input'), default=str)[:80]})"
-        # the variable that set this field or the section holding it
-        source = next((k for p, k in sources.items() if loc[: len(p)] == p), None)
-        lines.append(line if source is None else f"{line} (from {source})")
+        # the variable that set this field or the section holding it, or, for an error about a
+        # whole section (its validators, or a section name that does not exist), every variable
+        # that set something in it: the error is there because of them
+        named = [k for p, k in sources.items() if loc[: len(p)] == p or p[: len(loc)] == loc]
+        lines.append(line if not named else f"{line} (from {', '.join(named)})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

@@ -2,10 +2,11 @@
 scripts that need the real thing (separate processes, real gRPC and UCX).
 
 ``LocalStack`` starts ``python -m kvfence up`` on free ports with its own state directory, waits for
-``up.json``, and offers clients for tenants, the admin API and each node's Stats (called with the
-cluster node token, as the nodes require). ``stop()`` sends
-SIGTERM, waits, and kills whatever is left, the services included, so a failed run leaves no
-process behind. (``psutil`` comes with the ``test`` extra; it is imported only when a stack starts.)
+``up.json`` (one left there by an earlier run is removed first), and offers clients for tenants,
+the admin API and each node's Stats (called with the cluster node token, as the nodes require).
+``stop()`` sends SIGTERM, waits, and kills whatever is left, the services included, so a failed
+run leaves no process behind. (``psutil`` comes with the ``test`` extra; it is imported only when
+a stack starts.)
 """
 
 from __future__ import annotations
@@ -92,9 +93,13 @@ class LocalStack:
             "UCX_WARN_UNUSED_ENV_VARS": "n",
             **self.env,
         }
+        up_json = self.state_dir / "up.json"
+        # One left by an earlier stack in this directory (killed before `up` could remove it)
+        # would be read at once as this run's, its ports and token those of a dead stack: `up`
+        # removes it too, but only once it runs, after this loop may already have looked.
+        up_json.unlink(missing_ok=True)
         self._log = (self.state_dir / "up.out").open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        up_json = self.state_dir / "up.json"
         deadline = time.monotonic() + timeout
         while not up_json.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

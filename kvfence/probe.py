@@ -28,7 +28,8 @@ itself), or as a failure with ``fail_on_divergence`` (``--fail-on-divergence``: 
 whose outputs do not depend on the batch, where it is the likeliest sign of a leak that copies
 nothing verbatim). ``ProbeReport.exit_code`` is 0 when clean, 1 on a leak, an over-length
 acceptance or (so asked) a divergence, 2 when the probe could not run or verified nothing (no
-canary request succeeded, or no B probe ran while A's requests were in flight).
+canary request succeeded, or no B probe succeeded while A's requests were in flight: a probe that
+failed while they were in flight verified nothing).
 
 Canary ids are drawn from ``[id_low, id_high)`` (default ``[3, 250)``: past the usual specials and
 inside any vocabulary worth serving); everything random comes from one seedable generator.
@@ -286,6 +287,9 @@ class ProbeReport:
     probe_errors: dict[str, int] = field(default_factory=dict)  # status name -> count
     probes_under_load_ok: int = 0
     probes_overlapping_load: int = 0  # B probes that ran while A requests were in flight
+    # ... and of those, the ones that succeeded: only these verify the live-sharing case (a
+    # probe refused while A's load ran got no pages to read A's data from); the verdict uses these
+    probes_overlapping_load_ok: int = 0
     under_load_rounds: int = 0
     compared: int = 0
     diverged: int = 0
@@ -303,12 +307,14 @@ class ProbeReport:
 
     @property
     def inconclusive(self) -> bool:
-        """Nothing was verified: no canary load landed, no B probe ran against it, or none ran
-        while A's requests were in flight (the case of the incident: pages shared live)."""
+        """Nothing was verified: no canary load landed, no B probe ran against it, or none
+        succeeded while A's requests were in flight (the case of the incident: pages shared
+        live). Probes that overlapped A's load but failed do not count: e.g. a deployment that
+        refuses B whenever A is busy would otherwise pass on probes that ran only after A."""
         return (
             self.canary_ok == 0
             or self.probes_under_load_ok == 0
-            or self.probes_overlapping_load == 0
+            or self.probes_overlapping_load_ok == 0
         )
 
     @property
@@ -644,6 +650,7 @@ class IsolationProbe:
             if overlapped and phase == PHASE_UNDER_LOAD:
                 with self._lock:
                     self.report.probes_overlapping_load += 1
+                    self.report.probes_overlapping_load_ok += outcome.error is None
             self._record_b(outcome)
             self._scan(phase, probe.name, outcome)
             self._compare(phase, probe, baseline[probe.name], outcome)
@@ -823,7 +830,12 @@ class IsolationProbe:
                 f"no tenant A canary request succeeded ({rep.canary_busy} busy, "
                 f"{rep.canary_errors} failed): isolation not verified"
             )
-        if rep.canary_ok and rep.probes_under_load_ok and not rep.probes_overlapping_load:
+        if rep.canary_ok and rep.probes_overlapping_load and not rep.probes_overlapping_load_ok:
+            rep.warnings.append(
+                f"all {rep.probes_overlapping_load} tenant B probes that ran while tenant A's "
+                "requests were in flight failed (see probe_errors): inconclusive"
+            )
+        elif rep.canary_ok and rep.probes_under_load_ok and not rep.probes_overlapping_load:
             rep.warnings.append(
                 "tenant A's load ended before tenant B's probes ran (only the after-load check "
                 "saw A's data in freed pages): inconclusive; raise --requests"
