@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import kvfence.probe as probe_mod
+from kvfence.cli.probe import _print_report
 from kvfence.client import ModelSummary
 from kvfence.errors import InvalidArgument, Unavailable
 from kvfence.probe import ProbeOptions, ProbeReport, run_isolation_probe
@@ -149,8 +150,19 @@ def _run(monkeypatch: pytest.MonkeyPatch, *, b_fails_while_a_busy: bool) -> Prob
     return report
 
 
+def _table(
+    report: ProbeReport, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """What ``kvfence probe isolation`` prints for the report (its table), wide enough that no
+    cell wraps."""
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "400")
+    _print_report(report)
+    return capsys.readouterr().out
+
+
 def test_probes_that_failed_while_a_was_busy_verify_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     report = _run(monkeypatch, b_fails_while_a_busy=True)
     assert report.verdict == "INCONCLUSIVE" and report.exit_code == 2
@@ -161,16 +173,18 @@ def test_probes_that_failed_while_a_was_busy_verify_nothing(
     assert report.probes_overlapping_load_ok == 0
     assert any("were in flight failed" in w for w in report.warnings)
     assert report.to_dict()["probes_overlapping_load_ok"] == 0
+    assert "(1 overlapped A's requests, 0 of them ok)" in _table(report, capsys, monkeypatch)
 
 
 def test_control_probes_that_succeeded_while_a_was_busy_pass(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     report = _run(monkeypatch, b_fails_while_a_busy=False)
     assert report.probes_overlapping_load_ok == 1
     assert report.probe_errors == {}
     assert report.warnings == []
     assert report.verdict == "PASS" and report.exit_code == 0
+    assert "(1 overlapped A's requests, 1 of them ok)" in _table(report, capsys, monkeypatch)
 
 
 def test_report_needs_an_overlapping_probe_that_succeeded() -> None:

@@ -159,7 +159,8 @@ def _print_report(report: ProbeReport) -> None:
         "tenant B probes",
         True if report.probes_under_load_ok else None,
         f"{report.probe_ok}/{report.probe_requests} ok, rounds under load: "
-        f"{report.under_load_rounds} ({report.probes_overlapping_load} overlapped A's requests), "
+        f"{report.under_load_rounds} ({report.probes_overlapping_load} overlapped A's requests, "
+        f"{report.probes_overlapping_load_ok} of them ok), "
         f"{report.probe_busy} busy, {errors}",
     )
     leak_detail = "no canary n-gram or marker in tenant B's output"
