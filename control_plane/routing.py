@@ -46,6 +46,7 @@ from kvfence.auth import with_token
 from kvfence.config import pages_needed
 from kvfence.errors import (
     NODE_DRAINING,
+    NODE_RESTARTED,
     RESERVATION_RELEASED,
     KvfenceError,
     Unavailable,
@@ -217,6 +218,7 @@ _TRANSFER_TO_DECODE = frozenset({"TRANSFER_FAILED", "UNREACHABLE"})
 # every request sent to it the whole transfer timeout, and looked the best node all the while.
 # The request's own deadline is not a node's fault: it carries no such reason.
 _TRANSFER_TIMEOUT = "TIMEOUT"
+_NOT_A_FAULT = frozenset({RESERVATION_RELEASED, NODE_RESTARTED})
 
 
 def node_failed(
@@ -231,8 +233,10 @@ def node_failed(
         and node.role == PREFILL
         and failure.reason == _TRANSFER_TIMEOUT
     )
-    # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node.
-    if timed_out or (err.code() in _NODE_FAULTS and failure.reason != RESERVATION_RELEASED):
+    # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node;
+    # NODE_RESTARTED is decode's previous process gone (the new one serves): neither node is
+    # broken now.
+    if timed_out or (err.code() in _NODE_FAULTS and failure.reason not in _NOT_A_FAULT):
         _count_failure(registry, node, failure.reason)
         if decode is not None and (timed_out or failure.reason in _TRANSFER_TO_DECODE):
             _count_failure(registry, decode, failure.reason)

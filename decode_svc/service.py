@@ -54,6 +54,16 @@ has closed, one more event of that kind says how many were held back (``suppress
 a ``transfer_failed`` one only the events count. A late hello (``RESERVATION_RELEASED``: for a
 reservation this node issued and has released) is not bounded: it needs a real reservation id,
 and says the system is slow.
+
+Reservation ids are ``<instance>.<uuid4 hex>``, the instance (8 hex digits) drawn once per
+process (``KvReceiver.new_reservation_id``). A hello for a reservation of this node's previous
+process (its container restarted in place, at the same UCX address) names another instance's
+id: refused ``NODE_RESTARTED``, a ``transfer_failed`` event and no integrity count, and prefill
+fails the call UNAVAILABLE: the node lost the request, and a retry reserves anew. A ``Decode``
+naming such a reservation is UNAVAILABLE ``NODE_RESTARTED`` too, with no manifest check. An id of
+this process that it does not know, or one of any other shape, is still an
+``UNKNOWN_RESERVATION`` integrity violation (kvfence/transfer.py). Both events are bounded as
+above: neither needs a real reservation id.
 """
 
 from __future__ import annotations
@@ -62,7 +72,6 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,6 +85,7 @@ from kvfence import manifest as mf
 from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
     NODE_DRAINING,
+    NODE_RESTARTED,
     RESERVATION_RELEASED,
     Cancelled,
     IntegrityError,
@@ -347,7 +357,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise InvalidArgument("request already holds a reservation on this node")
         page_size = self.pool.page_size
         n = pages_needed(req.prompt_tokens + req.max_new_tokens, page_size)
-        rid = uuid.uuid4().hex
+        # "<instance>.<uuid4 hex>": a transfer for a reservation made before this process
+        # restarted is told from a forged id by the instance (module docstring).
+        rid = self.receiver.new_reservation_id()
         try:
             refs = self.pool.allocate(n, rid)
         except ValueError:
@@ -395,6 +407,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         once the manifest verified) raise InvalidArgument and leave the reservation as it was."""
         if res is None and self.receiver.released(request.reservation_id):
             raise self._released_before_decode(request.reservation_id)
+        if res is None and self.receiver.restarted(request.reservation_id):
+            # Reserved on this node's previous process (restarted in place since): lost with it,
+            # nothing read or forged, so no integrity failure (as for its transfer's hello).
+            raise Unavailable(
+                f"reservation {request.reservation_id} was made by this node's previous process; "
+                "the node restarted since",
+                reason=NODE_RESTARTED,
+            )
         if res is not None and (res.request_id, res.tenant_id) != (
             request.request_id,
             request.tenant_id,

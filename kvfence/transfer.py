@@ -68,6 +68,21 @@ not answer the hello (nothing of this transfer was sent but the hello), on a war
 the hello itself never left (its send failed), since pages went out right behind it. A refusal,
 a timeout or any later failure is final.
 
+Reservation ids and a restarted decode. Decode issues ids ``<instance>.<uuid4 hex>``
+(``KvReceiver.new_reservation_id``; :func:`reservation_instance` reads the instance), the
+instance 8 hex digits drawn once per receiver, i.e. per decode process. A decode container
+restarted in its pod listens at the same UCX address, so a transfer for a reservation of the
+previous process reaches the new one, its hello naming an id of another instance: decode refuses
+it ``NODE_RESTARTED`` and reports a ``transfer_failed`` with that reason (no integrity
+violation, no count), and prefill fails the call UNAVAILABLE, as for ``RESERVATION_RELEASED``:
+the node lost the request (DESIGN.md), and a retry reserves anew. An unknown id of this
+process's own instance, or of any other shape, stays ``UNKNOWN_RESERVATION``, an integrity
+violation (DATA_LOSS). No hello for an unknown id can be authenticated (the secret was the lost
+process's), so a peer on the UCX port can pick which of the two it causes: both are hello events
+bounded alike (decode_svc), and both drain at most ``UNKNOWN_RESERVATION_STRAYS`` stray pages. A
+restarted process that drew its predecessor's instance (one chance in 2**32) sees that
+predecessor's ids as its own: ``UNKNOWN_RESERVATION``.
+
 The receiver decides where bytes land: a sender names only an index into *its* reservation's prompt
 pages, so a sender bug can at worst leave a reserved page unwritten or wrongly written — which the
 manifest's coverage and checksum checks catch. Every posted receive is counted as an outstanding
@@ -76,10 +91,11 @@ receives, and only when they have settled are the operations ended (a released p
 QUARANTINED until then).
 
 Exposure of decode's listener. Whoever reaches the UCX port can connect and say a hello; a wrong
-one is refused (an integrity violation), but until it is verified a connection costs decode a
-task, an endpoint and its buffers. So a connection waits for its first hello at most
-``batch_timeout_s`` (then BAD_HELLO), lingers after refusing it at most that long again, and
-decode serves at most ``max_unverified`` (``transfer.max_unverified_connections``) connections
+one is refused (an integrity violation, or ``NODE_RESTARTED`` as above), but until it is
+verified a connection costs decode a task, an endpoint and its buffers. So a connection waits
+for its first hello at most ``batch_timeout_s`` (then BAD_HELLO), lingers after refusing it at
+most that long again, and decode serves at most ``max_unverified``
+(``transfer.max_unverified_connections``) connections
 at once whose first hello is not verified yet: one beyond it is aborted at once, before anything
 is read from it, counted per reason (``KvReceiver.rejected``, and the decode node's
 ``kvfence_transfer_connections_rejected_total{reason="unverified_limit"}``) and logged at
@@ -123,9 +139,12 @@ import hmac
 import itertools
 import json
 import os
+import re
+import secrets
 import struct
 import sys
 import time
+import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -136,7 +155,7 @@ import numpy as np
 import torch
 
 from kvfence import logging as kvlog
-from kvfence.errors import RESERVATION_RELEASED
+from kvfence.errors import NODE_RESTARTED, RESERVATION_RELEASED
 from kvfence.kv.pool import PagePool, PageRef, PageState, ucx_bytes
 
 LEN_TAG = 1
@@ -170,6 +189,18 @@ RELEASED_REMEMBERED = 8192
 # drained whole; of a longer one the rest stays in UCX, a leak bounded by how rare such a
 # sender is.
 UNKNOWN_RESERVATION_STRAYS = 16
+
+# A reservation id is "<instance>.<uuid4 hex>" (``KvReceiver.new_reservation_id``); the instance
+# is random per receiver, i.e. per decode process, so a hello naming an id of another instance is
+# for a reservation of the process that served this address before a restart.
+_RESERVATION_ID = re.compile(r"([0-9a-f]{8})\.[0-9a-f]{32}")  # instance: 4 random bytes
+
+
+def reservation_instance(reservation_id: str) -> str | None:
+    """The instance part of a well-formed reservation id, None for any other string."""
+    m = _RESERVATION_ID.fullmatch(reservation_id)
+    return m.group(1) if m else None
+
 
 # Decode logs connections it closed unserved (KvReceiver._reject) at most once per this many
 # seconds: a flood must not become a flood of log lines.
@@ -478,9 +509,13 @@ class KvReceiver:
         # Reservations this node issued and has since released (bounded, oldest dropped): a hello
         # for one of them is a transfer that came too late (the reservation expired or the
         # request was aborted), not a forged reservation id, and must not raise a security
-        # alarm. An id never issued here is still UNKNOWN_RESERVATION. Each id maps to how many
-        # prompt pages the reservation had: a late hello's stray pages are drained up to that.
+        # alarm. An id never issued here is still UNKNOWN_RESERVATION (one of another instance:
+        # NODE_RESTARTED, ``restarted``). Each id maps to how many prompt pages the reservation
+        # had: a late hello's stray pages are drained up to that.
         self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # This process's part of every reservation id it issues (``new_reservation_id``): an
+        # unknown id with another instance's part is a restart's lost reservation, not a forgery.
+        self.instance = secrets.token_hex(4)
         self._listener: Any = None
         self._stopped = False  # stop() began: a connection that reaches us now is not served
         self._handlers: set[asyncio.Task[None]] = set()
@@ -596,6 +631,17 @@ class KvReceiver:
             with contextlib.suppress(Exception):
                 t.ep.abort()
         return t
+
+    def new_reservation_id(self) -> str:
+        """A fresh reservation id: this receiver's instance, a dot, a uuid4 in hex."""
+        return f"{self.instance}.{uuid.uuid4().hex}"
+
+    def restarted(self, reservation_id: str) -> bool:
+        """Whether ``reservation_id`` has the shape of an id another receiver issued (another
+        decode process at this address, before a restart); ids of this one, and ids of any other
+        shape, do not."""
+        instance = reservation_instance(reservation_id)
+        return instance is not None and instance != self.instance
 
     def released(self, reservation_id: str) -> bool:
         """Whether ``reservation_id`` is one this receiver expected and has forgotten since
@@ -721,7 +767,14 @@ class KvReceiver:
         auth = str(hello.get("auth", ""))
         problem = None
         if t is None:
-            problem = RESERVATION_RELEASED if self.released(rid) else "UNKNOWN_RESERVATION"
+            if self.released(rid):
+                problem = RESERVATION_RELEASED
+            elif self.restarted(rid):
+                # Reserved on this node's previous process (a container restarted in place): the
+                # node lost the request, which DESIGN.md makes UNAVAILABLE, not a security event.
+                problem = NODE_RESTARTED
+            else:
+                problem = "UNKNOWN_RESERVATION"
         elif not hmac.compare_digest(
             # As bytes: compare_digest raises on a non-ASCII str, which skipped the report below.
             authenticator(t.secret, rid).encode(),
@@ -733,17 +786,18 @@ class KvReceiver:
         # A prefill that says v >= 4 takes an answer as one frame.
         frame = PROTOCOL_VERSION >= WARM_VERSION and _version(hello) >= WARM_VERSION
         if problem is not None:
-            # A late transfer is a failed one; anything else is a wrong hello.
+            # A late transfer, or one for a restarted process, is a failed one; anything else is
+            # a wrong hello.
             kind, field = (
                 ("transfer_failed", "reason")
-                if problem == RESERVATION_RELEASED
+                if problem in (RESERVATION_RELEASED, NODE_RESTARTED)
                 else ("integrity_violation", "check")
             )
             self.report(kind, {field: problem, "reservation_id": rid[:64], "stage": "ucx_hello"})
             if PROTOCOL_VERSION >= WARM_VERSION:
                 # Drain at most what decode itself reserved, never what the (unverified) sender
                 # says: a known transfer's pages, a released one's remembered count, or for an
-                # id never issued here (or forgotten) a small constant.
+                # id never issued here (or forgotten, or issued before a restart) a small constant.
                 if t is not None:
                     cap = len(t.pages)
                 elif problem == RESERVATION_RELEASED:

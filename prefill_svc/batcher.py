@@ -21,6 +21,7 @@ itself so that only the one at fault fails.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -85,14 +86,23 @@ class PrefillBatcher:
                 self._thread.submit(self._drain)
         return prompt.future
 
-    def close(self) -> None:
-        """Cancel what has not started, wait for the pass that has."""
+    def close(self, wait: bool = True) -> None:
+        """Cancel what has not started; with ``wait``, block until the pass that has is over.
+        From a coroutine use :meth:`aclose`: a pass can take seconds, the event loop must not
+        stop for it."""
         with self._lock:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
         for prompt in waiting:
             prompt.future.cancel()
-        self._thread.shutdown(wait=True)
+        self._thread.shutdown(wait=wait)
+
+    async def aclose(self) -> None:
+        """:meth:`close` for the event loop: nothing is queued or started from the moment it is
+        called (as ``close``), and it returns once the running pass is over, waiting for it on
+        an executor thread so the loop serves everything else meanwhile."""
+        self.close(wait=False)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.shutdown, True)
 
     # ---- the engine thread -------------------------------------------------------------------
     def _take(self) -> list[_Prompt]:
@@ -164,5 +174,13 @@ class PrefillBatcher:
                 last_pages.append(prompt.refs[-1].page_id)
         if last_pages:
             # The last page's unused slots would otherwise carry whatever the page held before.
-            kernels.scrub_pages(self.pool.kv, torch.tensor(last_pages), torch.tensor(tails))
+            # On the pool's device, as kernels.page_checksums puts them: the kernel refuses ids on
+            # another one, so on a CUDA pool CPU ids would fail every prompt whose last page is
+            # partly filled.
+            device = self.pool.kv.device
+            kernels.scrub_pages(
+                self.pool.kv,
+                torch.tensor(last_pages, dtype=torch.int64, device=device),
+                torch.tensor(tails, dtype=torch.int64, device=device),
+            )
         return firsts

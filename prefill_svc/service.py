@@ -15,12 +15,15 @@ engine thread; a call cancelled, or a request released, while its prompt waits f
 it (a released one's call fails UNAVAILABLE, RESERVATION_RELEASED); once the pass has started
 neither can stop it) and this call's checksums and UCX send each count as an outstanding
 operation on the pages, so a ``Release`` (or a cancel, or a failure) in the middle leaves them
-QUARANTINED until both have ended (``PagePool.begin_ops``). A call releases only the pages it
-allocated itself: a duplicate ``Prefill`` for a request already here is refused
-without touching the first one's pages. Bad input (a token outside the vocabulary, a sampled
-request without a seed) is INVALID_ARGUMENT, found before any page is taken. Every RPC needs the
-cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED and runs or
-releases nothing.
+QUARANTINED until both have ended (``PagePool.begin_ops``). A ``Release`` once the pass is over
+ends the call UNAVAILABLE, RESERVATION_RELEASED, with no manifest: during the UCX send it cancels
+the send (which settles every posted UCX operation before it ends, the pages QUARANTINED until
+then), and one that lands as the send ends is seen before the manifest is returned. A call
+releases only the pages it allocated itself: a duplicate ``Prefill`` for a request already here
+is refused without touching the first one's pages. Bad input (a token outside the vocabulary, a
+sampled request without a seed) is INVALID_ARGUMENT, found before any page is taken. Every RPC
+needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED and runs
+or releases nothing.
 
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Prefill`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, before any page is taken (the control plane tries another prefill node);
@@ -81,6 +84,8 @@ class Held:
     # Its prompt's place in the engine thread's queue (PrefillBatcher.submit): a release cancels
     # it, which takes effect only while the pass has not started.
     job: Future[int] | None = None
+    # Its UCX send, once started: a release cancels it (the call then fails RESERVATION_RELEASED).
+    send: asyncio.Task[int] | None = None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -125,7 +130,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self.endpoints.close()
         for request_id in list(self.held):
             self._release(request_id)
-        self.batcher.close()
+        # Returns once the running forward pass is over (its pages' operations ended), as before,
+        # but waits for it off the event loop: a pass takes seconds, and stop's later steps (and
+        # every other task of the process) must not freeze behind it.
+        await self.batcher.aclose()
 
     def busy(self) -> bool:
         """Whether the node still holds work (a draining node waits for this to be False)."""
@@ -288,9 +296,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if fault.kind == "wrong_mac":
                 secret = os.urandom(32)
         mf.sign(m, secret)
-        sent = await self._send(req, outbound, fault)
+        sent = await self._send_unless_released(req, outbound, fault)
         if fault is not None and fault.kind == "replay":
-            await self._send(req, outbound, None)
+            await self._send_unless_released(req, outbound, None)
         self.metrics.requests_total.labels(status="OK").inc()
         return prefill_pb2.PrefillResponse(manifest=m, pages_sent=len(outbound), bytes_sent=sent)
 
@@ -323,6 +331,41 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             pages=pages,
             checksum_algo=kernels.CHECKSUM_ALGO,
         )
+
+    async def _send_unless_released(
+        self, req: prefill_pb2.PrefillRequest, outbound: list[OutboundPage], fault: Fault | None
+    ) -> int:
+        """``_send`` as a task a ``Release`` can cancel (``_release``). Released during the send
+        or as it ended, the call fails UNAVAILABLE, RESERVATION_RELEASED, and returns no manifest:
+        the control plane dropped the request, and a manifest would have it decode pages that
+        prefill no longer holds. A cancelled send settles every UCX operation before it ends
+        (``send_pages``), so the pages stay QUARANTINED until then (the call's operation)."""
+        held = self.held.get(req.request_id)
+        if held is None:  # released before the send began: nothing to send for
+            raise Unavailable("released before the KV transfer", reason=RESERVATION_RELEASED)
+        send = asyncio.ensure_future(self._send(req, outbound, fault))
+        held.send = send
+        try:
+            sent = await send
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if send.cancelled() and (task is None or task.cancelling() == 0):
+                # Not this call's cancel (which cancels the send too, then re-raises here): a
+                # release cancelled the send.
+                log.info(
+                    "released during the KV transfer", decode_node=req.reservation.decode_node_id
+                )
+                raise Unavailable(
+                    "released during the KV transfer", reason=RESERVATION_RELEASED
+                ) from None
+            raise
+        finally:
+            if held.send is send:
+                held.send = None
+        if self.held.get(req.request_id) is not held:
+            # Released after the send's last answer, before this call resumed.
+            raise Unavailable("released during the KV transfer", reason=RESERVATION_RELEASED)
+        return sent
 
     async def _send(
         self, req: prefill_pb2.PrefillRequest, outbound: list[OutboundPage], fault: Fault | None
@@ -414,6 +457,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # live ones behind them would wait for those passes too). Once its pass has started
             # this does nothing, and the call fails after it (RESERVATION_RELEASED).
             held.job.cancel()
+        if held.send is not None:
+            # Its UCX send stops (every posted operation settled first, the pages QUARANTINED
+            # until then) and the call fails RESERVATION_RELEASED: a manifest must not come out
+            # of a call whose request was dropped (``_send_unless_released``).
+            held.send.cancel()
         self.pool.release(request_id, scrub=held.scrub)
         self._publish_pages()
         return True
@@ -434,7 +482,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
 def transfer_status(err: TransferError) -> KvfenceError:
     """DATA_LOSS when decode saw wrong bytes or protocol, DEADLINE_EXCEEDED on a timeout, else
-    UNAVAILABLE (decode unreachable or lost mid-transfer)."""
+    UNAVAILABLE (decode unreachable or lost mid-transfer; decode refusing a late transfer,
+    RESERVATION_RELEASED, or one for a reservation of its process before a restart,
+    NODE_RESTARTED: a retry reserves anew)."""
     message = f"KV transfer to decode failed: {err}"
     if err.reason in INTEGRITY_REASONS:
         return IntegrityError(message, reason=err.reason)

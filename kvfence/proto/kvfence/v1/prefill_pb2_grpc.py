@@ -63,7 +63,9 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drops everything held for a request (source pages, in-flight transfer). Idempotent.
+        """Drops everything held for a request (source pages, in-flight transfer). Idempotent. A Prefill
+        call for it that is still running fails UNAVAILABLE, reason RESERVATION_RELEASED, with no
+        manifest (its transfer is stopped).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
