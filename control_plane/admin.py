@@ -1,7 +1,9 @@
 """The operator API (``Admin``), on its own listener, behind the admin token.
 
 The token comes from ``control_plane.admin_token_file`` when set; otherwise it is generated at the
-first start and kept in ``<state_dir>/admin_token`` (mode 0600), so restarts keep it.
+first start and kept in ``<state_dir>/admin_token`` (mode 0600), so restarts keep it. Every call
+refused for its credential (none, a wrong one, a tenant API key) is counted in
+``kvfence_auth_failures_total{listener="admin"}`` and logged throttled, without the credential.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _admin_only(method: Handler[R]) -> Handler[R]:
     @functools.wraps(method)
     async def wrapper(self: AdminServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
         try:
-            self.authorize(context)
+            self.authorize(context, method.__name__)
             return await method(self, request, context)
         except KvfenceError as err:
             await abort(context, err)
@@ -103,15 +105,33 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
         self.clamp_context = clamp_context
         self._on_access_change = on_access_change
 
-    def authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Raise unless the call carries the admin token. A refusal is counted in
+        ``auth_failures_total{listener="admin"}`` and logged without the token, throttled
+        (``Metrics.credential_refused``): a guessing loop on the admin port is seen."""
         token = bearer_token(context)
+        err: KvfenceError
         if token is None:
-            raise Unauthenticated("missing admin token ('authorization: Bearer <token>' metadata)")
-        if hmac.compare_digest(token.encode(), self._token.encode()):
+            err = Unauthenticated("missing admin token ('authorization: Bearer <token>' metadata)")
+            reason = "no admin token"
+        elif hmac.compare_digest(token.encode(), self._token.encode()):
             return
-        if self.tenants.authenticate(token) is not None:
-            raise PermissionDenied("a tenant API key cannot use the admin API")
-        raise Unauthenticated("the admin token is not valid")
+        elif self.tenants.authenticate(token) is not None:
+            # A live tenant key: its holder is a customer (or has one's key) probing the
+            # operator API, worth an operator's notice as much as a wrong token.
+            err = PermissionDenied("a tenant API key cannot use the admin API")
+            reason = "a tenant API key"
+        else:
+            err = Unauthenticated("the admin token is not valid")
+            reason = "wrong admin token"
+        self.d.metrics.credential_refused(
+            listener="admin",
+            method=method,
+            status=err.code.name,
+            reason=reason,
+            peer=context.peer(),
+        )
+        raise err
 
     # -- tenants -----------------------------------------------------------------------------------
 

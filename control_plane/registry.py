@@ -40,6 +40,7 @@ from kvfence import PROTOCOL_VERSION, __version__
 from kvfence.auth import token_matches
 from kvfence.errors import Unauthenticated
 from kvfence.logging import get_logger
+from kvfence.metrics import Metrics
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
 from kvfence.server import abort, bearer_token
 
@@ -355,26 +356,42 @@ class Registry:
 
 
 class NodeRegistryServicer(control_pb2_grpc.NodeRegistryServicer):
-    """gRPC face of :class:`Registry`."""
+    """gRPC face of :class:`Registry`.
 
-    def __init__(self, registry: Registry, node_token: str):
+    A Register or Heartbeat without the cluster node token is refused UNAUTHENTICATED before it
+    touches the registry, counted in ``metrics``' ``auth_failures_total{listener="public"}`` and
+    logged without the token, throttled (``Metrics.credential_refused``)."""
+
+    def __init__(self, registry: Registry, node_token: str, metrics: Metrics):
+        """``metrics``: the control plane's, where refusals are counted."""
         self.registry = registry
         self.node_token = node_token
+        self.metrics = metrics
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
         # Only holders of the cluster's node token may join: a registered decode node is sent
         # tenants' KV.
-        if not token_matches(bearer_token(context), self.node_token):
-            await abort(context, Unauthenticated("node registration needs the cluster node token"))
+        presented = bearer_token(context)
+        if token_matches(presented, self.node_token):
+            return
+        err = Unauthenticated("node registration needs the cluster node token")
+        self.metrics.credential_refused(
+            listener="public",
+            method=method,
+            status=err.code.name,
+            reason="no node token" if presented is None else "wrong node token",
+            peer=context.peer(),
+        )
+        await abort(context, err)
 
     async def Register(
         self, request: control_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.RegisterResponse:
-        await self._authenticate(context)
+        await self._authenticate(context, "Register")
         return self.registry.register(request)
 
     async def Heartbeat(
         self, request: control_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.HeartbeatResponse:
-        await self._authenticate(context)
+        await self._authenticate(context, "Heartbeat")
         return self.registry.heartbeat(request)

@@ -66,7 +66,9 @@ class Ports:
 
 
 class ControlPlane:
-    """Public API + node registry on ``listen``, admin API on ``admin_listen``."""
+    """Public API + node registry on ``listen``, admin API on ``admin_listen``; both accept
+    messages of up to control_plane.max_request_bytes (refused RESOURCE_EXHAUSTED by gRPC, before
+    any handler or credential check, above it)."""
 
     def __init__(
         self,
@@ -178,11 +180,12 @@ class ControlPlane:
                     (client_pb2_grpc.add_GenerationServicer_to_server, self.generation),
                     (
                         control_pb2_grpc.add_NodeRegistryServicer_to_server,
-                        NodeRegistryServicer(self.registry, self.node_token),
+                        NodeRegistryServicer(self.registry, self.node_token, self.metrics),
                     ),
                 ],
                 PUBLIC_SERVICES,
                 credentials=public_creds,
+                max_receive_bytes=cp.max_request_bytes,
             )
         except BaseException:
             self.tenants.close()  # a control plane that cannot start lets go of the state dir
@@ -193,6 +196,7 @@ class ControlPlane:
                 [(control_pb2_grpc.add_AdminServicer_to_server, self.admin)],
                 ADMIN_SERVICES,
                 credentials=public_creds,
+                max_receive_bytes=cp.max_request_bytes,
             )
         except BaseException:
             await self._public.stop(0)

@@ -311,6 +311,15 @@ class ControlPlaneConfig(_Strict):
     # transfer.reservation_timeout_s (ClusterConfig checks it: refused_room_bound_s). Left
     # unset, it is 5 s cut to that bound where the reservation timeout is lowered.
     refused_room_max_s: float = Field(default=5.0, gt=0, le=30)
+    # The largest message the public and admin listeners accept, in bytes; a larger one is refused
+    # RESOURCE_EXHAUSTED by gRPC before any handler runs, credentials unchecked: gRPC holds a
+    # whole message in memory first, so 64 MiB ones from anyone who reached the port (no key
+    # needed) took the control plane's memory and event loop. The largest legitimate one is a
+    # Generate whose prompt fills the context window: up to 5 bytes a token as ids, a text up to
+    # its tokenizer's max_text_bytes_per_token a token. The default 16 MiB takes a million ids,
+    # or 8 MiB of text. At least 64 KiB; at most 64 MiB (kvfence.server.MAX_MESSAGE_BYTES, what
+    # clients send at most).
+    max_request_bytes: int = Field(default=16 << 20, ge=64 << 10, le=64 << 20)
     admin_token_file: Path | None = None
     # Shared by the control plane and every node (kvfence/auth.py): nodes present it to register,
     # and every call to a node must carry it. None = generated under state_dir (by the first
@@ -346,16 +355,19 @@ class ControlPlaneConfig(_Strict):
 
     @model_validator(mode="after")
     def _tenant_share_within_queue(self) -> ControlPlaneConfig:
-        if (
-            "admission_queue_per_tenant" in self.model_fields_set
-            and self.admission_queue_per_tenant > self.admission_queue
-        ):
-            raise ValueError(
-                f"admission_queue_per_tenant ({self.admission_queue_per_tenant}) must not exceed "
-                f"admission_queue ({self.admission_queue}): one tenant's share of the queue "
-                "cannot be larger than the queue"
-            )
-        return self
+        if self.admission_queue_per_tenant <= self.admission_queue:
+            return self
+        if "admission_queue_per_tenant" not in self.model_fields_set:
+            # The default, cut to a lowered queue here rather than only where the queue is built,
+            # so that the config as loaded (and a dump of it, loaded again) says the share in
+            # force. Frozen model, not handed out yet: set in place, still unset.
+            object.__setattr__(self, "admission_queue_per_tenant", self.admission_queue)
+            return self
+        raise ValueError(
+            f"admission_queue_per_tenant ({self.admission_queue_per_tenant}) must not exceed "
+            f"admission_queue ({self.admission_queue}): one tenant's share of the queue "
+            "cannot be larger than the queue"
+        )
 
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "[::]"})

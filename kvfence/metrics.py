@@ -3,10 +3,15 @@
 Every metric is named ``kvfence_*`` and every sample carries a ``service`` label (a constant label
 added at collection time, so code increments ``requests_total.labels(status="ok")`` without it).
 A registry per instance keeps several services in one process (tests, the local stack) apart.
+
+``Metrics.credential_refused`` is the control plane's record of a call refused for its credential
+(no token, a wrong one, or a tenant API key on the admin API): counted in ``auth_failures_total``
+and logged without the credential, at most one line per listener per ``auth_log_interval_s``.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -18,6 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvfence import PROTOCOL_VERSION, __version__
+from kvfence import logging as kvlog
 from kvfence.errors import INTEGRITY_CHECKS
 
 NAMESPACE = "kvfence"
@@ -31,6 +37,15 @@ STATE_BUCKETS = (
     60.0, 300.0,
 )  # fmt: skip
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
+# The control plane's listeners, the values of auth_failures_total's `listener` label: a fixed set,
+# so that the label (and the log throttles kept per listener) stay bounded whoever calls.
+AUTH_LISTENERS = ("public", "admin")
+# A refused credential is logged at most once per this interval and listener (the line counts the
+# refusals since the last one): whoever reaches a port must not set how much the control plane
+# logs. The same interval as a node's refusals (kvfence.node.REFUSAL_LOG_INTERVAL_S).
+AUTH_FAILURE_LOG_INTERVAL_S = 10.0
+
+log = kvlog.get_logger("auth")
 
 
 if TYPE_CHECKING:
@@ -54,8 +69,12 @@ class _ConstLabels(Collector):
 class Metrics:
     """The metrics every kvfence service exposes; attribute names are the contract."""
 
-    def __init__(self, service: str):
+    def __init__(self, service: str, *, auth_log_interval_s: float = AUTH_FAILURE_LOG_INTERVAL_S):
         self.service = service
+        self.auth_log_interval_s = auth_log_interval_s
+        # credential_refused's log throttle per listener, and its latest refusal's details
+        self._auth_logs: dict[str, kvlog.BurstLog] = {}
+        self._auth_latest: dict[str, dict[str, str]] = {}
         self._inner = CollectorRegistry(auto_describe=True)
         # What render() and the HTTP endpoint expose: the inner metrics plus the service label.
         self.registry = CollectorRegistry(auto_describe=False)
@@ -224,8 +243,65 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        # Control plane only (labelled, so the nodes, which never set it, expose no sample).
+        # Failed logins are not requests: requests_total counts Generate's among its statuses
+        # (UNAUTHENTICATED), but Register, Heartbeat and the admin API's refusals are only
+        # here. No label carries the credential: every one is bounded.
+        self.auth_failures_total = Counter(
+            "auth_failures_total",
+            "Calls refused for their credential (none, a wrong one, or a tenant API key on the "
+            "admin API), by listener (public, admin), method and status (UNAUTHENTICATED, "
+            "PERMISSION_DENIED) (control plane).",
+            ["listener", "method", "status"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def credential_refused(
+        self, *, listener: str, method: str, status: str, reason: str, peer: str
+    ) -> None:
+        """Count and log one call refused for its credential (on the event loop). ``listener``
+        is one of AUTH_LISTENERS, ``method`` the RPC's name, ``status`` the refusal's code name,
+        ``reason`` what was wrong, in words, and ``peer`` the caller's address
+        (``context.peer()``). Never pass the credential, or anything derived from it: the log
+        line is for whoever reads the logs. The first refusal on a listener is logged at once,
+        later ones at most one line per ``auth_log_interval_s``, which says how many were refused
+        since the last (``refused``) and the latest one's method, status, reason and peer; the
+        rest of a burst is logged by a timer when the interval is over."""
+        if listener not in AUTH_LISTENERS:
+            raise ValueError(f"listener {listener!r} is not one of {', '.join(AUTH_LISTENERS)}")
+        self.auth_failures_total.labels(listener=listener, method=method, status=status).inc()
+        self._auth_latest[listener] = {
+            "method": method,
+            "status": status,
+            "reason": reason,
+            "peer": peer,
+        }
+        burst = self._auth_logs.get(listener)
+        if burst is None:
+            burst = kvlog.BurstLog(
+                functools.partial(self._log_refused, listener), self.auth_log_interval_s
+            )
+            self._auth_logs[listener] = burst
+        burst.note()
+
+    def flush_auth_log(self) -> None:
+        """Log the refusals since each listener's last line, if any: the timer's job (nothing
+        calls it at shutdown yet, so refusals of the last interval before a stop are counted, not
+        logged)."""
+        for burst in list(self._auth_logs.values()):
+            burst.flush()
+
+    def _log_refused(self, listener: str, refused: int) -> None:
+        log.warning(
+            "credentials refused",
+            listener=listener,
+            refused=refused,
+            next_line_after_s=self.auth_log_interval_s,
+            **self._auth_latest[listener],
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

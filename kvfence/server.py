@@ -9,6 +9,11 @@ Usage in a service::
 
 ``stop`` first flips health to NOT_SERVING (so load balancers drain), then lets in-flight RPCs
 finish for ``grace`` seconds.
+
+A server accepts messages of up to ``max_receive_bytes`` (MAX_MESSAGE_BYTES unless its caller
+says less: the control plane's listeners do, control_plane.max_request_bytes); a larger one is
+refused RESOURCE_EXHAUSTED by gRPC before any handler or credential check runs. Its reflection
+describes only the services it serves (:func:`reflection_pool`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import Descriptor, EnumDescriptor, FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -29,6 +36,9 @@ Registrar = Callable[[Any, grpc.aio.Server], None]
 T = TypeVar("T")
 
 # Large enough for a manifest of a long prompt's pages; KV bytes themselves never travel over gRPC.
+# What node listeners and every client channel accept. The control plane's listeners, which
+# anyone who reaches them can send to before any credential is checked, accept less
+# (control_plane.max_request_bytes): gRPC holds a whole message in memory before a handler runs.
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -64,10 +74,12 @@ def client_channel_options() -> list[tuple[str, Any]]:
     ]
 
 
-def server_options() -> list[tuple[str, Any]]:
-    """SERVER_OPTIONS, accepting the clients' keepalive pings (MIN_PING_INTERVAL_MS)."""
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """SERVER_OPTIONS, accepting the clients' keepalive pings (MIN_PING_INTERVAL_MS) and
+    messages of up to ``max_receive_bytes``."""
     return [
-        *SERVER_OPTIONS,
+        *(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ]
 
@@ -93,15 +105,17 @@ class GrpcServer:
         service_names: list[str],
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
     ) -> GrpcServer:
-        server = grpc.aio.server(options=server_options(), interceptors=list(interceptors))
+        server = grpc.aio.server(
+            options=server_options(max_receive_bytes), interceptors=list(interceptors)
+        )
         for add, servicer in servicers:
             add(servicer, server)
         health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
+        served = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(served, server, pool=reflection_pool(served))
         try:
             port = _bind(server, listen, credentials)
         except BindError:
@@ -116,6 +130,96 @@ class GrpcServer:
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+
+
+def reflection_pool(service_names: Iterable[str]) -> descriptor_pool.DescriptorPool:
+    """A descriptor pool describing ``service_names`` (those of them the process knows) and the
+    message and enum types their methods use, and nothing else, for a listener's reflection.
+
+    Reflection answers from the whole process's pool by default: the control plane's public port
+    described the Admin service and the nodes' Decode and Prefill services to anyone, though it
+    listed only its own. Whole files are not small enough either: control.proto holds both
+    NodeRegistry (public port) and Admin (admin port), and decode.proto imports prefill.proto. So
+    each file here is a copy of the original with only the services served and the top-level
+    types reachable from their methods (through fields, transitively), and imports only the
+    files that still hold one of those.
+    """
+    default = descriptor_pool.Default()
+    services = []
+    for name in service_names:
+        try:
+            services.append(default.FindServiceByName(name))
+        except KeyError:
+            continue  # not a service this process has compiled in: nothing to describe
+    keep: dict[str, set[str]] = {}  # file name -> names of its top-level messages, enums, services
+    files: dict[str, FileDescriptor] = {}
+    seen: set[str] = set()
+
+    def take(file: FileDescriptor, name: str) -> None:
+        files[file.name] = file
+        keep.setdefault(file.name, set()).add(name)
+
+    def message(desc: Descriptor) -> None:
+        while desc.containing_type is not None:  # a nested type comes with its top-level one
+            desc = desc.containing_type
+        if desc.full_name in seen:
+            return
+        seen.add(desc.full_name)
+        take(desc.file, desc.name)
+        pending = [desc]
+        while pending:
+            m = pending.pop()
+            pending.extend(m.nested_types)
+            for f in m.fields:
+                if f.message_type is not None:
+                    message(f.message_type)
+                if f.enum_type is not None:
+                    enum(f.enum_type)
+
+    def enum(desc: EnumDescriptor) -> None:
+        if desc.containing_type is not None:
+            message(desc.containing_type)
+        else:
+            take(desc.file, desc.name)
+
+    for service in services:
+        take(service.file, service.name)
+        for method in service.methods:
+            message(method.input_type)
+            message(method.output_type)
+
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(name: str) -> None:
+        if name in added:
+            return
+        added.add(name)
+        proto = descriptor_pb2.FileDescriptorProto()
+        files[name].CopyToProto(proto)
+        names = keep[name]
+        for field in ("message_type", "enum_type", "service"):
+            kept = [d for d in getattr(proto, field) if d.name in names]
+            proto.ClearField(field)  # type: ignore[arg-type]
+            getattr(proto, field).extend(kept)
+        # Imports of files that hold nothing kept go, and public / weak imports are renumbered.
+        deps = list(proto.dependency)
+        kept_deps = [d for d in deps if d in keep]
+        renumber = {deps.index(d): i for i, d in enumerate(kept_deps)}
+        public = [renumber[i] for i in proto.public_dependency if i in renumber]
+        weak = [renumber[i] for i in proto.weak_dependency if i in renumber]
+        for field in ("dependency", "public_dependency", "weak_dependency"):
+            proto.ClearField(field)  # type: ignore[arg-type]
+        proto.dependency.extend(kept_deps)
+        proto.public_dependency.extend(public)
+        proto.weak_dependency.extend(weak)
+        for dep in kept_deps:  # a file's imports must be in the pool before it
+            add(dep)
+        pool.Add(proto)
+
+    for name in sorted(keep):
+        add(name)
+    return pool
 
 
 def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:

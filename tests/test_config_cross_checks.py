@@ -135,9 +135,15 @@ def test_control_per_tenant_share_within_the_queue_or_left_unset_loads() -> None
         {"control_plane": {"admission_queue": 4, "admission_queue_per_tenant": 4}}, environ={}
     ).control_plane
     assert (cp.admission_queue, cp.admission_queue_per_tenant) == (4, 4)
-    # left unset, the default (64) is cut to the queue where it runs: a lowered queue alone loads
-    cp = parse_config({"control_plane": {"admission_queue": 8}}, environ={}).control_plane
-    assert cp.admission_queue == 8
+    # left unset, the default (64) is cut to the queue as it loads: a lowered queue alone loads,
+    # says the share in force, and a dump of it loads again (tests and tools dump configs)
+    cfg = parse_config({"control_plane": {"admission_queue": 8}}, environ={})
+    assert (cfg.control_plane.admission_queue, cfg.control_plane.admission_queue_per_tenant) == (
+        8,
+        8,
+    )
+    again = parse_config(cfg.model_dump(mode="json"), environ={}).control_plane
+    assert (again.admission_queue, again.admission_queue_per_tenant) == (8, 8)
 
 
 # --- check-config --static on the file of the review --------------------------------------------

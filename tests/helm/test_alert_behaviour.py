@@ -120,6 +120,28 @@ OLD_EXPRESSIONS: dict[str, tuple[str, str, set[str]]] = {
         'min_over_time(kvfence_pages{state="quarantined"}[30m])) > 0',
         {"21m", "24m", "53m", "1h10m"},
     ),
+    # Every request counted in the ratio, refused logins too: a flood of junk keys diluted real
+    # requests all failing to under 5%.
+    "requests-failing-logins-in-denominator": (
+        "KvfenceRequestsFailing",
+        'sum by (namespace, job) (rate(kvfence_requests_total{service="control-plane",'
+        'status=~"INTERNAL|DATA_LOSS|UNAVAILABLE|DEADLINE_EXCEEDED|UNKNOWN"}[5m]))'
+        ' / sum by (namespace, job) (rate(kvfence_requests_total{service="control-plane"}[5m]))'
+        " > 0.05 and on (namespace, job) max by (namespace, job)"
+        ' (kvfence_model_online{service="control-plane"}) == 1',
+        {"25m"},
+    ),
+    # Only UNAUTHENTICATED left out: tenant keys refused PERMISSION_DENIED still diluted it.
+    "requests-failing-permission-denied-in-denominator": (
+        "KvfenceRequestsFailing",
+        'sum by (namespace, job) (rate(kvfence_requests_total{service="control-plane",'
+        'status=~"INTERNAL|DATA_LOSS|UNAVAILABLE|DEADLINE_EXCEEDED|UNKNOWN"}[5m]))'
+        ' / sum by (namespace, job) (rate(kvfence_requests_total{service="control-plane",'
+        'status!="UNAUTHENTICATED"}[5m]))'
+        " > 0.05 and on (namespace, job) max by (namespace, job)"
+        ' (kvfence_model_online{service="control-plane"}) == 1',
+        {"25m"},
+    ),
 }
 
 
