@@ -6,9 +6,9 @@ on the admin API used to leave no trace: no log line, no metric. Each is now cou
 first refusal on a listener at once, later ones at most one line per interval (``BurstLog``),
 which counts the refusals since the last. Controls: the right token counts and logs nothing.
 
-The registry servicer is served here on a listener of the test's own, with the control plane's
-registry and metrics, as ``control_plane.service`` is to construct it (it does not pass its
-metrics yet); the admin API is the cluster's own.
+Every call goes to the cluster's own listeners: Register, Heartbeat, Generate and ListModels to
+the public one, the admin API to the admin one; the counts are read from the metrics the control
+plane serves.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from cp_harness import Cluster
 from structlog.testing import capture_logs
 
 from kvfence.auth import bearer_metadata
+from kvfence.errors import KvfenceError
 from kvfence.metrics import AUTH_FAILURE_LOG_INTERVAL_S, Metrics
 from kvfence.proto.kvfence.v1 import control_pb2, control_pb2_grpc
 
@@ -147,6 +148,34 @@ async def test_refused_admin_credentials_are_counted_and_logged_once_per_interva
     assert all(WRONG_ADMIN_TOKEN not in str(e) and cluster.api_key not in str(e) for e in logs)
     text = metrics.render().decode()
     assert WRONG_ADMIN_TOKEN not in text and cluster.api_key not in text
+
+
+async def test_refused_api_keys_are_counted_and_logged_on_the_public_listener(
+    cluster: Cluster,
+) -> None:
+    """Generate and ListModels without a valid API key: counted per method, logged once per
+    interval, the key nowhere. Control: the tenant's key is served and adds nothing."""
+    metrics = cluster.cp.metrics
+    wrong = "kvf_" + "w" * 43
+    with capture_logs() as logs:
+        for client in (cluster.client(wrong), cluster.client("")):
+            with pytest.raises(KvfenceError) as err:
+                await client.generate(prompt_ids=[10, 11], max_new_tokens=2)
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(KvfenceError):
+            await cluster.client(wrong).list_models()
+        [first] = lines(logs)
+        assert (first["method"], first["reason"]) == ("Generate", "wrong or revoked API key")
+        # control: the tenant's key
+        assert (await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=2)).token_ids
+        assert await cluster.client().list_models()
+        metrics.flush_auth_log()
+    assert [e["refused"] for e in lines(logs)] == [1, 2]
+    assert lines(logs)[1]["method"] == "ListModels"
+    assert failures(metrics, "public", "Generate", "UNAUTHENTICATED") == 2
+    assert failures(metrics, "public", "ListModels", "UNAUTHENTICATED") == 1
+    assert all_failures(metrics) == 3
+    assert all(wrong not in str(e) for e in logs) and wrong not in metrics.render().decode()
 
 
 async def test_the_admin_token_counts_nothing(cluster: Cluster) -> None:

@@ -1,0 +1,197 @@
+"""A client that does not read its Generate stream (control_plane/generation.py).
+
+The run stays in the request table, counted against its tenant's max_concurrent_requests and
+within AbortRequest's reach, until its handler has decided the status; the writing is bounded by
+the request's deadline. The handler runs here with a context whose writes wait until the test
+lets the client "read": what a gRPC stream does once the client's flow-control window is full
+(the status too waits behind the messages already written, as grpc sends it after them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import structlog
+from cp_harness import Cluster, eventually, make_cluster
+
+from control_plane.lifecycle import RequestState
+from control_plane.tenants import TenantLimits
+from kvfence.client import build_request
+from kvfence.errors import ResourceExhausted
+from kvfence.proto.kvfence.v1 import client_pb2, control_pb2
+
+DEADLINE_S = 1.0
+NEW_TOKENS = 8  # the fake decode sends 3 a message: the first write waits, the rest pile up
+
+
+class Aborted(Exception):
+    """What grpc's abort raises (AbortError), once the status went out."""
+
+
+class UnreadStream:
+    """A Generate context whose client reads nothing until ``read`` is set."""
+
+    def __init__(self, api_key: str):
+        self.read = asyncio.Event()
+        self.waiting = asyncio.Event()  # a write waits for the client
+        self.written: list[client_pb2.GenerateResponse] = []
+        self.status: Any = None
+        self._metadata = (("authorization", f"Bearer {api_key}"),)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None  # no deadline of its own: the control plane's default applies
+
+    async def write(self, msg: client_pb2.GenerateResponse) -> None:
+        if not self.read.is_set():
+            self.waiting.set()
+            await self.read.wait()
+        self.written.append(msg)
+
+    async def abort_with_status(self, status: Any) -> None:
+        self.status = status
+        await self.read.wait()
+        raise Aborted(status.code)
+
+    def ids(self) -> list[int]:
+        return [i for m in self.written for i in m.token_ids]
+
+
+def start(c: Cluster, ctx: UnreadStream) -> asyncio.Task[None]:
+    req = build_request(None, [5, 6, 7], max_new_tokens=NEW_TOKENS)
+    return asyncio.create_task(c.cp.generation.Generate(req, ctx))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def limited(tmp_path: Path) -> AsyncIterator[Cluster]:
+    c = await make_cluster(
+        tmp_path, limits=TenantLimits(max_concurrent_requests=1), default_deadline_s=DEADLINE_S
+    )
+    yield c
+    await c.close()
+
+
+async def test_an_unread_stream_counts_against_its_tenant_until_read_to_the_end(
+    limited: Cluster,
+) -> None:
+    """The pipeline finishes (its pages released: its task is gone) while the client reads
+    nothing. The run used to leave the table then: the tenant's next request was admitted however
+    many unread answers it held. Now it is refused TENANT_CONCURRENCY, and ListRequests shows
+    the first. Control: once the client has read it to the end, the next request is served."""
+    c = limited
+    ctx = UnreadStream(c.api_key)
+    handler = start(c, ctx)
+    try:
+        await asyncio.wait_for(ctx.waiting.wait(), 5)
+        [run] = c.cp.table
+        await eventually(lambda: not c.cp.generation.tasks)  # the pipeline ended, released
+        assert run.record.state == RequestState.FINISHED
+        assert c.cp.table.active_for_tenant("acme") == 1
+        admin, auth = c.admin()
+        listed = await admin.ListRequests(control_pb2.ListRequestsRequest(), metadata=auth)
+        assert [r.request_id for r in listed.requests] == [run.record.request_id]
+        with pytest.raises(ResourceExhausted) as err:
+            await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert err.value.reason == "TENANT_CONCURRENCY"
+
+        ctx.read.set()  # the client reads it all
+        await asyncio.wait_for(handler, 5)
+        assert len(ctx.ids()) == NEW_TOKENS and ctx.written[-1].finish_reason == "length"
+        assert ctx.status is None  # OK
+        assert not c.cp.table
+        result = await c.client().generate(prompt_ids=[10], max_new_tokens=2)
+        assert result.finish_reason == "length"
+    finally:
+        ctx.read.set()
+        if not handler.done():
+            handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["unread", "control-reads"])
+async def test_an_unread_stream_ends_deadline_exceeded_at_its_deadline(
+    limited: Cluster, reads: bool
+) -> None:
+    """No client deadline: the control plane's default (DEADLINE_S) applies. The handler waited
+    on its write for good (the client keeps its connection with keepalive pings), holding the
+    answer. Now it ends DEADLINE_EXCEEDED, and the run leaves the table and stops counting at
+    once, while the status itself still waits for the client (grpc sends it after the messages
+    already written). Control: a client that reads finishes OK within the same deadline."""
+    c = limited
+    ctx = UnreadStream(c.api_key)
+    if reads:
+        ctx.read.set()
+    handler = start(c, ctx)
+    try:
+        if reads:
+            await asyncio.wait_for(handler, 5)
+            assert ctx.status is None
+            assert len(ctx.ids()) == NEW_TOKENS and ctx.written[-1].usage.completion_tokens == 8
+        else:
+            with structlog.testing.capture_logs() as logs:
+                await eventually(lambda: ctx.status is not None, timeout=DEADLINE_S + 5)
+            [line] = [e for e in logs if e["event"] == "answer not read before the deadline"]
+            assert line["tokens_unwritten"] == NEW_TOKENS - 3  # the first message was handed over
+            assert ctx.status.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "before the client read its answer" in ctx.status.details
+            assert not handler.done()  # the status waits behind the unread messages
+            ctx.read.set()
+            with pytest.raises(Aborted):
+                await asyncio.wait_for(handler, 5)
+            assert len(ctx.ids()) < NEW_TOKENS  # what was not written was dropped
+        await eventually(lambda: not c.cp.table and not c.cp.generation.tasks)
+        assert c.cp.table.active_for_tenant("acme") == 0
+    finally:
+        ctx.read.set()
+        if not handler.done():
+            handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+
+
+@pytest.mark.parametrize("phase", ["finished", "decoding"])
+async def test_abort_request_ends_a_stream_whose_client_does_not_read(
+    cluster: Cluster, phase: str
+) -> None:
+    """finished: the pipeline has finished, the answer waits for the client. AbortRequest used to
+    answer NOT_FOUND (the run had left the table), and nothing ended the stream. decoding: the
+    request still decodes (decode holds after its first tokens) while the write waits; the
+    pipeline ended CANCELLED at once, but the stream waited on its write until the deadline
+    before the error could go out. Now both are found, aborted, and end CANCELLED at once;
+    then the request is gone (NOT_FOUND)."""
+    c = cluster
+    if phase == "decoding":
+        c.script.tokens_hold = asyncio.Event()
+    ctx = UnreadStream(c.api_key)
+    handler = start(c, ctx)
+    try:
+        await asyncio.wait_for(ctx.waiting.wait(), 5)
+        admin, auth = c.admin()
+        if phase == "finished":
+            await eventually(lambda: not c.cp.generation.tasks)
+        [info] = (
+            await admin.ListRequests(control_pb2.ListRequestsRequest(), metadata=auth)
+        ).requests
+        assert info.state == phase.upper()
+        request = control_pb2.AbortRequestRequest(request_id=info.request_id)
+        assert (await admin.AbortRequest(request, metadata=auth)).aborted
+        await eventually(lambda: ctx.status is not None)
+        assert ctx.status.code == grpc.StatusCode.CANCELLED
+        assert "aborted by an operator" in ctx.status.details
+        await eventually(lambda: not c.cp.table)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await admin.AbortRequest(request, metadata=auth)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        if c.script.tokens_hold is not None:
+            c.script.tokens_hold.set()
+        ctx.read.set()
+        if not handler.done():
+            handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
