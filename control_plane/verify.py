@@ -15,6 +15,7 @@ from control_plane.admission import Prompt
 from control_plane.detok import IncrementalDetokenizer
 from control_plane.lifecycle import RequestRecord
 from control_plane.registry import Node
+from kvfence.detok import REPLACEMENT, GrowingText
 from kvfence.errors import IntegrityError, KvfenceError, Unavailable, from_rpc_error
 from kvfence.model.sampling import find_stop, stream_safe_len
 from kvfence.proto.kvfence.v1 import client_pb2, common_pb2, decode_pb2, prefill_pb2
@@ -83,6 +84,9 @@ class DecodeStream:
     Token ids are relayed as they come (the stop string's tokens and the EOS included, as the
     colocated engine returns them); the EOS that ends a run is not rendered as text. The finish
     reason must be one the tokens bear out.
+
+    The text is kept as a :class:`~kvfence.detok.GrowingText` and read from its end: one string
+    rebuilt per token cost the control plane time per token that grew with the answer.
     """
 
     def __init__(
@@ -102,13 +106,20 @@ class DecodeStream:
         self.finish_reason = ""
         self.completion_tokens = 0
         self.last_token: int | None = None
-        self.text = ""  # every character the detokenizer has made final
+        self._final = GrowingText()  # every character the detokenizer has made final
         self.sent = 0  # of which this many went to the client
         self._stops = tuple(prompt.sampling.stop)
-        # self.text only grows: the stop strings in it are looked for in what is new (plus the
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._hold_reads = 2 * (self._longest + 4)  # characters _hold reads at least (or all)
+        # The text only grows: the stop strings in it are looked for in what is new (plus the
         # longest stop string) and the first one found is kept.
         self._stop_at: int | None = None
-        self._stop_searched = 0  # no stop string ends at or before this index of self.text
+        self._stop_searched = 0  # no stop string ends at or before this index of the text
+
+    @property
+    def text(self) -> str:
+        """Every character the detokenizer has made final (a copy of the whole text)."""
+        return str(self._final)
 
     def accept(self, msg: decode_pb2.DecodeResponse) -> client_pb2.GenerateResponse | None:
         if msg.verified:
@@ -145,7 +156,7 @@ class DecodeStream:
         text_ids = ids
         if not self.prompt.sampling.ignore_eos:
             text_ids = [i for i in ids if i not in self.eos_ids]
-        self.text += self.detok.push(text_ids)
+        self._final.append(self.detok.push(text_ids))
         return client_pb2.GenerateResponse(
             request_id=self.rec.request_id, token_ids=ids, text=self._text(final=False)
         )
@@ -155,7 +166,7 @@ class DecodeStream:
             raise Unavailable(
                 "the decode stream ended before the request finished", reason="STREAM_TRUNCATED"
             )
-        self.text += self.detok.flush()
+        self._final.append(self.detok.flush())
         self._check_finish_reason()
         return client_pb2.GenerateResponse(
             request_id=self.rec.request_id,
@@ -167,24 +178,55 @@ class DecodeStream:
         )
 
     def _stop(self) -> int | None:
-        """Where the first stop string begins in self.text (find_stop of the whole text)."""
+        """Where the first stop string begins in the text (find_stop of the whole text)."""
         if self._stop_at is None and self._stops:
-            self._stop_at = find_stop(self.text, self._stops, self._stop_searched)
-            self._stop_searched = len(self.text)
+            self._search(*self._final.suffix(max(0, self._stop_searched - self._longest)))
         return self._stop_at
+
+    def _search(self, base: int, text: str) -> None:
+        """Look for a stop string in what is new. ``text`` is the text from ``base`` on, and base
+        is 0 or at most _stop_searched - _longest: a stop string that ends after _stop_searched
+        begins after it, and with that one character more find_stop searches the suffix from
+        the very place it would search the whole text."""
+        at = find_stop(text, self._stops, self._stop_searched - base)
+        self._stop_at = None if at is None else base + at
+        self._stop_searched = base + len(text)
+
+    def _hold(self, base: int, text: str) -> int:
+        """stream_safe_len of the whole text, from its suffix ``text`` (from ``base`` on), which
+        has at least 2 * need characters, or all of them. It reads the trailing U+FFFDs and the
+        longest stop string before them (and at least its 4-character probe): after a long run
+        of U+FFFD, more is read."""
+        need = self._hold_reads // 2
+        while base > 0 and text.endswith(REPLACEMENT) and len(text.rstrip(REPLACEMENT)) < need:
+            base = max(0, base - len(text))  # twice as much: rare
+            text = self._final.tail(base)
+        return base + stream_safe_len(text, self._stops)
 
     def _text(self, final: bool) -> str:
         """The text the client may have now that it has not had yet."""
-        stops = self._stops
-        cut = self._stop()
-        if cut is not None:
-            end = cut
+        if self._stop_at is not None and self.sent >= self._stop_at:
+            return ""  # nothing from the stop string on is ever sent
+        stops, size = self._stops, len(self._final)
+        # One read of the text's end serves the stop search, the hold and what is sent, from the
+        # first character one of them needs (usually no copy: GrowingText.suffix).
+        first = self.sent
+        if stops:
+            first = min(first, size - self._hold_reads)
+            if self._stop_at is None:
+                first = min(first, self._stop_searched - self._longest)
+        base, text = self._final.suffix(first if first > 0 else 0)  # base <= sent
+        if stops and self._stop_at is None:
+            self._search(base, text)
+        if self._stop_at is not None:
+            end = self._stop_at
         elif final or not stops:
-            end = len(self.text)
+            end = size
         else:
-            end = stream_safe_len(self.text, stops)
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent : end], end
+            end = self._hold(base, text)
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent - base : end - base], end
         return out
 
     def _check_finish_reason(self) -> None:

@@ -12,8 +12,11 @@ when that certificate does not name the host of ``target`` (through a port-forwa
 
 Failures raise the typed errors of :mod:`kvfence.errors` (``InvalidArgument``, ``Unavailable``,
 ``IntegrityError`` ...), rebuilt from the gRPC status with its ErrorInfo reason; arguments the wire
-cannot carry (see ``build_request``) raise ``InvalidArgument`` before anything is sent. This
-interface is stable: tests and operators depend on it.
+cannot carry (see ``build_request``) raise ``InvalidArgument`` before anything is sent. A
+Generate stream that ends OK without its final message (finish reason and usage: a proxy cut it,
+a faulty server) raises ``Unavailable`` with reason ``STREAM_TRUNCATED``, as the control plane
+treats such a stream from decode: its answer may be incomplete. This interface is stable: tests
+and operators depend on it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvfence.errors import (
     Cancelled,
     IntegrityError,
     InvalidArgument,
+    Unavailable,
     from_rpc_error,
 )
 from kvfence.proto.kvfence.v1 import (
@@ -53,7 +57,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """One streamed message: new tokens and their text; the last one has finish_reason and usage."""
+    """One streamed message: its new tokens and the text that became final with this message;
+    the last one has finish_reason and usage, no tokens, and maybe text.
+
+    ``text`` is not the text of ``token_ids``: text that could still grow into a stop string, or
+    the bytes of an incomplete character, is held back and arrives with a later message or the
+    last one. Concatenating every message's text gives the answer."""
 
     request_id: str
     token_ids: list[int]
@@ -81,9 +90,21 @@ class ModelSummary:
     page_size: int
 
 
+def _truncated() -> Unavailable:
+    """A Generate stream that ended OK without its final message. Its reason is the control
+    plane's for a decode stream that does so (control_plane.verify; kvfence.errors has no
+    constant for it)."""
+    return Unavailable(
+        "the Generate stream ended without its final message (finish reason and usage): the "
+        "answer may be incomplete",
+        reason="STREAM_TRUNCATED",
+    )
+
+
 @dataclass
 class GenerationAccumulator:
-    """Folds a stream's chunks into one :class:`GenerationResult`: ``add`` each, then ``result``."""
+    """Folds a stream's chunks into one :class:`GenerationResult`: ``add`` each, then ``result``
+    (Unavailable STREAM_TRUNCATED without the final chunk: no finish reason or usage to give)."""
 
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -100,10 +121,18 @@ class GenerationAccumulator:
         if chunk.usage is not None:
             self.usage = chunk.usage
 
+    @property
+    def complete(self) -> bool:
+        """Whether the final chunk (finish reason and usage) was added."""
+        return bool(self.finish_reason) and self.usage is not None
+
     def result(self) -> GenerationResult:
-        usage = self.usage or Usage(0, len(self.token_ids))
+        # Never a made-up finish reason or usage: a stream cut short is not a result.
+        if not self.complete:
+            raise _truncated()
+        assert self.usage is not None
         return GenerationResult(
-            self.token_ids, "".join(self.text), self.finish_reason, usage, self.request_id
+            self.token_ids, "".join(self.text), self.finish_reason, self.usage, self.request_id
         )
 
 
@@ -183,6 +212,12 @@ def _chunk(msg: client_pb2.GenerateResponse) -> GenerationChunk:
     return GenerationChunk(msg.request_id, list(msg.token_ids), msg.text, msg.finish_reason, usage)
 
 
+def _is_final(chunk: GenerationChunk) -> bool:
+    """The stream's final message: the control plane sends the finish reason and usage together,
+    last, and ends the call OK only after it."""
+    return bool(chunk.finish_reason) and chunk.usage is not None
+
+
 def _models(resp: client_pb2.ListModelsResponse) -> list[ModelSummary]:
     return [
         ModelSummary(
@@ -257,7 +292,9 @@ class Client:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
     ) -> Iterator[GenerationChunk]:
-        """Yield chunks as they are generated; leaving the loop early cancels the request."""
+        """Yield chunks as they are generated; leaving the loop early cancels the request.
+        Unavailable STREAM_TRUNCATED after the last chunk when the stream ended OK without its
+        final one (finish reason and usage)."""
         req = build_request(
             prompt,
             prompt_ids,
@@ -270,8 +307,13 @@ class Client:
         )
         call = self._stub.Generate(req, metadata=self._metadata, timeout=self.timeout)
         try:
+            complete = False
             for msg in call:
-                yield _chunk(msg)
+                chunk = _chunk(msg)
+                complete = complete or _is_final(chunk)
+                yield chunk
+            if not complete:
+                raise _truncated()
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -357,7 +399,8 @@ class AsyncClient:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
     ) -> AsyncIterator[GenerationChunk]:
-        """Async-iterate chunks; leaving the loop early (or cancelling) cancels the request."""
+        """Async-iterate chunks; leaving the loop early (or cancelling) cancels the request.
+        Unavailable STREAM_TRUNCATED as :meth:`Client.stream`."""
         req = build_request(
             prompt,
             prompt_ids,
@@ -370,8 +413,13 @@ class AsyncClient:
         )
         call = self._stub.Generate(req, metadata=self._metadata, timeout=self.timeout)
         try:
+            complete = False
             async for msg in call:
-                yield _chunk(msg)
+                chunk = _chunk(msg)
+                complete = complete or _is_final(chunk)
+                yield chunk
+            if not complete:
+                raise _truncated()
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         except asyncio.CancelledError:

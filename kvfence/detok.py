@@ -12,7 +12,8 @@ The decode node and the colocated scheduler look for stop strings in ``tokenizer
 after every token; decoding every id at every step costs each sequence of the batch time that
 grows with its length. :class:`IncrementalDetokenizer` gives the same text from a short window
 (``text()``, ``text_from()``) and tells how much of it can never change again (``stable_len``),
-where it can prove that; :class:`StopWatch` searches only what is new.
+where it can prove that; :class:`StopWatch` searches only what is new. The text that is final
+is kept in a :class:`GrowingText`, not rebuilt as one string per token.
 
 Why the windowed text is ``tokenizer.decode(ids)`` exactly
 -----------------------------------------------------------
@@ -323,6 +324,70 @@ def _is_valid(raw: bytes) -> bool:
     return True
 
 
+class GrowingText:
+    """A text that only grows, a small piece at a time, and is mostly read near its end.
+
+    ``text += piece`` builds a new string of the whole text per piece: over an answer of 160k
+    tokens, one piece per token, that is quadratic (about 47 us a token at the end). Here pieces
+    are added to a string of the last ``BLOCK`` characters at most, and the text before it is
+    kept in blocks of about that size that are never copied again: an append copies at most about
+    ``BLOCK`` characters however long the text, a read near the end (``tail``, ``slice``) is one
+    slice of that string, and only ``str()`` copies the whole text.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self) -> None:
+        self._blocks: list[str] = []  # the older text, each block at least BLOCK characters
+        self._recent = ""  # the text after the blocks, shorter than BLOCK
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        return "".join([*self._blocks, self._recent])
+
+    def append(self, piece: str) -> None:
+        if not piece:
+            return
+        self._len += len(piece)
+        if len(self._recent) + len(piece) < self.BLOCK:
+            self._recent += piece
+        else:
+            self._blocks.append(self._recent + piece)
+            self._recent = ""
+
+    def tail(self, start: int) -> str:
+        """``str(self)[start:]`` for ``start >= 0``, at the cost of that part."""
+        want = self._len - start
+        recent = self._recent
+        if want <= len(recent):
+            return recent[len(recent) - want :] if want > 0 else ""
+        parts = [recent]
+        want -= len(recent)
+        for block in reversed(self._blocks):
+            if len(block) >= want:
+                parts.append(block[len(block) - want :])
+                break
+            parts.append(block)
+            want -= len(block)
+        return "".join(reversed(parts))
+
+    def suffix(self, start: int) -> tuple[int, str]:
+        """A suffix of the text that begins at ``start`` (``>= 0``) or before: (where it begins,
+        its text); the string of the last characters, not a copy, when it reaches that far."""
+        begin = self._len - len(self._recent)
+        if begin <= start:
+            return begin, self._recent
+        return start, self.tail(start)
+
+    def slice(self, start: int, end: int) -> str:
+        """``str(self)[start:end]`` for ``start, end >= 0``, at the cost of ``str(self)[start:]``
+        (nothing when ``end <= start``)."""
+        return self.tail(start)[: end - start] if end > start else ""
+
+
 class IncrementalDetokenizer:
     """Feed token ids as they arrive; get back the text that is final so far."""
 
@@ -337,7 +402,7 @@ class IncrementalDetokenizer:
         self._ctx: list[int] = []  # decoded before the window for context, not emitted again
         self._win: list[int] = []  # the ids since the last cut (special tokens left out, exact)
         self._seen = 0  # len(decode(ctx))
-        self._final = ""  # the text emitted so far
+        self._final = GrowingText()  # the text emitted so far (not rebuilt per push)
         self._tail = ""  # exact: the current text past _final
         # Byte fallback: the text of the bytes of an open group set aside from the window (if the
         # group turns out valid), their count, and whether ctx is the invalid byte (doomed group).
@@ -384,7 +449,7 @@ class IncrementalDetokenizer:
         if self._kind is None:
             return self._decode(self._ids)[start:]
         if start <= len(self._final):
-            return self._final[start:] + self._tail
+            return self._final.tail(start) + self._tail
         return self._tail[start - len(self._final) :]
 
     def _text_of(self, ids: list[int]) -> str:
@@ -407,7 +472,7 @@ class IncrementalDetokenizer:
             else:
                 ctx = [] if kind.fallback is None else self._win[-1:]
             self._cut(ctx)
-            self._final += new
+            self._final.append(new)
             self._tail = ""
             return new
         new = ""
@@ -478,14 +543,14 @@ class IncrementalDetokenizer:
                     self._ctx, self._win = [fallback.anchor], win[r:]
                     self._seen = len(self._decode(self._ctx))
                     continue
-            self._final += done
+            self._final.append(done)
             new += done
         return new, self._decode(self._ctx + self._win)
 
     def _cut_lossy(self, new: str, win: list[int], text: str | None = None) -> tuple[str, str]:
         """A forced cut of a lossy UTF-8 decode: new is final, win (whose text is text) the
         window from there."""
-        self._final += new
+        self._final.append(new)
         self._cut([])
         self._win = win
         return new, self._decode(win) if text is None else text
