@@ -5,7 +5,8 @@ Every node RPC is awaited through :meth:`Run.guard`, so an interrupt (node lost,
 client gone) cancels the RPC in flight; the ``finally`` of :meth:`Pipeline.execute` then releases
 the request on every node that may hold something for it, whatever happened before. Errors from
 nodes keep their status code and ErrorInfo reason: DATA_LOSS from decode reaches the client as
-DATA_LOSS.
+DATA_LOSS, with a message made of those alone (the node's own text and id go to the log:
+``verify.node_error``).
 
 A request that finds no node of a role that takes requests (none registered, or every registered
 one draining) is not failed at once while that role's last such node started draining or left less
@@ -545,7 +546,9 @@ class Pipeline:
             # left to their cut calls (service._node_lost), and this one's was not cut. Its pages
             # went with the node; it stays contacted, so a Release still reaches the node if the
             # same process registers again.
-            raise Unavailable(f"decode node {node.node_id} was lost", reason="NODE_LOST")
+            # The node's id is the operator's (this log line), not the tenant's.
+            log.warning("decode node lost after answering reserve", node_id=node.node_id)
+            raise Unavailable("the decode node serving this request was lost", reason="NODE_LOST")
         node.reserved_since_heartbeat += pages
         rec.unanswered.discard(node.node_id)  # answered now: the request's node
         rec.decode_node, rec.reservation_id = node.node_id, res.reservation_id

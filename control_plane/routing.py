@@ -111,9 +111,10 @@ class NodeClients:
             # An old view of the node (lost, or registered again by a new process since the
             # request chose it): opening its address in place of the registered node's channel
             # would close that channel and cut every call on it, other requests' included.
+            # The node's id is the operator's (this log line), not the tenant's.
+            log.warning("node lost or registered again since chosen", node_id=node.node_id)
             raise Unavailable(
-                f"{node.role} node {node.node_id} was lost or registered again since this "
-                "request chose it",
+                f"the {node.role} node chosen for this request was lost or registered again since",
                 reason="NODE_LOST",
             )
         if known is not None:

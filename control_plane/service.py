@@ -437,8 +437,13 @@ class ControlPlane:
                 # Its Reserve is in flight there, and nothing is reserved for it anywhere: the
                 # channel's close below cuts the call, and the request tries the next node.
                 continue
+            # The node's id is internal topology: the node_lost event (below) names it, with
+            # how many requests failed with it; the client hears the role only.
             failed += run.interrupt(
-                Unavailable(f"{node.role} node {node.node_id} was lost", reason="NODE_LOST")
+                Unavailable(
+                    f"the {node.role} node serving this request was lost (UNAVAILABLE, NODE_LOST)",
+                    reason="NODE_LOST",
+                )
             )
         self.clients.forget(node.node_id)
         self.events.emit("node_lost", node=node.node_id, role=node.role, failed_requests=failed)

@@ -5,6 +5,9 @@ plane never relays an answer that is not about the request it asked for: a reser
 size, a manifest of another request, tokens before verification, a first token that does not
 continue prefill's, more tokens than asked for, a stream that ends without a finish reason or
 with one its tokens do not bear out.
+
+A node's failed call reaches the client with its code and reason and a message of those alone
+(``node_error``): the node's own text and its id go to the control plane's log, not to tenants.
 """
 
 from __future__ import annotations
@@ -16,9 +19,20 @@ from control_plane.detok import IncrementalDetokenizer
 from control_plane.lifecycle import RequestRecord
 from control_plane.registry import Node
 from kvfence.detok import REPLACEMENT, GrowingText
-from kvfence.errors import IntegrityError, KvfenceError, Unavailable, from_rpc_error
+from kvfence.errors import (
+    NODE_DRAINING,
+    NODE_RESTARTED,
+    RESERVATION_RELEASED,
+    IntegrityError,
+    KvfenceError,
+    Unavailable,
+    from_rpc_error,
+)
+from kvfence.logging import get_logger
 from kvfence.model.sampling import find_stop, stream_safe_len
 from kvfence.proto.kvfence.v1 import client_pb2, common_pb2, decode_pb2, prefill_pb2
+
+log = get_logger("verify")
 
 
 def check_reservation(
@@ -29,8 +43,16 @@ def check_reservation(
         or res.max_new_tokens != prompt.sampling.max_new_tokens
         or len(res.pages) != pages
     ):
+        # The node is the operator's to know (node ids are the cluster's topology), the numbers
+        # are the request's own.
+        log.warning(
+            "reservation does not match the request",
+            node_id=node_id,
+            pages=len(res.pages),
+            expected_pages=pages,
+        )
         raise KvfenceError(
-            f"decode node {node_id} returned a reservation of {len(res.pages)} pages for "
+            f"the decode node returned a reservation of {len(res.pages)} pages for "
             f"{res.prompt_tokens}+{res.max_new_tokens} tokens; expected {pages} pages for "
             f"{len(prompt.token_ids)}+{prompt.sampling.max_new_tokens}",
             reason="RESERVATION_MISMATCH",
@@ -53,8 +75,51 @@ def check_manifest(rec: RequestRecord, m: common_pb2.KvManifest, prompt_tokens: 
         )
 
 
+# What a client reads when a node's call failed: the code and reason (and the role) only, never the
+# node's own text nor its id. A node's details name addresses and peers ("ipv4:10.0.0.3:50051:
+# Connection refused", UCX's "cannot reach decode at 10.42.7.19:13337"), exceptions and other
+# internals, and node ids are the cluster's topology: none of it is the tenant's. The whole of it
+# goes to the control plane's log instead ("node call failed", node_error).
+_TRANSFER_FAILED = "the KV transfer between this request's nodes failed"
+_BY_REASON = {
+    "NODE_UNREACHABLE": "the {role} node serving this request became unreachable",
+    "NODE_CANCELLED": "the {role} node serving this request ended its call itself",
+    # A prefill node's KV transfer to decode (prefill_svc.service.transfer_status): either node
+    # may be the broken one.
+    "TRANSFER_FAILED": _TRANSFER_FAILED,
+    "UNREACHABLE": _TRANSFER_FAILED,
+    "BATCH_TOO_LARGE": _TRANSFER_FAILED,
+    "TIMEOUT": "the KV transfer between this request's nodes timed out",
+    RESERVATION_RELEASED: "the decode node released this request's reservation before it was used",
+    NODE_RESTARTED: "the decode node serving this request restarted and lost its reservation",
+    NODE_DRAINING: "the {role} node serving this request is shutting down",
+}
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: "the {role} node refused this request",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the {role} node had no room for this request",
+    grpc.StatusCode.UNAVAILABLE: "the {role} node serving this request is unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the {role} node did not finish this request in time",
+    grpc.StatusCode.DATA_LOSS: "the {role} node reported a failed integrity check for this request",
+    grpc.StatusCode.NOT_FOUND: "the {role} node serving this request does not know it",
+    grpc.StatusCode.INTERNAL: "the {role} node serving this request failed",
+}
+
+
+def client_message(role: str, code: grpc.StatusCode, reason: str) -> str:
+    """The message a client gets for a node's failed call: built from ``code`` and ``reason``
+    (and the node's role) alone, whatever the node said (``_BY_REASON``)."""
+    text = _BY_REASON.get(reason) or _BY_CODE.get(
+        code, "the {role} node serving this request failed"
+    )
+    said = code.name if reason == code.name else f"{code.name}, {reason}"
+    return f"{text.format(role=role)} ({said})"
+
+
 def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
-    """A node's failed RPC as the client should see it: same code and reason, node named."""
+    """A node's failed RPC as the client should see it: same code and reason, and a message of
+    those alone (``client_message``). The node, its code and its own details are logged here
+    ("node call failed", with the request's id and tenant bound by the caller's context), for
+    operators."""
     base = from_rpc_error(err)
     if err.code() == grpc.StatusCode.UNAVAILABLE and base.reason == "UNAVAILABLE":
         base.reason = "NODE_UNREACHABLE"
@@ -64,8 +129,16 @@ def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
         # took it for its own cancel (no retry) and the failure alerts ignored it.
         reason = "NODE_CANCELLED" if base.reason == "CANCELLED" else base.reason
         base = Unavailable(base.message, reason=reason, metadata=base.metadata)
+    log.warning(
+        "node call failed",
+        node_id=node.node_id,
+        role=node.role,
+        code=err.code().name,  # the node's; the client's code and reason: "request ended"
+        reason=base.reason,
+        details=err.details(),
+    )
     out = type(base)(
-        f"{node.role} node {node.node_id}: {base.message}",
+        client_message(node.role, base.code, base.reason),
         reason=base.reason,
         metadata=base.metadata,
     )
