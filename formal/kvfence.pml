@@ -4,7 +4,10 @@
  * Processes
  *   ControlPlane(r)  one per request (request r belongs to tenant r): admission, Reserve RPC
  *                    to decode, hand-off to prefill, client cancel / operator abort (a Release
- *                    RPC to decode, or the Decode stream cancelled: both end in _release)
+ *                    RPC to decode, or the Decode stream cancelled: both end in _release), or
+ *                    the request ending while its Release is lost (the control plane logs and
+ *                    forgets a failed Release): decode hears nothing, and only its own timeout
+ *                    (the reaper) or the stream's end gives the pages back
  *   Prefill          runs a handed-off request: its hello (which decode verifies: the transfer
  *                    is RECEIVING), the batch header, one message per page, then a manifest
  *   Network          the data path: delivers any in-flight message (reordering), drops any
@@ -48,6 +51,10 @@
  *                              posted after a Release are live, and land in the pages of the
  *                              request that reserved them next (pool.begin_ops still refuses a
  *                              page that is free)
+ *   MUTANT_NO_DECODE_TIMEOUT   decode never times out a transfer or reaps a reservation on its
+ *                              own (no per-batch timeout, no reaper): it relies on the control
+ *                              plane's Release, which may be lost
+ *   MUTANT_CP_RESUMES_TERMINAL cp_to changes the state of a request that is already terminal
  *   NO_P2, NO_P3               leave those assertions out, to see what the bug leads to next
  *   WITNESS                    assert that the hazardous-but-safe path is unreachable; pan must
  *                              refute it, which shows the real model exercises that path
@@ -75,8 +82,11 @@
  *                  sequence enters it once its reservation has been released
  *   P4_pool_drained
  *                  when nothing can move any more (every request terminal, every message gone)
- *                  every page is FREE with no owner and no reservation holds pages: aborts and
- *                  timeouts never leak pages, and quarantine always ends
+ *                  every page is FREE with no owner and no reservation holds pages: aborts,
+ *                  lost Releases and timeouts never leak pages, and quarantine always ends
+ *   P5_terminal_never_resumed
+ *                  once a request's lifecycle state is terminal (reached through cp_to) every
+ *                  later lifecycle change leaves it as it is
  * pan also reports invalid end states: a state where some process is stuck mid-protocol.
  */
 
@@ -123,6 +133,7 @@ hidden byte P1_isolation = 1;
 hidden byte P2_no_free_while_write_outstanding = 1;
 hidden byte P3_only_verified_enter_decode = 1;
 hidden byte P4_pool_drained = 1;
+hidden byte P5_terminal_never_resumed = 1;
 hidden byte WITNESS_late_write_page_reused = 1;
 hidden byte WITNESS_release_during_decode_write = 1;
 hidden byte WITNESS_duplicate_decode_while_decoding = 1;
@@ -180,6 +191,8 @@ hidden byte j;                  /* loop index inside d_steps (no value survives 
 #define DATA(r, i) ((r) * NEED + (i) + 1)
 
 byte cp_state[NREQ];
+byte cp_final[NREQ];            /* ghost: the terminal state cp_to first set (0: none yet); in the
+                                 * real model a function of cp_state, so it adds no state */
 bit rejected[NREQ];             /* ghost: admission found the request over-length */
 bit aborted[NREQ];              /* ghost: decode failed or aborted the reservation */
 
@@ -226,11 +239,22 @@ bit late[NPAGES];               /* ghost: a write landed here after its receive 
        (rx_outstanding(2) && rs_page[2] == (p)) || (rx_outstanding(3) && rs_page[3] == (p))) && \
      pg_ops[p] == 0)
 
-/* every lifecycle change goes through here; a terminal request is never resumed */
+/* every lifecycle change after admission goes through here; a terminal request is never
+ * resumed (control_plane/lifecycle.py: `allowed` has no way out of a terminal state). P5 checks
+ * it: the first terminal state cp_to sets is the last. Always called inside an atomic step. */
 inline cp_to(r, s) {
+#ifdef MUTANT_CP_RESUMES_TERMINAL
+    cp_state[r] = s;                    /* bug: no guard, a terminal request moves on */
+#else
     if
     :: cp_terminal(r) -> skip
     :: else -> cp_state[r] = s
+    fi;
+#endif
+    assert(P5_terminal_never_resumed && (cp_final[r] == 0 || cp_state[r] == cp_final[r]));
+    if
+    :: cp_final[r] == 0 && cp_terminal(r) -> cp_final[r] = cp_state[r]
+    :: else
     fi
 }
 
@@ -632,12 +656,22 @@ inline on_abort(r) {
     fi
 }
 
+/* decode's own timeouts: the per-batch timeout and the reaper (a reservation never verified,
+ * transfer.reservation_timeout_s after Reserve); what gives the pages back when the control
+ * plane's Release is lost */
+#ifdef MUTANT_NO_DECODE_TIMEOUT
+#define DECODE_TIMEOUT(r)
+#else
+#define DECODE_TIMEOUT(r) \
+    :: d_step { (rs_state[r] == RS_RECEIVING || rs_state[r] == RS_VERIFYING) -> on_timeout(r) }
+#endif
+
 #define DECODE_EVENTS(r) \
     :: d_step { tx_batch[r] > 0 -> post_batch(r) } \
     :: d_step { rs_state[r] == RS_VERIFYING && listed_done(r) -> on_data_complete(r) } \
     :: d_step { sm[r] == SM_VERIFIED -> stream_start(r) } \
     :: d_step { sm[r] >= SM_FINISH -> stream_end(r) } \
-    :: d_step { (rs_state[r] == RS_RECEIVING || rs_state[r] == RS_VERIFYING) -> on_timeout(r) } \
+    DECODE_TIMEOUT(r) \
     :: d_step { QUARANTINE_RELEASED && rs_state[r] == RS_QUARANTINED && \
                 !rx_outstanding((r) * NEED) && !rx_outstanding((r) * NEED + 1) -> release(r) }
 
@@ -692,14 +726,21 @@ proctype ControlPlane(byte r) {
         pf_start[r] = 1;                /* hand the reservation (pages, generations) over */
         cp_to(r, CP_PREFILLING)
     }
-    :: cp_to(r, CP_FAILED);             /* RESOURCE_EXHAUSTED; nothing was reserved */
+    :: d_step { cp_to(r, CP_FAILED) };  /* RESOURCE_EXHAUSTED; nothing was reserved */
         goto done
     fi;
     /* decode reports KV_VERIFIED, DECODING, FINISHED or FAILED; or the client cancels, at any
- * point, decoding included */
+     * point, decoding included. Decode gets the Release (or the Decode stream's cancel), or the
+     * Release is lost (control_plane/routing.py logs and swallows a failed Release): then decode
+     * never hears of it and carries on with what it holds, so only its own timeout (the reaper)
+     * or the stream's end gives the pages back. The control plane makes no Decode call for the
+     * request any more: one still in flight is cancelled before it reaches decode, and prefill
+     * sends none for a terminal request (prefill_run). */
     if
     :: cp_terminal(r)
     :: d_step { !cp_terminal(r) -> cp_to(r, CP_CANCELLED); on_abort(r) }
+    :: d_step { !cp_terminal(r) -> cp_to(r, CP_CANCELLED);    /* its Release lost */
+                net_mf[r] = 0 }
     fi;
 done:
     skip
@@ -714,7 +755,8 @@ done:
  * posts its receive (post_batch, a later step). A sender bug may truncate the page list (as
  * Mooncake does on a count mismatch) while still claiming the full token count. For a
  * reservation no longer RECEIVING decode refuses the hello (RESERVATION_RELEASED): nothing of
- * it could ever be received, so nothing is put in flight. */
+ * it could ever be received, so nothing is put in flight. The manifest goes to the control
+ * plane, which makes the Decode call with it (net_mf): not for a request it has ended. */
 inline prefill_run(r, n) {
     pf_start[r] = 0;
     n = (pf_tokens[r] + PAGE_TOKENS - 1) / PAGE_TOKENS;
@@ -739,7 +781,7 @@ inline prefill_run(r, n) {
             mf_gen[r * NEED + 1] = rs_gen[r * NEED + 1]
         :: else
         fi;
-        net_mf[r] = 1
+        net_mf[r] = !cp_terminal(r)     /* none for a request the control plane ended */
     :: else
     fi;
     pf_tokens[r] = 0;

@@ -874,7 +874,8 @@ class KvReceiver:
 
         Page bytes a failed sender still sends match no posted receive and reach no page; but the
         pages of a batch whose header decode refused (``strays``: a refused warm hello's batch 0,
-        or a batch with bad indices) were sent right behind it, and UCX keeps a message nobody
+        a batch with bad indices, or one whose reservation was released before its receives
+        were posted) were sent right behind it, and UCX keeps a message nobody
         receives for as long as the worker lives (measured: about 7 KiB of memory kept per
         refused warm hello of 4 pages of 32 KiB). They are received here into a scratch page
         that nothing reads, and so let go. The receives are posted at once, before the sender
@@ -911,7 +912,8 @@ class KvReceiver:
     ) -> None:
         """Receive the batches of a verified transfer; ``first``: the header of batch 0 when the
         hello carried it (its pages may already be waiting in UCX). A batch refused before its
-        receives were posted leaves its tags in ``strays``."""
+        receives were posted (bad indices, too large, or its reservation released while the
+        header was awaited: ``_receive_pages``'s check) leaves its tags in ``strays``."""
         page_bytes = self.pool.page_bytes
         for batch in itertools.count():
             if batch == 0 and first is not None:
@@ -939,8 +941,16 @@ class KvReceiver:
                 raise TransferError(
                     "batch over decode's transfer.max_batch_bytes", reason="BATCH_TOO_LARGE"
                 )
-            strays.clear()  # received now, or the endpoint aborted
-            await self._receive_pages(ep, t, batch, indices)
+            try:
+                await self._receive_pages(ep, t, batch, indices)
+            except TransferError as err:
+                # Refused before any receive was posted (released while the header was awaited):
+                # the pages behind this header are still strays, for _linger to drain. Any
+                # other failure came after the receives were posted, which aborted the endpoint.
+                if err.reason != RESERVATION_RELEASED:
+                    strays.clear()
+                raise
+            strays.clear()  # received now
             t.received.extend(indices)
             t.bytes_received += len(indices) * page_bytes
             if header.get("last"):

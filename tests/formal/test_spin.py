@@ -120,6 +120,26 @@ def test_decoding_races_are_reachable_in_the_real_model(results):
         assert r.violated == tag and r.replay_tag == tag, r.violation_text
 
 
+def test_a_lost_release_leaves_the_pages_to_decodes_own_timeout(results):
+    """The control plane logs and forgets a failed Release, so a request can end with decode
+    never told. The real model has that branch and still drains the pool (decode's per-batch
+    timeout and reaper give the reservation back); with decode's timeout taken out the pages of
+    such a request stay held when everything has stopped (P4)."""
+    assert results["model"].errors == 0 and results["model"].complete
+    r = results["mutant_no_decode_timeout"]
+    assert r.errors is not None and r.errors >= 1, "a lost Release went unnoticed"
+    assert r.violated == run.P4 and r.replay_tag == run.P4, r.violation_text
+
+
+def test_a_terminal_request_is_never_resumed(results):
+    """cp_to's guard is checked, not only modelled: without it a cancelled request is moved on
+    (to FAILED by the abort that follows), which P5 refutes."""
+    r = results["mutant_cp_resumes_terminal"]
+    assert r.errors is not None and r.errors >= 1
+    assert r.violated == run.P5 and r.replay_tag == run.P5, r.violation_text
+    assert results["model"].errors == 0
+
+
 def test_decode_mutants_break_deferred_free_and_entry(results):
     assert results["mutant_release_ignores_ops"].violated == run.P2
     assert results["mutant_release_ignores_ops_no_p2"].violated == run.P1
