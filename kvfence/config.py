@@ -9,8 +9,8 @@ parsed as YAML (numbers, booleans, ``null``, a flow mapping for a whole section)
 or two variables that set the same field or a field and the section holding it, is a ConfigError
 that names the variables. An invalid value that came from the environment is reported with the
 variables behind it, "(from KVFENCE__...)": the one that set the field or the section holding it,
-and, for an error about a whole section (its cross-field checks, or a section name that does not
-exist), every variable that set something in that section.
+and, for an error about a whole section, the variables that set a field its message names (its
+cross-field checks), or every one under a section name that does not exist.
 
 A bad value raises :class:`ConfigError` whose message names the field and the rule it broke.
 """
@@ -688,10 +688,23 @@ def _describe(err: ValidationError, sources: EnvSources) -> str:
             continue
         line = f"{'.'.join(loc)}: {e['msg']}"
         line += f" (got {json.dumps(e.get('input'), default=str)[:80]})"
-        # the variable that set this field or the section holding it, or, for an error about a
-        # whole section (its validators, or a section name that does not exist), every variable
-        # that set something in it: the error is there because of them
-        named = [k for p, k in sources.items() if loc[: len(p)] == p or p[: len(loc)] == loc]
+        # the variable that set this field or the section holding it; for an error about a
+        # whole section, the variables that set something in it the error is about: all of them
+        # for a section name that does not exist, else those whose field the message names (its
+        # cross-field checks name their fields: the chart sets other control_plane variables on
+        # every pod, which such an error must not send the operator to)
+        named = [
+            k
+            for p, k in sources.items()
+            if loc[: len(p)] == p
+            or (
+                p[: len(loc)] == loc
+                and (
+                    e["type"] == "extra_forbidden"
+                    or re.search(rf"\b{re.escape(p[len(loc)])}\b", e["msg"]) is not None
+                )
+            )
+        ]
         lines.append(line if not named else f"{line} (from {', '.join(named)})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 

@@ -54,6 +54,21 @@ def test_an_error_about_a_section_names_the_variables_that_set_something_in_it()
     assert "controlplane" in msg and "(from KVFENCE__CONTROLPLANE__LISTEN)" in msg
 
 
+def test_a_section_error_does_not_name_variables_of_fields_it_is_not_about() -> None:
+    # The chart sets these on every control-plane pod: an error about the queue (from the file)
+    # named them, sending the operator to the wrong place. Control: the queue's own variable is.
+    chart = {
+        "KVFENCE__CONTROL_PLANE__SHUTDOWN_GRACE_S": "20",
+        "KVFENCE__CONTROL_PLANE__SHUTDOWN_REFUSE_S": "5",
+    }
+    queue = {"control_plane": {"admission_queue": 4, "admission_queue_per_tenant": 64}}
+    msg = _error(queue, chart)
+    assert "admission_queue_per_tenant (64)" in msg and "from KVFENCE__" not in msg
+    env = {**chart, "KVFENCE__CONTROL_PLANE__ADMISSION_QUEUE": "4"}
+    msg = _error({"control_plane": {"admission_queue_per_tenant": 64}}, env)
+    assert "(from KVFENCE__CONTROL_PLANE__ADMISSION_QUEUE)" in msg
+
+
 def test_control_an_error_in_the_field_a_variable_set_names_it_and_file_errors_name_none() -> None:
     # the direction that worked before: the variable's path holds the error's location
     msg = _error({}, {"KVFENCE__CONTROL_PLANE__LISTN": "0.0.0.0:50051"})
