@@ -55,15 +55,18 @@ a ``transfer_failed`` one only the events count. A late hello (``RESERVATION_REL
 reservation this node issued and has released) is not bounded: it needs a real reservation id,
 and says the system is slow.
 
-Reservation ids are ``<instance>.<uuid4 hex>``, the instance (8 hex digits) drawn once per
-process (``KvReceiver.new_reservation_id``). A hello for a reservation of this node's previous
-process (its container restarted in place, at the same UCX address) names another instance's
-id: refused ``NODE_RESTARTED``, a ``transfer_failed`` event and no integrity count, and prefill
-fails the call UNAVAILABLE: the node lost the request, and a retry reserves anew. A ``Decode``
-naming such a reservation is UNAVAILABLE ``NODE_RESTARTED`` too, with no manifest check. An id of
-this process that it does not know, or one of any other shape, is still an
-``UNKNOWN_RESERVATION`` integrity violation (kvfence/transfer.py). Both events are bounded as
-above: neither needs a real reservation id.
+Reservation ids are ``<node>.<instance>.<uuid4 hex>``: the node part a hash of this node's id
+(8 hex digits, the same in every process of the node; this servicer gives its receiver the id),
+the instance (8 hex digits) drawn once per process (``KvReceiver.new_reservation_id``). A hello
+for a reservation of this node's previous process (its container restarted in place, same node
+id, same UCX address) names this node's part and another instance: refused ``NODE_RESTARTED``, a
+``transfer_failed`` event and no integrity count, and prefill fails the call UNAVAILABLE: the
+node lost the request, and a retry reserves anew. A ``Decode`` naming such a reservation is
+UNAVAILABLE ``NODE_RESTARTED`` too, with no manifest check. An id of this process that it does
+not know, one another decode node issued (a misrouted request: that node is alive, nothing was
+lost to a restart), or one of any other shape (the bare uuid4 hex of earlier releases too) is
+still an ``UNKNOWN_RESERVATION`` integrity violation (kvfence/transfer.py). Both events are
+bounded as above: neither needs a real reservation id.
 """
 
 from __future__ import annotations
@@ -100,7 +103,13 @@ from kvfence.metrics import Metrics, publish_pool
 from kvfence.node import NodeRuntime, NodeTokenCheck, report_integrity, sampling_from_proto
 from kvfence.proto.kvfence.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from kvfence.server import abort, take_ready
-from kvfence.transfer import INTEGRITY_REASONS, InboundState, InboundTransfer, KvReceiver
+from kvfence.transfer import (
+    INTEGRITY_REASONS,
+    InboundState,
+    InboundTransfer,
+    KvReceiver,
+    node_tag,
+)
 from prefill_svc.service import node_stats
 
 from .batcher import ActiveSeq, DecodeBatcher
@@ -190,6 +199,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         receiver.idle_timeout_s = (
             cfg.transfer.endpoint_idle_timeout_s + cfg.transfer.batch_timeout_s
         )
+        # Its reservation ids name this node (module docstring): only an id of this node's
+        # previous process is NODE_RESTARTED, one of another (live) node stays an integrity
+        # violation. Set before any id is issued or hello served (both come after start).
+        receiver.node = node_tag(rt.node_id)
         self.tokenizer = tokenizer
         self.reservations: dict[str, DecodeReservation] = {}
         self.by_request: dict[str, str] = {}
@@ -357,8 +370,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise InvalidArgument("request already holds a reservation on this node")
         page_size = self.pool.page_size
         n = pages_needed(req.prompt_tokens + req.max_new_tokens, page_size)
-        # "<instance>.<uuid4 hex>": a transfer for a reservation made before this process
-        # restarted is told from a forged id by the instance (module docstring).
+        # "<node>.<instance>.<uuid4 hex>": a transfer for a reservation this node made before
+        # this process restarted is told from a forged or misrouted id by them (module docstring).
         rid = self.receiver.new_reservation_id()
         try:
             refs = self.pool.allocate(n, rid)

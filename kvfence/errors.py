@@ -22,9 +22,10 @@ NODE_DRAINING = "NODE_DRAINING"
 # transfer.reservation_timeout_s without its Decode, or by a Release): the request was too slow
 # or ended, nothing was read, so not an integrity failure. UNAVAILABLE: a retry reserves anew.
 RESERVATION_RELEASED = "RESERVATION_RELEASED"
-# A UCX hello for a reservation of another process of the decode node at that address (it
-# restarted in place since the Reserve: kvfence.transfer.reservation_instance): the node lost the
-# request, nothing was read, so not an integrity failure. UNAVAILABLE: a retry reserves anew.
+# A UCX hello, or a Decode, for a reservation of another process of the same decode node (same
+# node id: it restarted in place since the Reserve, kvfence.transfer.reservation_origin): the
+# node lost the request, nothing was read, so not an integrity failure. UNAVAILABLE: a retry
+# reserves anew. An id another decode node issued is not this (UNKNOWN_RESERVATION).
 NODE_RESTARTED = "NODE_RESTARTED"
 # A request ended because the API key it was sent with was revoked while it waited or ran.
 API_KEY_REVOKED = "API_KEY_REVOKED"

@@ -72,9 +72,11 @@ class Metrics:
     def __init__(self, service: str, *, auth_log_interval_s: float = AUTH_FAILURE_LOG_INTERVAL_S):
         self.service = service
         self.auth_log_interval_s = auth_log_interval_s
-        # credential_refused's log throttle per listener, and its latest refusal's details
-        self._auth_logs: dict[str, kvlog.BurstLog] = {}
-        self._auth_latest: dict[str, dict[str, str]] = {}
+        # credential_refused's log throttle per listener and method, and its latest refusal's
+        # details: per method, so that junk API keys on Generate (anyone can send them) cannot
+        # keep the public listener's one line busy and hide a wrong node token on Register
+        self._auth_logs: dict[tuple[str, str], kvlog.BurstLog] = {}
+        self._auth_latest: dict[tuple[str, str], dict[str, str]] = {}
         self._inner = CollectorRegistry(auto_describe=True)
         # What render() and the HTTP endpoint expose: the inner metrics plus the service label.
         self.registry = CollectorRegistry(auto_describe=False)
@@ -266,41 +268,39 @@ class Metrics:
         is one of AUTH_LISTENERS, ``method`` the RPC's name, ``status`` the refusal's code name,
         ``reason`` what was wrong, in words, and ``peer`` the caller's address
         (``context.peer()``). Never pass the credential, or anything derived from it: the log
-        line is for whoever reads the logs. The first refusal on a listener is logged at once,
-        later ones at most one line per ``auth_log_interval_s``, which says how many were refused
-        since the last (``refused``) and the latest one's method, status, reason and peer; the
-        rest of a burst is logged by a timer when the interval is over."""
+        line is for whoever reads the logs. The first refusal of a method on a listener is logged
+        at once, later ones at most one line per ``auth_log_interval_s`` per listener and method
+        (a bounded set: methods are the code's), which says how many were refused since the last
+        (``refused``) and the latest one's status, reason and peer; the rest of a burst is logged
+        by a timer when the interval is over."""
         if listener not in AUTH_LISTENERS:
             raise ValueError(f"listener {listener!r} is not one of {', '.join(AUTH_LISTENERS)}")
         self.auth_failures_total.labels(listener=listener, method=method, status=status).inc()
-        self._auth_latest[listener] = {
-            "method": method,
-            "status": status,
-            "reason": reason,
-            "peer": peer,
-        }
-        burst = self._auth_logs.get(listener)
+        key = (listener, method)
+        self._auth_latest[key] = {"status": status, "reason": reason, "peer": peer}
+        burst = self._auth_logs.get(key)
         if burst is None:
             burst = kvlog.BurstLog(
-                functools.partial(self._log_refused, listener), self.auth_log_interval_s
+                functools.partial(self._log_refused, listener, method), self.auth_log_interval_s
             )
-            self._auth_logs[listener] = burst
+            self._auth_logs[key] = burst
         burst.note()
 
     def flush_auth_log(self) -> None:
-        """Log the refusals since each listener's last line, if any: the timer's job (nothing
-        calls it at shutdown yet, so refusals of the last interval before a stop are counted, not
-        logged)."""
+        """Log the refusals since each listener's and method's last line, if any: the timer's
+        job (nothing calls it at shutdown yet, so refusals of the last interval before a stop are
+        counted, not logged)."""
         for burst in list(self._auth_logs.values()):
             burst.flush()
 
-    def _log_refused(self, listener: str, refused: int) -> None:
+    def _log_refused(self, listener: str, method: str, refused: int) -> None:
         log.warning(
             "credentials refused",
             listener=listener,
+            method=method,
             refused=refused,
             next_line_after_s=self.auth_log_interval_s,
-            **self._auth_latest[listener],
+            **self._auth_latest[(listener, method)],
         )
 
     def render(self) -> bytes:

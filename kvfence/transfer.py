@@ -68,20 +68,28 @@ not answer the hello (nothing of this transfer was sent but the hello), on a war
 the hello itself never left (its send failed), since pages went out right behind it. A refusal,
 a timeout or any later failure is final.
 
-Reservation ids and a restarted decode. Decode issues ids ``<instance>.<uuid4 hex>``
-(``KvReceiver.new_reservation_id``; :func:`reservation_instance` reads the instance), the
-instance 8 hex digits drawn once per receiver, i.e. per decode process. A decode container
-restarted in its pod listens at the same UCX address, so a transfer for a reservation of the
-previous process reaches the new one, its hello naming an id of another instance: decode refuses
-it ``NODE_RESTARTED`` and reports a ``transfer_failed`` with that reason (no integrity
-violation, no count), and prefill fails the call UNAVAILABLE, as for ``RESERVATION_RELEASED``:
-the node lost the request (DESIGN.md), and a retry reserves anew. An unknown id of this
-process's own instance, or of any other shape, stays ``UNKNOWN_RESERVATION``, an integrity
-violation (DATA_LOSS). No hello for an unknown id can be authenticated (the secret was the lost
-process's), so a peer on the UCX port can pick which of the two it causes: both are hello events
-bounded alike (decode_svc), and both drain at most ``UNKNOWN_RESERVATION_STRAYS`` stray pages. A
-restarted process that drew its predecessor's instance (one chance in 2**32) sees that
-predecessor's ids as its own: ``UNKNOWN_RESERVATION``.
+Reservation ids and a restarted decode. Decode issues ids ``<node>.<instance>.<uuid4 hex>``
+(``KvReceiver.new_reservation_id``; :func:`reservation_origin` reads the first two parts): the
+node part is the first 8 hex digits of a BLAKE2b hash of the decode node's id (:func:`node_tag`;
+``DecodeServicer`` gives its receiver its node's id), the instance 8 hex digits drawn once per
+receiver, i.e. per decode process. A decode container restarted in its pod keeps its node id
+(the Helm chart sets it to the pod name) and listens at the same UCX address, so a transfer for
+a reservation of the previous process reaches the new one, its hello naming an id of this node
+and another instance: decode refuses it ``NODE_RESTARTED`` and reports a ``transfer_failed``
+with that reason (no integrity violation, no count), and prefill fails the call UNAVAILABLE, as
+for ``RESERVATION_RELEASED``: the node lost the request (DESIGN.md), and a retry reserves anew.
+Any other unknown id stays ``UNKNOWN_RESERVATION``, an integrity violation (DATA_LOSS): one of
+this process's own instance, one another decode node issued (a misrouted transfer, a stale
+address: that node is alive, so nothing was lost to a restart), or one of any other shape,
+including the bare uuid4 hex ids of releases before the instance part (so the first in-place
+restart after upgrading from one still raises the alert for the requests then in flight). A node
+without a configured ``node.node_id`` is ``decode-<pid>``: a restart with another pid is another
+node. No hello for an unknown id can be authenticated (the secret was the lost process's), so a
+peer on the UCX port can pick which of the two it causes: both are hello events bounded alike
+(decode_svc), and both drain at most ``UNKNOWN_RESERVATION_STRAYS`` stray pages. A restarted
+process that drew its predecessor's instance (one chance in 2**32) sees that predecessor's ids
+as its own, and another node whose id hashes to this one's node part (one in 2**32 per pair) as
+this node's: ``UNKNOWN_RESERVATION`` for the first, ``NODE_RESTARTED`` for the second.
 
 The receiver decides where bytes land: a sender names only an index into *its* reservation's prompt
 pages, so a sender bug can at worst leave a reserved page unwritten or wrongly written — which the
@@ -190,16 +198,23 @@ RELEASED_REMEMBERED = 8192
 # sender is.
 UNKNOWN_RESERVATION_STRAYS = 16
 
-# A reservation id is "<instance>.<uuid4 hex>" (``KvReceiver.new_reservation_id``); the instance
-# is random per receiver, i.e. per decode process, so a hello naming an id of another instance is
-# for a reservation of the process that served this address before a restart.
-_RESERVATION_ID = re.compile(r"([0-9a-f]{8})\.[0-9a-f]{32}")  # instance: 4 random bytes
+# A reservation id is "<node>.<instance>.<uuid4 hex>" (``KvReceiver.new_reservation_id``): the
+# node part names the decode node (``node_tag``), the instance is random per receiver, i.e. per
+# decode process, so a hello naming an id of this node and another instance is for a reservation
+# of the process that served this node before a restart; one naming another node's is not.
+_RESERVATION_ID = re.compile(r"([0-9a-f]{8})\.([0-9a-f]{8})\.[0-9a-f]{32}")
 
 
-def reservation_instance(reservation_id: str) -> str | None:
-    """The instance part of a well-formed reservation id, None for any other string."""
+def node_tag(node_id: str) -> str:
+    """A decode node's part of its reservation ids: 8 hex digits of a hash of its node id (a
+    fixed width and alphabet whatever the id, and the same in every process of the node)."""
+    return hashlib.blake2b(node_id.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+
+
+def reservation_origin(reservation_id: str) -> tuple[str, str] | None:
+    """``(node, instance)`` of a well-formed reservation id, None for any other string."""
     m = _RESERVATION_ID.fullmatch(reservation_id)
-    return m.group(1) if m else None
+    return (m.group(1), m.group(2)) if m else None
 
 
 # Decode logs connections it closed unserved (KvReceiver._reject) at most once per this many
@@ -489,6 +504,7 @@ class KvReceiver:
         bind_host: str = "",
         max_unverified: int = 256,
         on_reject: Callable[[str], None] | None = None,
+        node_id: str | None = None,
     ):
         if max_unverified < 1:
             raise ValueError("max_unverified must be >= 1")
@@ -509,12 +525,16 @@ class KvReceiver:
         # Reservations this node issued and has since released (bounded, oldest dropped): a hello
         # for one of them is a transfer that came too late (the reservation expired or the
         # request was aborted), not a forged reservation id, and must not raise a security
-        # alarm. An id never issued here is still UNKNOWN_RESERVATION (one of another instance:
-        # NODE_RESTARTED, ``restarted``). Each id maps to how many prompt pages the reservation
-        # had: a late hello's stray pages are drained up to that.
+        # alarm. An id never issued here is still UNKNOWN_RESERVATION (one of this node's
+        # previous process: NODE_RESTARTED, ``restarted``). Each id maps to how many prompt pages
+        # the reservation had: a late hello's stray pages are drained up to that.
         self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
-        # This process's part of every reservation id it issues (``new_reservation_id``): an
-        # unknown id with another instance's part is a restart's lost reservation, not a forgery.
+        # This node's and this process's parts of every reservation id it issues
+        # (``new_reservation_id``): an unknown id with this node's part and another instance's is
+        # a restart's lost reservation, not a forgery; one with another node's part is neither.
+        # The node is the decode node's id (DecodeServicer sets it, ``node_tag``); by default the
+        # host it advertises, so that receivers made directly on different hosts differ.
+        self.node = node_tag(host if node_id is None else node_id)
         self.instance = secrets.token_hex(4)
         self._listener: Any = None
         self._stopped = False  # stop() began: a connection that reaches us now is not served
@@ -633,15 +653,16 @@ class KvReceiver:
         return t
 
     def new_reservation_id(self) -> str:
-        """A fresh reservation id: this receiver's instance, a dot, a uuid4 in hex."""
-        return f"{self.instance}.{uuid.uuid4().hex}"
+        """A fresh reservation id: this receiver's node part, a dot, its instance, a dot, a uuid4
+        in hex."""
+        return f"{self.node}.{self.instance}.{uuid.uuid4().hex}"
 
     def restarted(self, reservation_id: str) -> bool:
-        """Whether ``reservation_id`` has the shape of an id another receiver issued (another
-        decode process at this address, before a restart); ids of this one, and ids of any other
-        shape, do not."""
-        instance = reservation_instance(reservation_id)
-        return instance is not None and instance != self.instance
+        """Whether ``reservation_id`` has the shape of an id another process of this same node
+        issued (before a restart): this node's part, another instance. Ids of this process, of
+        another node (a misrouted transfer: that node is alive) and of any other shape do not."""
+        origin = reservation_origin(reservation_id)
+        return origin is not None and origin[0] == self.node and origin[1] != self.instance
 
     def released(self, reservation_id: str) -> bool:
         """Whether ``reservation_id`` is one this receiver expected and has forgotten since
@@ -770,8 +791,10 @@ class KvReceiver:
             if self.released(rid):
                 problem = RESERVATION_RELEASED
             elif self.restarted(rid):
-                # Reserved on this node's previous process (a container restarted in place): the
-                # node lost the request, which DESIGN.md makes UNAVAILABLE, not a security event.
+                # Reserved on this node's previous process (a container restarted in place, same
+                # node id): the node lost the request, which DESIGN.md makes UNAVAILABLE, not a
+                # security event. Another node's id is not this: that node is alive, the hello
+                # was misrouted or forged, UNKNOWN_RESERVATION below.
                 problem = NODE_RESTARTED
             else:
                 problem = "UNKNOWN_RESERVATION"

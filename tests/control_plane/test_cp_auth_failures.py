@@ -93,13 +93,20 @@ async def test_wrong_node_tokens_are_counted_and_logged_once_per_interval(
             else:
                 md = bearer_metadata(WRONG_NODE_TOKEN)
                 await refused(registry_stub.Heartbeat(heartbeat, metadata=md))
-        # the rest of the burst is not logged call by call, but counted, every one
-        assert len(lines(logs)) == 1
+        # the rest of the burst is not logged call by call (Heartbeat's first is: each method
+        # has its own line), but counted, every one
+        assert [(e["method"], e["refused"]) for e in lines(logs)] == [
+            ("Register", 1),
+            ("Heartbeat", 1),
+        ]
         assert failures(metrics, "public", "Register", "UNAUTHENTICATED") == 1 + (N - 1) // 2
         assert failures(metrics, "public", "Heartbeat", "UNAUTHENTICATED") == N // 2
         metrics.flush_auth_log()  # what the timer does when the interval is over
         metrics.flush_auth_log()  # nothing new since: no line
-    assert [e["refused"] for e in lines(logs)] == [1, N - 1]
+    assert [(e["method"], e["refused"]) for e in lines(logs)[2:]] in (
+        [("Register", (N - 1) // 2), ("Heartbeat", N // 2 - 1)],
+        [("Heartbeat", N // 2 - 1), ("Register", (N - 1) // 2)],
+    )
     assert cluster.cp.registry.nodes() == nodes  # nothing was registered or refreshed
     assert all(WRONG_NODE_TOKEN not in str(e) for e in logs)
     assert WRONG_NODE_TOKEN not in metrics.render().decode()
@@ -136,10 +143,15 @@ async def test_refused_admin_credentials_are_counted_and_logged_once_per_interva
         # a live tenant key is answered PERMISSION_DENIED, and counted too
         denied = grpc.StatusCode.PERMISSION_DENIED
         await refused(admin.CreateKey(control_pb2.CreateKeyRequest(), metadata=tenant_key), denied)
-        assert len(lines(logs)) == 1
+        # each method's first refusal at once, ListTenants' later ones not yet
+        assert [(e["method"], e["refused"]) for e in lines(logs)] == [
+            ("ListTenants", 1),
+            ("CheckConfig", 1),
+            ("CreateKey", 1),
+        ]
         metrics.flush_auth_log()
-    assert [e["refused"] for e in lines(logs)] == [1, N - 1]
-    last = lines(logs)[1]
+    assert [(e["method"], e["refused"]) for e in lines(logs)[3:]] == [("ListTenants", N - 3)]
+    last = lines(logs)[2]
     assert last["method"] == "CreateKey" and last["status"] == "PERMISSION_DENIED"
     assert last["reason"] == "a tenant API key"
     assert failures(metrics, "admin", "ListTenants", "UNAUTHENTICATED") == N - 2
@@ -164,18 +176,41 @@ async def test_refused_api_keys_are_counted_and_logged_on_the_public_listener(
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(KvfenceError):
             await cluster.client(wrong).list_models()
-        [first] = lines(logs)
+        first, models = lines(logs)  # the second Generate waits for Generate's next line
         assert (first["method"], first["reason"]) == ("Generate", "wrong or revoked API key")
+        assert (models["method"], models["refused"]) == ("ListModels", 1)
         # control: the tenant's key
         assert (await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=2)).token_ids
         assert await cluster.client().list_models()
         metrics.flush_auth_log()
-    assert [e["refused"] for e in lines(logs)] == [1, 2]
-    assert lines(logs)[1]["method"] == "ListModels"
+    assert [(e["method"], e["refused"]) for e in lines(logs)[2:]] == [("Generate", 1)]
+    assert lines(logs)[2]["reason"] == "no API key"
     assert failures(metrics, "public", "Generate", "UNAUTHENTICATED") == 2
     assert failures(metrics, "public", "ListModels", "UNAUTHENTICATED") == 1
     assert all_failures(metrics) == 3
     assert all(wrong not in str(e) for e in logs) and wrong not in metrics.render().decode()
+
+
+async def test_junk_api_keys_do_not_hide_a_wrong_node_token_from_the_log() -> None:
+    """Anyone can send Generate with junk keys: with one log line per listener, a flood of them
+    kept the public listener's line busy and a Register with a wrong node token was only ever
+    named in the metric. Each method has its own line: Register's first is logged at once.
+    Control: the Generate flood itself is logged once, then counted."""
+    metrics = Metrics("control-plane", auth_log_interval_s=60.0)
+    peer = "ipv4:10.0.0.9:5555"
+    with capture_logs() as logs:
+        for _ in range(N):
+            metrics.credential_refused(
+                listener="public", method="Generate", status="UNAUTHENTICATED",
+                reason="wrong or revoked API key", peer=peer,
+            )  # fmt: skip
+        metrics.credential_refused(
+            listener="public", method="Register", status="UNAUTHENTICATED",
+            reason="wrong node token", peer="ipv4:10.0.0.7:4444",
+        )  # fmt: skip
+    assert [(e["method"], e["refused"]) for e in lines(logs)] == [("Generate", 1), ("Register", 1)]
+    assert lines(logs)[1]["peer"] == "ipv4:10.0.0.7:4444"
+    assert failures(metrics, "public", "Generate", "UNAUTHENTICATED") == N
 
 
 async def test_the_admin_token_counts_nothing(cluster: Cluster) -> None:

@@ -36,7 +36,16 @@ from kvfence.proto.kvfence.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from kvfence.transfer import KvReceiver, reservation_instance
+from kvfence.transfer import (
+    INTEGRITY_REASONS,
+    KvReceiver,
+    OutboundPage,
+    TransferError,
+    node_tag,
+    page_buffer,
+    reservation_origin,
+    send_pages,
+)
 from prefill_svc.batcher import PrefillBatcher
 
 PROMPT = list(range(3, 40))  # 37 tokens: 3 pages of 16
@@ -87,18 +96,91 @@ async def stream_outcome(call: Any) -> tuple[grpc.StatusCode, str | None]:
 # ---- 1. a decode restarted at the same UCX address -------------------------------------------
 
 
-def test_reservation_ids_name_their_receiver_instance():
+def test_reservation_ids_name_their_receiver_node_and_instance():
     pool = PagePool(4, num_layers=1, page_size=16, num_kv_heads=1, head_dim=8)
-    a = KvReceiver(pool, host="127.0.0.1", max_batch_bytes=1, batch_timeout_s=1, report=print)
-    b = KvReceiver(pool, host="127.0.0.1", max_batch_bytes=1, batch_timeout_s=1, report=print)
-    assert a.instance != b.instance
+
+    def receiver(node_id: str | None, host: str = "127.0.0.1") -> KvReceiver:
+        return KvReceiver(
+            pool, host=host, max_batch_bytes=1, batch_timeout_s=1, report=print, node_id=node_id
+        )
+
+    a = receiver("decode-0")  # decode-0's process...
+    a2 = receiver("decode-0")  # ...and the one that replaced it in place (same node id)
+    b = receiver("decode-1")  # another decode node, alive
+    assert a.instance != a2.instance and a.node == a2.node == node_tag("decode-0") != b.node
     rid = a.new_reservation_id()
-    assert reservation_instance(rid) == a.instance
-    assert b.restarted(rid)  # another process's id
+    assert reservation_origin(rid) == (a.node, a.instance)
+    assert a2.restarted(rid)  # the same node's previous process: NODE_RESTARTED
+    # Another node's id is not a restart (a misrouted transfer, decode-0 is alive): it stays
+    # UNKNOWN_RESERVATION, and this whatever the instance part says.
+    assert not b.restarted(rid)
+    assert not b.restarted(f"{a.node}.{b.instance}.{'0' * 32}")
     assert not a.restarted(rid)  # its own: unknown there is still UNKNOWN_RESERVATION
     assert not a.restarted(a.new_reservation_id())
-    for other in ("nope", uuid.uuid4().hex, f"{b.instance}.", f"{b.instance.upper()}.{'0' * 32}"):
-        assert reservation_instance(other) is None and not a.restarted(other)
+    legacy = uuid.uuid4().hex  # the shape before ids named a node and instance
+    for other in (
+        "nope",
+        legacy,
+        f"{a2.instance}.{legacy}",  # the "<instance>.<uuid>" shape of e70759b: no node part
+        f"{a.node}.{a2.instance}.",
+        f"{a.node}.{a2.instance.upper()}.{'0' * 32}",
+    ):
+        assert reservation_origin(other) is None and not a2.restarted(other)
+    # Made directly without a node id, a receiver is the node of the host it advertises: two on
+    # different hosts are different nodes, two on one host the same one.
+    h1, h2, h1b = receiver(None, "10.0.0.5"), receiver(None, "10.0.0.6"), receiver(None, "10.0.0.5")
+    assert not h2.restarted(h1.new_reservation_id())
+    assert h1b.restarted(h1.new_reservation_id())
+
+
+async def test_a_hello_for_another_nodes_reservation_is_an_integrity_violation():
+    """A transfer for a reservation another, live, decode node issued that reaches this one (a
+    misrouted request, a stale address) is refused UNKNOWN_RESERVATION, an integrity violation,
+    as for any id this node never issued; the control, the same node's previous process's id, is
+    NODE_RESTARTED, a failed transfer."""
+    pool = PagePool(4, num_layers=1, page_size=16, num_kv_heads=1, head_dim=8)
+    events: list[tuple[str, dict[str, Any]]] = []
+    rx = KvReceiver(
+        pool,
+        host="127.0.0.1",
+        max_batch_bytes=1 << 20,
+        batch_timeout_s=5,
+        report=lambda kind, payload: events.append((kind, payload)),
+        node_id="decode-y",
+    )
+    await rx.start()
+    try:
+
+        def issued_by(node_id: str) -> str:
+            return KvReceiver(
+                pool, host="127.0.0.1", max_batch_bytes=1, batch_timeout_s=1, report=print,
+                node_id=node_id,
+            ).new_reservation_id()  # fmt: skip
+
+        source = torch.ones(pool.kv.shape[1:])
+        page_bytes = source.numel() * source.element_size()
+        for rid, kind, field, reason in (
+            (issued_by("decode-x"), "integrity_violation", "check", "UNKNOWN_RESERVATION"),
+            (issued_by("decode-y"), "transfer_failed", "reason", NODE_RESTARTED),  # control
+        ):
+            events.clear()
+            with pytest.raises(TransferError) as err:
+                await send_pages(
+                    rx.address,
+                    reservation_id=rid,
+                    request_id="r",
+                    secret=b"k" * 32,
+                    pages=[OutboundPage(0, page_buffer(source))],
+                    page_bytes=page_bytes,
+                    max_batch_bytes=1 << 20,
+                    batch_timeout_s=5,
+                )
+            assert err.value.reason == reason
+            assert (err.value.reason in INTEGRITY_REASONS) == (kind == "integrity_violation")
+            assert events == [(kind, {field: reason, "reservation_id": rid, "stage": "ucx_hello"})]
+        assert pool.num_free == pool.num_pages
+    finally:
+        await rx.stop()
 
 
 async def test_decode_restarted_in_place_is_unavailable_not_an_integrity_failure(
@@ -141,11 +223,18 @@ async def test_decode_restarted_in_place_is_unavailable_not_an_integrity_failure
                 assert integrity_count(pre.metrics) == 0
 
                 # Its Decode (had the transfer gone before the restart): UNAVAILABLE as well, and
-                # the control, an unknown id of the running process, is DATA_LOSS RESERVATION.
+                # the controls, an unknown id of the running process and one another decode node
+                # issued (here its instance even the old process's: only the node part differs),
+                # are DATA_LOSS RESERVATION, an integrity failure.
+                _, old_instance = reservation_origin(old.reservation_id) or ("", "")
                 for rid, expected in (
                     (old.reservation_id, (grpc.StatusCode.UNAVAILABLE, NODE_RESTARTED)),
                     (
-                        f"{dec2.receiver.instance}.{uuid.uuid4().hex}",
+                        f"{dec2.receiver.node}.{dec2.receiver.instance}.{uuid.uuid4().hex}",
+                        (grpc.StatusCode.DATA_LOSS, "RESERVATION"),
+                    ),
+                    (
+                        f"{node_tag('decode-elsewhere')}.{old_instance}.{uuid.uuid4().hex}",
                         (grpc.StatusCode.DATA_LOSS, "RESERVATION"),
                     ),
                 ):
@@ -162,16 +251,24 @@ async def test_decode_restarted_in_place_is_unavailable_not_an_integrity_failure
                     assert integrity_count(dec2.metrics) == before + (rid != old.reservation_id)
                 events.clear()
 
-                # Controls: an id this process never issued, of its own instance or of no
-                # instance at all, is still a forged hello: DATA_LOSS and an integrity violation.
+                # Controls: an id this process never issued, of its own instance, of another
+                # decode node (with the old process's instance), or of no recognised shape (the
+                # bare uuid4 hex of releases before node and instance parts among them), is still
+                # a forged hello: DATA_LOSS and an integrity violation.
                 res = await dstub2.Reserve(
                     decode_pb2.ReserveRequest(
                         request_id="r2", tenant_id="t-c", prompt_tokens=len(PROMPT),
                         max_new_tokens=4,
                     )
                 )  # fmt: skip
-                assert reservation_instance(res.reservation_id) == dec2.receiver.instance
-                forged_ids = [f"{dec2.receiver.instance}.{uuid.uuid4().hex}", "not-an-id"]
+                node = node_tag(dec2.rt.node_id)
+                assert reservation_origin(res.reservation_id) == (node, dec2.receiver.instance)
+                forged_ids = [
+                    f"{node}.{dec2.receiver.instance}.{uuid.uuid4().hex}",
+                    f"{node_tag('decode-elsewhere')}.{old_instance}.{uuid.uuid4().hex}",
+                    uuid.uuid4().hex,
+                    "not-an-id",
+                ]
                 base = integrity_count(dec2.metrics)  # the Decode control's
                 for n, forged_id in enumerate(forged_ids, start=1):
                     events.clear()
