@@ -3,7 +3,9 @@
 Each refusal has its valid neighbour beside it, which still renders (and passes
 kubernetes_validate): UCX's TCP port ranges behind the NetworkPolicy, the node Deployments'
 rollout strategy where pods hold devices, the pods' seccomp profile (Pod Security "restricted"),
-controlPlane.maxDeadlineS against defaultDeadlineS, and the PodMonitor's Prometheus durations.
+controlPlane.maxDeadlineS against defaultDeadlineS, controlPlane.admissionQueuePerTenant against
+admissionQueue, controlPlane.maxRequestBytes against kvfence's bounds, and the PodMonitor's
+Prometheus durations.
 """
 
 from __future__ import annotations
@@ -458,6 +460,88 @@ def test_a_default_deadline_over_the_maximum_is_refused(helm_home: Path, tmp_pat
 )
 def test_deadlines_out_of_kvfences_bounds_are_refused(helm_home: Path, bad: str) -> None:
     assert f"/controlPlane/{bad.split('.')[1].split('=')[0]}" in refused(helm_home, [bad])
+
+
+# --- admission queue and request size ----------------------------------------------------------
+
+
+def control_plane_of(docs: list[dict]) -> tuple[ControlPlaneConfig, dict]:
+    """The control plane's config as kvfence loads it, and its section as the chart wrote it."""
+    raw = yaml.safe_load(find(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"])
+    return parse_config(raw, environ={}).control_plane, raw["control_plane"]
+
+
+def hook_passes(docs: list[dict], tmp_path: Path) -> None:
+    proc = check_config_static(hook_config(docs), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_lowered_admission_queue_alone_passes_the_hook(helm_home: Path, tmp_path: Path) -> None:
+    """kvfence refuses an admission_queue_per_tenant set over admission_queue, and cuts its unset
+    default (64) to a lowered queue: the chart leaves the key out unless it is set, so lowering
+    admissionQueue alone renders a config kvfence and its hook take, with the share cut to it."""
+    # control: the defaults, as kvfence's own
+    docs = render(helm_home)
+    cp, _ = control_plane_of(docs)
+    assert (cp.admission_queue, cp.admission_queue_per_tenant) == (256, 64)
+    hook_passes(docs, tmp_path)
+    docs = render(helm_home, sets=["controlPlane.admissionQueue=32"])
+    cp, raw = control_plane_of(docs)
+    assert "admission_queue_per_tenant" not in raw
+    assert (cp.admission_queue, cp.admission_queue_per_tenant) == (32, 32)
+    hook_passes(docs, tmp_path)
+
+
+def test_a_per_tenant_share_over_the_admission_queue_is_refused(
+    helm_home: Path, tmp_path: Path
+) -> None:
+    """Set explicitly, a share over the queue is what kvfence refuses at start: the chart says so
+    at render, naming both values."""
+    err = refused(
+        helm_home, ["controlPlane.admissionQueue=32", "controlPlane.admissionQueuePerTenant=64"]
+    )
+    assert "controlPlane.admissionQueuePerTenant 64 exceeds controlPlane.admissionQueue 32" in err
+    # control: a share equal to the queue, or under it, is written as set and passes the hook
+    for share in (32, 8):
+        docs = render(
+            helm_home,
+            sets=[
+                "controlPlane.admissionQueue=32",
+                f"controlPlane.admissionQueuePerTenant={share}",
+            ],
+        )
+        cp, raw = control_plane_of(docs)
+        assert raw["admission_queue_per_tenant"] == cp.admission_queue_per_tenant == share
+        hook_passes(docs, tmp_path)
+
+
+def test_max_request_bytes_reaches_the_config_the_hook_checks(
+    helm_home: Path, tmp_path: Path
+) -> None:
+    """controlPlane.maxRequestBytes is written to the config file, which the pre-install hook
+    checks (controlPlane.env never reaches it); null leaves kvfence's default."""
+    cp, raw = control_plane_of(render(helm_home))  # control: the default, kvfence's own
+    assert "max_request_bytes" not in raw
+    assert cp.max_request_bytes == ControlPlaneConfig().max_request_bytes == 16 << 20
+    for size in (64 << 10, 1 << 20, 64 << 20):  # kvfence's bounds are inclusive
+        docs = render(helm_home, sets=[f"controlPlane.maxRequestBytes={size}"])
+        cp, raw = control_plane_of(docs)
+        assert raw["max_request_bytes"] == cp.max_request_bytes == size
+        hook_passes(docs, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "controlPlane.maxRequestBytes=65535",
+        "controlPlane.maxRequestBytes=67108865",
+        "controlPlane.maxRequestBytes=16MiB",
+        "controlPlane.maxRequestBytes=0",
+    ],
+)
+def test_max_request_bytes_out_of_kvfences_bounds_is_refused(helm_home: Path, bad: str) -> None:
+    # what kvfence would refuse at start (64 KiB..64 MiB), in every pod reading the config
+    assert "/controlPlane/maxRequestBytes" in refused(helm_home, [bad])
 
 
 # --- PodMonitor interval -----------------------------------------------------------------------

@@ -237,6 +237,22 @@ refuses it at start, and the pre-install hook with it); JSON schema cannot compa
 {{- end }}
 
 {{/*
+control_plane.admission_queue_per_tenant, when set, must not exceed control_plane.admission_queue
+(kvfence/config.py refuses it at start, and the pre-install hook with it: without the hook,
+configCheck.enabled=false, the control plane would crash-loop). Left null the chart does not
+write the key, and kvfence cuts its default, 64, to a lower admission_queue; JSON schema cannot
+compare two values.
+*/}}
+{{- define "kvfence.checkAdmissionQueue" -}}
+{{- $cp := .Values.controlPlane }}
+{{- if not (kindIs "invalid" $cp.admissionQueuePerTenant) }}
+{{- if gt (int64 $cp.admissionQueuePerTenant) (int64 $cp.admissionQueue) }}
+{{- fail (printf "controlPlane.admissionQueuePerTenant %v exceeds controlPlane.admissionQueue %v: one tenant's share of the queue cannot be larger than the queue, and kvfence refuses the config at start; lower admissionQueuePerTenant, or leave it null (64, cut to admissionQueue when that is lower)" $cp.admissionQueuePerTenant $cp.admissionQueue) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 control_plane.refused_room_max_s must be at most half of transfer.reservation_timeout_s
 (kvfence/config.py, refused_room_bound_s, refuses it at start, and the pre-install hook with it:
 the chart always sets the key, so kvfence never cuts its default down for it); JSON schema cannot
@@ -353,6 +369,7 @@ kvfence.checkUcxPortRange; ROLE "control-plane" checks controlPlane.ports.
 {{- include "kvfence.checkMqttAuth" . }}
 {{- include "kvfence.checkMqttTls" . }}
 {{- include "kvfence.checkDeadlines" . }}
+{{- include "kvfence.checkAdmissionQueue" . }}
 {{- include "kvfence.checkRefusedRoom" . }}
 {{- include "kvfence.checkNodeTimeout" . }}
 {{- $m := .Values.model -}}
@@ -400,7 +417,10 @@ control_plane:
   address: {{ printf "%s:%d" (include "kvfence.controlPlaneHost" .) (int $cp.ports.grpc) | quote }}
   state_dir: /var/lib/kvfence
   admission_queue: {{ int64 $cp.admissionQueue }}
+  {{- /* only when set: kvfence's default, 64, is then cut to a lower admission_queue */}}
+  {{- if not (kindIs "invalid" $cp.admissionQueuePerTenant) }}
   admission_queue_per_tenant: {{ int64 $cp.admissionQueuePerTenant }}
+  {{- end }}
   no_node_wait_s: {{ $cp.noNodeWaitS }}
   failures_to_cool: {{ int64 $cp.failuresToCool }}
   failure_cooldown_s: {{ $cp.failureCooldownS }}
@@ -409,6 +429,10 @@ control_plane:
   max_deadline_s: {{ $cp.maxDeadlineS }}
   heartbeat_interval_s: {{ $cp.heartbeatIntervalS }}
   node_timeout_s: {{ $cp.nodeTimeoutS }}
+  {{- /* here, not in controlPlane.env, so that the pre-install hook checks it */}}
+  {{- if not (kindIs "invalid" $cp.maxRequestBytes) }}
+  max_request_bytes: {{ int64 $cp.maxRequestBytes }}
+  {{- end }}
   admin_token_file: /etc/kvfence/admin/{{ .Values.adminToken.key }}
   node_token_file: /etc/kvfence/node/{{ .Values.nodeToken.key }}
 events:
