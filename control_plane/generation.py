@@ -19,15 +19,19 @@ already cut to ``max_deadline_s``) and ends DEADLINE_EXCEEDED when the client ha
 answer by then, dropping what it did not write; an interrupt (AbortRequest, a revoked key,
 shutdown) or the pipeline's error ends a write in progress at once. Without that, unread streams
 were admitted beyond the tenant's limit, unseen by ListRequests and out of AbortRequest's reach,
-each holding its answer for as long as the client kept its connection.
+each holding its answer for as long as the client kept its connection. A stopping control plane
+gives these handlers its grace period too (``settle``), as it does the pipelines, before it
+interrupts them. A handler that ends its RPC with an error waits for grpc to send the status at
+most ABORT_WAIT_S (grpc sends it after the messages already written, so only once the client has
+read them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Callable
-from typing import NoReturn
 
 import grpc
 
@@ -61,6 +65,16 @@ def is_final(msg: client_pb2.GenerateResponse) -> bool:
 # 4 MiB a client of another gRPC library accepts by default, and would be built on the event loop
 # in one go.
 MAX_IDS_PER_MESSAGE = 4096
+
+# How long a handler that ends its RPC with an error waits for grpc to send the status (``_end``).
+# grpc sends it after the messages already written, so to a client that does not read it waits
+# until the client does or goes: with keepalive pings, for good, one handler (its request's prompt
+# included) per such request. Past this the handler returns; the status stays queued in grpc, and
+# a client that reads later still gets it after those messages. (grpc.aio has no way for a
+# handler to reset its stream: a handler that returns, raises or is cancelled leaves the call open
+# until the client reads or goes, with the part of the answer grpc took: as much as the client's
+# flow-control window allowed.)
+ABORT_WAIT_S = 2.0
 
 
 class PendingAnswer:
@@ -179,12 +193,19 @@ class StreamRun(Run):
 
     def __init__(self, record: RequestRecord, key_sha256: str = "", tenant: Tenant | None = None):
         super().__init__(record, key_sha256, tenant)
-        self.answered = False  # the handler has decided the status (``_answered``)
+        # Set once the handler has decided the status (``GenerationServicer._answered``): what a
+        # stopping control plane waits for, within its grace, besides the pipeline's task.
+        self.decided = asyncio.Event()
         self.stopped: KvfenceError | None = None  # what the handler ends with, writing or not
         self.writing = False  # in context.write
         # The handler's deadline timer while it serves the stream: rescheduled to now, it ends
         # the handler's wait or write (TimeoutError, and the handler answers ``stopped``).
         self.timer: asyncio.Timeout | None = None
+
+    @property
+    def answered(self) -> bool:
+        """The handler has decided the RPC's status (it may still be sending it)."""
+        return self.decided.is_set()
 
     @property
     def live(self) -> bool:
@@ -246,6 +267,25 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         self._list_models = list_models
         self.tasks: set[asyncio.Task[None]] = set()
 
+    async def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the requests in flight now to end: their pipelines
+        (``tasks``: the releases on the nodes included) and their handlers' writing
+        (``StreamRun.decided``). A request whose pipeline finished while its client was still
+        reading its answer has no task left, and its answer must not be cut before the grace
+        period is over. Returns early once they all have."""
+        tasks = set(self.tasks)
+        runs = [r for r in self.table if isinstance(r, StreamRun) and not r.answered]
+
+        async def settled() -> None:
+            if tasks:
+                await asyncio.wait(tasks)
+            for run in runs:
+                await run.decided.wait()
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await settled()
+
     async def Generate(
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
@@ -288,7 +328,7 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
                 finally:
                     run.timer = None
             if failed is not None:
-                # Outside the timer: an abort that waits (``_end``) is not cut short.
+                # Outside the timer: an abort that waits has its own bound (``_end``).
                 await self._end(run, answer, context, failed)
         except TimeoutError:
             why = run.stopped
@@ -353,18 +393,29 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
         answer: PendingAnswer,
         context: grpc.aio.ServicerContext,
         err: KvfenceError,
-    ) -> NoReturn:
+    ) -> None:
         """End the RPC with ``err``. The request is answered first: grpc sends the status after
         the messages already written, so the abort waits for a client that does not read until it
         does or goes (no deadline of grpc's own bounds it), and the run must not count, nor its
-        unwritten tokens stay held, meanwhile."""
+        unwritten tokens stay held, meanwhile. The handler itself waits ABORT_WAIT_S at most, then
+        returns (logged): the status is still sent if the client reads."""
         self._answered(run, answer)
-        await abort(context, err)
+        try:
+            async with asyncio.timeout(ABORT_WAIT_S):
+                await abort(context, err)
+        except TimeoutError:
+            log.info(
+                "status not taken by the client",
+                request_id=run.record.request_id,
+                tenant_id=run.record.tenant_id,
+                code=err.code.name,
+                waited_s=ABORT_WAIT_S,
+            )
 
     def _answered(self, run: StreamRun, answer: PendingAnswer) -> None:
         """The handler has decided the request's status: the run leaves the table once its
         pipeline has ended too (``_run``), and what was not written is dropped."""
-        run.answered = True
+        run.decided.set()
         answer.drop()
         if run.done.is_set():
             self.table.remove(run)

@@ -4,7 +4,8 @@ The run stays in the request table, counted against its tenant's max_concurrent_
 within AbortRequest's reach, until its handler has decided the status; the writing is bounded by
 the request's deadline. The handler runs here with a context whose writes wait until the test
 lets the client "read": what a gRPC stream does once the client's flow-control window is full
-(the status too waits behind the messages already written, as grpc sends it after them).
+(the status too waits behind the messages already written, as grpc sends it after them). The
+last test runs a real gRPC channel whose client does not read, against a fake pipeline.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import pytest
 import structlog
 from cp_harness import Cluster, eventually, make_cluster
 
+from control_plane import generation
+from control_plane.generation import MAX_IDS_PER_MESSAGE
 from control_plane.lifecycle import RequestState
 from control_plane.tenants import TenantLimits
+from kvfence.auth import bearer_metadata
 from kvfence.client import build_request
-from kvfence.errors import ResourceExhausted
-from kvfence.proto.kvfence.v1 import client_pb2, control_pb2
+from kvfence.errors import KvfenceError, ResourceExhausted, Unavailable
+from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, control_pb2
 
 DEADLINE_S = 1.0
 NEW_TOKENS = 8  # the fake decode sends 3 a message: the first write waits, the rest pile up
@@ -195,3 +199,109 @@ async def test_abort_request_ends_a_stream_whose_client_does_not_read(
         if not handler.done():
             handler.cancel()
         await asyncio.gather(handler, return_exceptions=True)
+
+
+class BigAnswer:
+    """A pipeline that emits MESSAGES token messages of about 32 KB each, far more than a client's
+    64 KiB stream window without BDP probing, then ends with ``end``: an error it raises, or
+    (None) the final message."""
+
+    MESSAGES = 8
+
+    def __init__(self, end: KvfenceError | None, *, in_a_write: bool = False):
+        self.end = end
+        self.in_a_write = in_a_write
+
+    async def execute(self, run: Any, request: Any, deadline: float, emit: Any) -> None:
+        for _ in range(self.MESSAGES):
+            ids = list(range(20000, 20000 + MAX_IDS_PER_MESSAGE))
+            emit(
+                client_pb2.GenerateResponse(
+                    request_id=run.record.request_id,
+                    token_ids=ids,
+                    text="word " * MAX_IDS_PER_MESSAGE,
+                )
+            )
+        if self.end is not None:
+            # in_a_write: fails once a write waits for the client, so the answer is the error
+            # (StreamRun.stop), not the tokens ahead of it; else the error follows the tokens.
+            while self.in_a_write and not run.writing:
+                await asyncio.sleep(0.005)
+            run.record.state = RequestState.FAILED  # what the real pipeline ends in
+            raise self.end
+        run.record.state = RequestState.FINISHED
+        emit(
+            client_pb2.GenerateResponse(
+                request_id=run.record.request_id,
+                finish_reason="length",
+                usage=client_pb2.Usage(completion_tokens=self.MESSAGES * MAX_IDS_PER_MESSAGE),
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    ("end", "reads"),
+    [("deadline", False), ("error", False), ("error", True)],
+    ids=["deadline-unread", "error-unread", "control-error-reads"],
+)
+async def test_a_status_the_client_does_not_read_does_not_hold_the_handler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str, reads: bool
+) -> None:
+    """A real gRPC channel whose client does not read. grpc sends a status after the messages
+    already written, so the handler's abort (its deadline passed, or the pipeline failed) waited
+    until the client read or went: with keepalive pings, for good, one handler per such request.
+    Now the handler gives up after ABORT_WAIT_S (logged "status not taken by the client"); the
+    status stays queued in grpc, and the client, when it reads at last, gets the messages sent
+    and then that status. Control: a client that reads gets the error status as before, and the
+    handler ends with it (nothing logged)."""
+    monkeypatch.setattr(generation, "ABORT_WAIT_S", 1.0)
+    c = await make_cluster(tmp_path, default_deadline_s=0.5)
+    error = Unavailable("decode node lost")
+    pipeline = BigAnswer(error if end == "error" else None, in_a_write=not reads)
+    monkeypatch.setattr(c.cp.generation, "pipeline", pipeline)
+    # No BDP probing: the client's stream window stays at 64 KiB, so the writes wait for it.
+    channel = grpc.aio.insecure_channel(c.target, options=[("grpc.http2.bdp_probe", 0)])
+    call = client_pb2_grpc.GenerationStub(channel).Generate(
+        build_request(None, [5, 6, 7], max_new_tokens=NEW_TOKENS),
+        metadata=bearer_metadata(c.api_key),
+    )
+    received: list[client_pb2.GenerateResponse] = []
+
+    async def read_all() -> grpc.StatusCode:
+        try:
+            async for msg in call:
+                received.append(msg)
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    try:
+        with structlog.testing.capture_logs() as logs:
+            if reads:
+                code = await asyncio.wait_for(read_all(), 5)
+                await eventually(lambda: not c.cp.table)
+            else:
+                await eventually(
+                    lambda: any(e["event"] == "status not taken by the client" for e in logs),
+                    timeout=5,
+                )
+                code = await asyncio.wait_for(read_all(), 5)  # the client reads at last
+        gave_up = [e for e in logs if e["event"] == "status not taken by the client"]
+        expected = (
+            grpc.StatusCode.UNAVAILABLE if end == "error" else grpc.StatusCode.DEADLINE_EXCEEDED
+        )
+        assert code == expected
+        assert received
+        if reads:
+            assert len(received) == BigAnswer.MESSAGES  # every token, then the error
+            assert not gave_up
+        else:
+            assert len(received) < BigAnswer.MESSAGES  # grpc took no more: the writes waited
+            [line] = gave_up
+            assert line["code"] == expected.name
+            assert line["request_id"].startswith("req-")
+            assert not c.cp.table
+    finally:
+        call.cancel()
+        await channel.close(None)
+        await c.close()
