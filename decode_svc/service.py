@@ -23,8 +23,10 @@ A ``Decode`` for a reservation this node has already released (reaped after
 waited for the transfer) is refused UNAVAILABLE, reason ``RESERVATION_RELEASED``, without any
 manifest check and with no integrity failure reported (no event, no count): it is a late
 ``Decode``, not a forgery.
-A ``Decode`` whose request or tenant id is not its reservation's fails check 1 (DATA_LOSS) and
-leaves that reservation as it was: it is not that request's to decode or to give back.
+A ``Decode`` whose request id is not its reservation's fails check 1 (DATA_LOSS) and leaves that
+reservation as it was: it is not that request's to decode or to give back. One for the right
+request under another tenant's name (in the call or in its manifest) fails check 1 as a forged
+manifest does: quarantined, reported and released.
 The integrity log lines of a reservation carry the reservation's own request and tenant ids; a
 ``Decode`` that claimed other ones is logged with them as ``claimed_request_id`` /
 ``claimed_tenant_id``.
@@ -428,14 +430,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 "the node restarted since",
                 reason=NODE_RESTARTED,
             )
-        if res is not None and (res.request_id, res.tenant_id) != (
-            request.request_id,
-            request.tenant_id,
-        ):
-            # Never act on another request's reservation, nor on this one under another
-            # tenant's name: check 1 (same request and tenant) then fails with DATA_LOSS and the
-            # reservation stays as it was. Decode's log lines bind the call's claimed ids.
-            res = None
+        if res is not None and res.request_id != request.request_id:
+            res = None  # never act on another request's reservation
         if res is not None and res.state == ResState.RESERVED:
             # The transfer normally completed before prefill returned the manifest; allow a
             # moment for the last acknowledgement to be processed.
@@ -487,6 +483,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # The manifest first: a forged or tampered one is an integrity failure (quarantine, event)
         # whatever else the call carries, never hidden behind a bad parameter's INVALID_ARGUMENT.
         try:
+            if res is not None and request.tenant_id != res.tenant_id:
+                # Check 1 is "the same request and tenant": the call's own tenant too, not only
+                # its manifest's (a call naming another tenant over an untouched manifest decoded).
+                raise IntegrityError(
+                    "the Decode call names another tenant than its reservation",
+                    reason="RESERVATION",
+                )
             mf.verify(
                 request.manifest,
                 exp,

@@ -401,7 +401,9 @@ async def test_a_heartbeat_refused_unauthenticated_stops_the_node(
     task = await _serving(cp, cfg, stop)
     if refused:
 
-        async def authenticate(self: Any, context: grpc.aio.ServicerContext) -> None:
+        async def authenticate(
+            self: Any, context: grpc.aio.ServicerContext, method: str = ""
+        ) -> None:
             await abort(context, Unauthenticated("node registration needs the cluster node token"))
 
         monkeypatch.setattr(NodeRegistryServicer, "_authenticate", authenticate)
