@@ -367,6 +367,7 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
     ) -> KvfenceError | None:
         """Write the answer as the pipeline emits it, to its final message (None) or its error
         (returned, for the caller to end the RPC with)."""
+        headers_sent = False
         while True:
             item = await answer.get()
             if run.stopped is not None:  # see StreamRun.stop
@@ -378,6 +379,13 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
             assert isinstance(item, client_pb2.GenerateResponse)
             run.writing = True
             try:
+                if not headers_sent:
+                    # The headers on their own first: a first message over the client's stream
+                    # window whose write is cut (deadline, interrupt, shutdown) left grpc unable
+                    # to send any status (the abort failed at once), and a client without a
+                    # deadline of its own waited for one for good.
+                    await context.send_initial_metadata(())
+                    headers_sent = True
                 await context.write(item)
             finally:
                 run.writing = False
@@ -410,6 +418,16 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
                 tenant_id=run.record.tenant_id,
                 code=err.code.name,
                 waited_s=ABORT_WAIT_S,
+            )
+        except grpc.aio.AbortError:
+            raise  # how an abort that sent its status ends the handler
+        except Exception as failed:  # grpc could not send the status at all: say so
+            log.warning(
+                "status could not be sent",
+                request_id=run.record.request_id,
+                tenant_id=run.record.tenant_id,
+                code=err.code.name,
+                error=repr(failed),
             )
 
     def _answered(self, run: StreamRun, answer: PendingAnswer) -> None:

@@ -27,7 +27,7 @@ from control_plane.tenants import TenantLimits
 from kvfence.auth import bearer_metadata
 from kvfence.client import build_request
 from kvfence.errors import KvfenceError, ResourceExhausted, Unavailable
-from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, control_pb2
+from kvfence.proto.kvfence.v1 import client_pb2, client_pb2_grpc, common_pb2, control_pb2
 
 DEADLINE_S = 1.0
 NEW_TOKENS = 8  # the fake decode sends 3 a message: the first write waits, the rest pile up
@@ -208,18 +208,18 @@ class BigAnswer:
 
     MESSAGES = 8
 
-    def __init__(self, end: KvfenceError | None, *, in_a_write: bool = False):
+    def __init__(self, end: KvfenceError | None, *, in_a_write: bool = False, first_bytes: int = 0):
         self.end = end
         self.in_a_write = in_a_write
+        self.first_bytes = first_bytes  # the first message's text this long, if set
 
     async def execute(self, run: Any, request: Any, deadline: float, emit: Any) -> None:
-        for _ in range(self.MESSAGES):
+        for k in range(self.MESSAGES):
             ids = list(range(20000, 20000 + MAX_IDS_PER_MESSAGE))
+            text = "x" * self.first_bytes if k == 0 and self.first_bytes else "word " * len(ids)
             emit(
                 client_pb2.GenerateResponse(
-                    request_id=run.record.request_id,
-                    token_ids=ids,
-                    text="word " * MAX_IDS_PER_MESSAGE,
+                    request_id=run.record.request_id, token_ids=ids, text=text
                 )
             )
         if self.end is not None:
@@ -234,18 +234,23 @@ class BigAnswer:
             client_pb2.GenerateResponse(
                 request_id=run.record.request_id,
                 finish_reason="length",
-                usage=client_pb2.Usage(completion_tokens=self.MESSAGES * MAX_IDS_PER_MESSAGE),
+                usage=common_pb2.Usage(completion_tokens=self.MESSAGES * MAX_IDS_PER_MESSAGE),
             )
         )
 
 
 @pytest.mark.parametrize(
-    ("end", "reads"),
-    [("deadline", False), ("error", False), ("error", True)],
-    ids=["deadline-unread", "error-unread", "control-error-reads"],
+    ("end", "reads", "first_bytes"),
+    [
+        ("deadline", False, 0),
+        ("deadline", False, 100_000),
+        ("error", False, 0),
+        ("error", True, 0),
+    ],
+    ids=["deadline-unread", "deadline-unread-big-first", "error-unread", "control-error-reads"],
 )
 async def test_a_status_the_client_does_not_read_does_not_hold_the_handler(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str, reads: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str, reads: bool, first_bytes: int
 ) -> None:
     """A real gRPC channel whose client does not read. grpc sends a status after the messages
     already written, so the handler's abort (its deadline passed, or the pipeline failed) waited
@@ -257,7 +262,9 @@ async def test_a_status_the_client_does_not_read_does_not_hold_the_handler(
     monkeypatch.setattr(generation, "ABORT_WAIT_S", 1.0)
     c = await make_cluster(tmp_path, default_deadline_s=0.5)
     error = Unavailable("decode node lost")
-    pipeline = BigAnswer(error if end == "error" else None, in_a_write=not reads)
+    pipeline = BigAnswer(
+        error if end == "error" else None, in_a_write=not reads, first_bytes=first_bytes
+    )
     monkeypatch.setattr(c.cp.generation, "pipeline", pipeline)
     # No BDP probing: the client's stream window stays at 64 KiB, so the writes wait for it.
     channel = grpc.aio.insecure_channel(c.target, options=[("grpc.http2.bdp_probe", 0)])
@@ -287,6 +294,12 @@ async def test_a_status_the_client_does_not_read_does_not_hold_the_handler(
                 )
                 code = await asyncio.wait_for(read_all(), 5)  # the client reads at last
         gave_up = [e for e in logs if e["event"] == "status not taken by the client"]
+        # the fake pipeline ran as meant (it did not fail on a bug of its own)
+        assert not [e for e in logs if e["event"] == "request task failed"]
+        # a first message over the client's 64 KiB window, its write cut by the deadline: with
+        # the headers sent before it, grpc still sends the status (else the abort failed and
+        # the client, reading at last, waited for a status that never came)
+        assert not [e for e in logs if e["event"] == "status could not be sent"]
         expected = (
             grpc.StatusCode.UNAVAILABLE if end == "error" else grpc.StatusCode.DEADLINE_EXCEEDED
         )
