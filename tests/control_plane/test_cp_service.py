@@ -337,6 +337,9 @@ async def test_a_response_write_that_fails_ends_the_request(
         def time_remaining(self) -> float:
             return 10.0
 
+        async def send_initial_metadata(self, metadata: object) -> None:
+            pass
+
         async def write(self, message: object) -> None:
             if write_fails:
                 raise RuntimeError("the client has gone")

@@ -11,6 +11,7 @@ last test runs a real gRPC channel whose client does not read, against a fake pi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ class UnreadStream:
 
     def time_remaining(self) -> float | None:
         return None  # no deadline of its own: the control plane's default applies
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        pass  # headers are not flow-controlled: they never wait for the client
 
     async def write(self, msg: client_pb2.GenerateResponse) -> None:
         if not self.read.is_set():
@@ -318,3 +322,57 @@ async def test_a_status_the_client_does_not_read_does_not_hold_the_handler(
         call.cancel()
         await channel.close(None)
         await c.close()
+
+
+class FailsAfterItsAnswer:
+    """A pipeline whose answer is whole (tokens, then the final message) while the handler is
+    still writing its first tokens, and which then fails: its releases, say."""
+
+    async def execute(self, run: Any, request: Any, deadline: float, emit: Any) -> None:
+        emit(client_pb2.GenerateResponse(request_id=run.record.request_id, token_ids=[7, 8]))
+        while not run.writing:  # the handler's write waits for the client
+            await asyncio.sleep(0.005)
+        run.record.state = RequestState.FINISHED
+        emit(
+            client_pb2.GenerateResponse(
+                request_id=run.record.request_id,
+                finish_reason="length",
+                usage=common_pb2.Usage(completion_tokens=2),
+            )
+        )
+        raise Unavailable("release bookkeeping broke")
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["fails-after", "control"])
+async def test_a_failure_after_the_answer_ended_does_not_stop_its_writing(
+    limited: Cluster, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """The pipeline's error, emitted while a write waits, ends the stream with that error at
+    once (the answer is the error). One emitted after the answer's final message is not the
+    answer: it stopped the write all the same, and the client got UNAVAILABLE for a whole answer.
+    Control: the same pipeline without the failure."""
+    c = limited
+    pipeline = FailsAfterItsAnswer()
+    if not fails:
+        real = pipeline.execute
+
+        async def execute(*args: Any) -> None:
+            with contextlib.suppress(Unavailable):
+                await real(*args)
+
+        monkeypatch.setattr(pipeline, "execute", execute)
+    monkeypatch.setattr(c.cp.generation, "pipeline", pipeline)
+    ctx = UnreadStream(c.api_key)
+    handler = start(c, ctx)
+    try:
+        await asyncio.wait_for(ctx.waiting.wait(), 5)
+        await eventually(lambda: not c.cp.generation.tasks)  # the pipeline has ended
+        ctx.read.set()
+        await asyncio.wait_for(handler, 5)
+        assert ctx.status is None  # OK: the whole answer, not the late error
+        assert ctx.ids() == [7, 8] and ctx.written[-1].finish_reason == "length"
+    finally:
+        ctx.read.set()
+        if not handler.done():
+            handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
