@@ -501,6 +501,8 @@ def test_a_per_tenant_share_over_the_admission_queue_is_refused(
         helm_home, ["controlPlane.admissionQueue=32", "controlPlane.admissionQueuePerTenant=64"]
     )
     assert "controlPlane.admissionQueuePerTenant 64 exceeds controlPlane.admissionQueue 32" in err
+    # an upgrade with --reuse-values carries an earlier chart's explicit 64: the way out is named
+    assert "--set controlPlane.admissionQueuePerTenant=null" in err
     # control: a share equal to the queue, or under it, is written as set and passes the hook
     for share in (32, 8):
         docs = render(

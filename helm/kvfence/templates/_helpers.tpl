@@ -247,7 +247,7 @@ compare two values.
 {{- $cp := .Values.controlPlane }}
 {{- if not (kindIs "invalid" $cp.admissionQueuePerTenant) }}
 {{- if gt (int64 $cp.admissionQueuePerTenant) (int64 $cp.admissionQueue) }}
-{{- fail (printf "controlPlane.admissionQueuePerTenant %v exceeds controlPlane.admissionQueue %v: one tenant's share of the queue cannot be larger than the queue, and kvfence refuses the config at start; lower admissionQueuePerTenant, or leave it null (64, cut to admissionQueue when that is lower)" $cp.admissionQueuePerTenant $cp.admissionQueue) }}
+{{- fail (printf "controlPlane.admissionQueuePerTenant %v exceeds controlPlane.admissionQueue %v: one tenant's share of the queue cannot be larger than the queue, and kvfence refuses the config at start; lower admissionQueuePerTenant, or leave it null (64, cut to admissionQueue when that is lower; an upgrade with --reuse-values keeps an earlier chart's explicit 64: pass --set controlPlane.admissionQueuePerTenant=null)" $cp.admissionQueuePerTenant $cp.admissionQueue) }}
 {{- end }}
 {{- end }}
 {{- end }}
