@@ -110,7 +110,6 @@ from kvfence.transfer import (
     InboundState,
     InboundTransfer,
     KvReceiver,
-    node_tag,
 )
 from prefill_svc.service import node_stats
 
@@ -201,10 +200,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         receiver.idle_timeout_s = (
             cfg.transfer.endpoint_idle_timeout_s + cfg.transfer.batch_timeout_s
         )
-        # Its reservation ids name this node (module docstring): only an id of this node's
-        # previous process is NODE_RESTARTED, one of another (live) node stays an integrity
-        # violation. Set before any id is issued or hello served (both come after start).
-        receiver.node = node_tag(rt.node_id)
         self.tokenizer = tokenizer
         self.reservations: dict[str, DecodeReservation] = {}
         self.by_request: dict[str, str] = {}

@@ -217,6 +217,9 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
             rejected = metrics.transfer_connections_rejected_total
             receiver = KvReceiver(
                 rt.pool,
+                # its reservation ids name this node: only an id of this node's previous process
+                # is NODE_RESTARTED, one of another (live) node stays an integrity violation
+                node_id=rt.node_id,
                 host=cfg.node.ucx_host,
                 port=cfg.node.ucx_port,
                 max_batch_bytes=cfg.transfer.max_batch_bytes,
