@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from grpc_health.v1 import health_pb2
 
 from control_plane.admin import AdminServicer, load_admin_token
@@ -31,6 +32,7 @@ from control_plane.pipeline import SHUTTING_DOWN, EventSink, Pipeline, PipelineD
 from control_plane.registry import ROLES, Node, NodeRegistryServicer, Registry
 from control_plane.routing import NodeClients
 from control_plane.tenants import TENANTS_DB, TenantStore, utc_now, utc_seconds
+from control_plane.verify import client_message
 from kvfence import tls
 from kvfence.auth import load_node_token
 from kvfence.config import ClusterConfig
@@ -443,7 +445,7 @@ class ControlPlane:
             # how many requests failed with it; the client hears the role only.
             failed += run.interrupt(
                 Unavailable(
-                    f"the {node.role} node serving this request was lost (UNAVAILABLE, NODE_LOST)",
+                    client_message(node.role, grpc.StatusCode.UNAVAILABLE, "NODE_LOST"),
                     reason="NODE_LOST",
                 )
             )

@@ -93,6 +93,8 @@ _BY_REASON = {
     RESERVATION_RELEASED: "the decode node released this request's reservation before it was used",
     NODE_RESTARTED: "the decode node serving this request restarted and lost its reservation",
     NODE_DRAINING: "the {role} node serving this request is shutting down",
+    # the registry lost the node (no heartbeat) with the request on it: control_plane.service
+    "NODE_LOST": "the {role} node serving this request was lost",
 }
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: "the {role} node refused this request",
