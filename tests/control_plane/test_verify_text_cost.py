@@ -15,13 +15,14 @@ from unittest import mock
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cp_decode_stream import relay
 
 from control_plane.admission import Prompt
 from control_plane.lifecycle import RequestRecord
 from control_plane.verify import DecodeStream
 from kvfence.detok import GrowingText
 from kvfence.model.sampling import find_stop, stream_safe_len
-from kvfence.proto.kvfence.v1 import common_pb2, decode_pb2
+from kvfence.proto.kvfence.v1 import common_pb2
 
 
 class Copied(str):
@@ -60,19 +61,6 @@ def stream_of(
         Prompt([5, 6, 7], sampling),
         detok,  # type: ignore[arg-type]
     )
-
-
-def relay(stream: DecodeStream, messages: list[list[int]], reason: str) -> list[str]:
-    """The text of every client message, the final one last."""
-    stream.accept(decode_pb2.DecodeResponse(verified=True))
-    texts = []
-    for ids in messages:
-        out = stream.accept(decode_pb2.DecodeResponse(token_ids=ids))
-        assert out is not None
-        texts.append(out.text)
-    stream.accept(decode_pb2.DecodeResponse(finish_reason=reason))
-    texts.append(stream.finish().text)
-    return texts
 
 
 @pytest.mark.parametrize("stops", [(), ("zzzz",)])
