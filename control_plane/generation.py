@@ -476,6 +476,11 @@ class GenerationServicer(client_pb2_grpc.GenerationServicer):
             answer.emit(_DONE)
         except KvfenceError as err:
             emit(err)
+        except Exception:
+            # A bug here, not the tenant's nor a node's: INTERNAL, the details only in the log
+            # ("request task failed", from _ended). Not "shutting down": that is a retry later.
+            emit(KvfenceError("internal error in the control plane"))
+            raise
         except BaseException:  # cancelled at shutdown: the handler must not wait forever
             emit(Unavailable("the control plane is shutting down"))
             raise

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import structlog
 from cp_fakes import FakeDecode
@@ -16,6 +17,7 @@ from cp_harness import Cluster, eventually, make_cluster
 
 from control_plane import routing
 from control_plane.pipeline import Pipeline
+from kvfence.errors import KvfenceError
 
 # Shorter than routing's 5 s, to keep the test short; longer than the client's deadline below, so
 # a status held behind the Release reaches the client as DEADLINE_EXCEEDED.
@@ -125,3 +127,36 @@ async def test_a_request_task_that_fails_after_its_answer_is_logged(
     [failed] = [e for e in logs if e["event"] == "request task failed"]
     assert failed["log_level"] == "error"
     assert isinstance(failed["exc_info"], RuntimeError)
+
+
+@pytest.mark.parametrize("broken", [True, False], ids=["internal-bug", "control"])
+async def test_a_bug_in_the_pipeline_is_internal_not_shutting_down(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, broken: bool
+) -> None:
+    """An exception that is no KvfenceError (a bug in the control plane) reached the tenant as
+    UNAVAILABLE "the control plane is shutting down": a retry-later for a control plane that is
+    not stopping. It is INTERNAL now, with no internals in its message, and logged whole.
+    Control: the same path without the bug answers OK."""
+    if broken:
+
+        async def execute(self: Pipeline, *args: Any) -> None:
+            raise RuntimeError("bookkeeping broke at /srv/secret/path")
+
+        monkeypatch.setattr(Pipeline, "execute", execute)
+    with structlog.testing.capture_logs() as logs:
+        if broken:
+            with pytest.raises(KvfenceError) as info:
+                await cluster.client(timeout=5).generate(prompt_ids=[5], max_new_tokens=2)
+            assert info.value.code == grpc.StatusCode.INTERNAL
+            assert "shutting down" not in info.value.message
+            assert "secret" not in info.value.message
+        else:
+            result = await cluster.client(timeout=5).generate(prompt_ids=[5], max_new_tokens=2)
+            assert result.finish_reason == "length"
+        await eventually(lambda: not cluster.cp.generation.tasks)
+    failed = [e for e in logs if e["event"] == "request task failed"]
+    if broken:
+        assert isinstance(failed[0]["exc_info"], RuntimeError)
+    else:
+        assert not failed
+    assert not cluster.cp.deps.draining
