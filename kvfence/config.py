@@ -370,21 +370,43 @@ class ControlPlaneConfig(_Strict):
         )
 
 
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "[::]"})
+def _listen_host(host: str) -> str:
+    """One spelling per host a listener binds: "" for every wildcard form (``0.0.0.0``, ``[::]``,
+    ``[::0]``, no host), an address in its canonical form (``[0:0::1]`` is ``::1``), a name in
+    lower case."""
+    host = host.strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host  # a name ("" included)
+    if ip.is_unspecified:
+        return ""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+# ``localhost`` binds the loopback address of each family it resolves to.
+_LOCALHOST = {"localhost": frozenset({"localhost", "127.0.0.1", "::1"})}
 
 
 def _same_listener(a: str, b: str) -> bool:
     """Whether binding ``a`` and then ``b`` (host:port) would collide: the same port, not 0 (a
-    port of the system's choosing), on the same host or where either is a wildcard address,
-    which takes the port on every interface."""
+    port of the system's choosing), on the same host (however spelt: ``localhost`` and
+    ``127.0.0.1``, ``[::1]`` and ``[0:0::1]``) or where either is a wildcard address, which takes
+    the port on every interface."""
     if ":" not in a or ":" not in b:
         return False  # not host:port: binding it fails, naming it, at start
     host_a, port_a = a.strip().rsplit(":", 1)
     host_b, port_b = b.strip().rsplit(":", 1)
-    if port_a != port_b or port_a.lstrip("0") == "":
+    if not (port_a.isdigit() and port_b.isdigit()) or int(port_a) != int(port_b) or not int(port_a):
         return False
-    host_a, host_b = host_a.lower(), host_b.lower()
-    return host_a == host_b or host_a in _WILDCARD_HOSTS or host_b in _WILDCARD_HOSTS
+    host_a, host_b = _listen_host(host_a), _listen_host(host_b)
+    if host_a == host_b or "" in (host_a, host_b):
+        return True
+    return host_b in _LOCALHOST.get(host_a, ()) or host_a in _LOCALHOST.get(host_b, ())
 
 
 class EventsConfig(_Strict):

@@ -113,6 +113,13 @@ def test_control_public_tls_both_or_neither_loads() -> None:
         ("127.0.0.1:50051", "127.0.0.1:50051"),
         ("0.0.0.0:50051", "127.0.0.1:50051"),  # the wildcard takes the port on every interface
         ("127.0.0.1:50051", "[::]:50051"),
+        # the same host or port spelt otherwise: each failed only at bind, after the model loaded
+        ("localhost:50051", "127.0.0.1:50051"),
+        ("[::1]:50051", "localhost:50051"),
+        ("[::0]:50051", "127.0.0.1:50051"),
+        ("[0:0::1]:50051", "[::1]:50051"),
+        ("LocalHost:50051", "localhost:050051"),
+        ("[::ffff:127.0.0.1]:50051", "127.0.0.1:50051"),
     ],
 )
 def test_admin_listen_on_the_public_port_is_refused(listen: str, admin: str) -> None:
@@ -126,6 +133,10 @@ def test_admin_listen_on_the_public_port_is_refused(listen: str, admin: str) -> 
         ("127.0.0.1:50051", "127.0.0.1:50052"),  # the defaults
         ("127.0.0.1:0", "127.0.0.1:0"),  # ports of the system's choosing (tests, `kvfence up`)
         ("127.0.0.1:50051", "127.0.0.2:50051"),  # two addresses, one port each
+        ("127.0.0.1:50051", "[::1]:50051"),  # loopback of each family
+        ("localhost:50051", "127.0.0.2:50051"),
+        ("localhost:50051", "localhost:50052"),
+        ("[::1]:0", "localhost:00"),
     ],
 )
 def test_control_admin_listen_of_its_own_loads(listen: str, admin: str) -> None:
