@@ -55,6 +55,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         from kvfence import logging as kvlog
         from kvfence.transfer import service_ucx_defaults, stop_ucx_notifier
 
+        _exit_on_stop_signals()
         kvlog.configure("json", os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
         _stop_with_parent()
         try:
@@ -72,6 +73,11 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             typer.echo(f"kvfence serve {role.value}: {err}", err=True)
             raise typer.Exit(1) from None
         finally:
+            # The stop is done (the loop's handlers went with it): a second SIGTERM or Ctrl-C in
+            # what is left (UCX's notifier, the interpreter's exit, up to seconds) must not turn
+            # a clean stop into a killed process (exit 143 or 130).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
             stop_ucx_notifier()
 
     config_opt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
@@ -167,6 +173,18 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             raise typer.Exit(2)
         token_file = resolved.control_plane.admin_token_file
         raise typer.Exit(run_stack(cfg_path, cfg, state_dir, prefill, decode, token_file))
+
+
+def _exit_on_stop_signals() -> None:
+    """SIGTERM or SIGINT before the service's event loop takes them over
+    (``install_shutdown_signals``): nothing has started yet (the config loads, modules import),
+    so the process ends as a stop does, with 0, not killed by the signal."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 async def _run_service(cfg: Any, role: Role) -> None:
