@@ -257,6 +257,13 @@ class NodeAgent:
         self.refused = ""
         self._error: BaseException | None = None  # the latest unexpected heartbeat error
         self._error_log = kvlog.BurstLog(self._log_error, HEARTBEAT_ERROR_LOG_INTERVAL_S)
+        # Heartbeats the control plane did not answer (it is down, restarting, unreachable), in a
+        # row: logged at most once per interval, as every beat of every node would be a line (4
+        # a second per node at a 0.5 s interval), and once more when one is answered again.
+        self._failed = 0
+        self._failed_code = ""
+        self._failed_draining = False
+        self._failed_log = kvlog.BurstLog(self._log_failed, HEARTBEAT_ERROR_LOG_INTERVAL_S)
 
     @property
     def beat_timeout_s(self) -> float:
@@ -312,6 +319,15 @@ class NodeAgent:
             next_at = sent + (self.interval_s if answered else self.interval_s / 2)
 
     async def heartbeat(self) -> bool:
+        """``_heartbeat``; a beat answered after failed ones says so in the log."""
+        answered = await self._heartbeat()
+        if answered and self._failed:
+            self._failed_log.flush()
+            log.info("heartbeats answered again", failed_in_a_row=self._failed)
+            self._failed = 0
+        return answered
+
+    async def _heartbeat(self) -> bool:
         """One heartbeat with the node's load (``load()``), its draining flag included; True when
         the control plane answered it. Never raises: failures are logged, a refusal ends the
         heartbeats (``on_refused``). Called by the heartbeat loop, and at once when the node
@@ -370,7 +386,9 @@ class NodeAgent:
                     "heartbeat refused",
                 )
             else:
-                log.warning("heartbeat failed", code=err.code().name, draining=draining)
+                self._failed += 1
+                self._failed_code, self._failed_draining = err.code().name, draining
+                self._failed_log.note()
         except Exception as err:  # its load() or a callback: must not end the heartbeats
             self._error = err
             self._error_log.note()
@@ -383,6 +401,15 @@ class NodeAgent:
         log.error(f"{what}: the node stops", node_id=self.register_request.node_id, reason=reason)
         if self.on_refused is not None:
             self.on_refused(reason)
+
+    def _log_failed(self, failures: int) -> None:
+        log.warning(
+            "heartbeat failed",
+            code=self._failed_code,
+            draining=self._failed_draining,
+            failures=failures,
+            next_line_after_s=self._failed_log.interval_s,
+        )
 
     def _log_error(self, errors: int) -> None:
         log.error(
