@@ -314,7 +314,12 @@ class Registry:
         # when the role's last non-draining node drained.
         if not node.draining and not self.taking_requests(node.role):
             self._vacant_since[node.role] = time.monotonic()
-        log.warning("node lost", node_id=node.node_id, role=node.role, why=why)
+        if node.draining:
+            # A node that drained and stopped (a rolling upgrade, a pod deleted) leaving is what
+            # was meant to happen: not a warning at every rollout. Its node_lost event stays.
+            log.info("drained node left", node_id=node.node_id, role=node.role, why=why)
+        else:
+            log.warning("node lost", node_id=node.node_id, role=node.role, why=why)
         self._on_lost(node)
 
     async def run_reaper(self) -> None:

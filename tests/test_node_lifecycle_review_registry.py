@@ -100,3 +100,24 @@ def test_each_replaced_process_is_warned_about_once(registry: Registry) -> None:
         for _ in range(3):
             assert beat(registry, "decode-0", "a").superseded
     assert len([e for e in logs if e["event"] == WARNING]) == 1
+
+
+@pytest.mark.parametrize("draining", [True, False], ids=["drained", "control"])
+def test_a_drained_node_leaving_is_no_warning(registry: Registry, draining: bool) -> None:
+    """A node that drained and stopped (every rolling upgrade) was logged as a warning, "node
+    lost", like a crashed one. It is "drained node left" at info now. Control: a node that was
+    not draining when its heartbeats stopped is still "node lost", a warning."""
+    register(registry, "decode-0", "a", "10.0.0.1:1")
+    node = registry.get("decode-0")
+    assert node is not None
+    node.draining = draining
+    node.last_heartbeat -= 10.0  # silent for longer than node_timeout_s (2 s)
+    with structlog.testing.capture_logs() as logs:
+        assert registry.reap() == [node]
+    [line] = [e for e in logs if e["event"] in ("node lost", "drained node left")]
+    if draining:
+        assert (line["event"], line["log_level"]) == ("drained node left", "info")
+        assert line["why"].endswith("after draining")
+    else:
+        assert (line["event"], line["log_level"]) == ("node lost", "warning")
+    assert registry.nodes() == []
