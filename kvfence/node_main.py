@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 from kvfence import logging as kvlog
 from kvfence.auth import load_node_token
 from kvfence.config import ClusterConfig, Role
+from kvfence.errors import NODE_DRAINING, Unavailable
 from kvfence.events import EventBus
 from kvfence.metrics import Metrics
 from kvfence.node import NodeAgent, NodeRuntime, RegistrationRefused, model_dir
@@ -128,6 +129,15 @@ class RunningNode:
                     timeout_s=timeout_s,
                     **self.servicer.held_counts(),
                 )
+                end_streams = getattr(self.servicer, "end_streams", None)  # decode's
+                if end_streams is not None:
+                    end_streams(
+                        Unavailable(
+                            f"the node stopped before this request finished: its drain timed "
+                            f"out after {timeout_s:g} s",
+                            reason=NODE_DRAINING,
+                        )
+                    )
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
         log.info("node drained", node_id=self.rt.node_id)
