@@ -222,3 +222,40 @@ def test_page_buffer_and_page_gen_are_the_pool_tensors_memory() -> None:
     pool.release("a")
     assert pool.page_gen[pid].item() == refs[0].generation + 1
     assert pool.page_gen.tolist() == [pool.generation(p) for p in range(NUM_PAGES)]
+
+
+def test_owns_refuses_a_ref_of_an_earlier_generation() -> None:
+    """A ref names a page at the generation it was taken at: the same page, freed and taken again
+    by the same owner, is a different holding (the transfer and decode checks rely on it, so
+    that a stale reservation's refs never cover the page's next use). Control: the fresh refs
+    are owned."""
+    pool = make_pool()
+    old = pool.allocate(NUM_PAGES, "a")  # every page: the same ones come back below
+    assert old is not None
+    pool.release("a")
+    new = pool.allocate(NUM_PAGES, "a")
+    assert new is not None
+    assert sorted(r.page_id for r in new) == sorted(r.page_id for r in old)
+    assert pool.owns("a", new)  # control
+    assert not pool.owns("a", old)
+    stale = next(r for r in old if r.page_id == new[0].page_id)
+    assert not pool.owns("a", [stale])
+    assert not pool.owns("a", [*new[1:], stale])  # one stale ref among good ones is enough
+
+
+def test_owns_refuses_a_released_page_still_quarantined() -> None:
+    """A released page with an operation outstanding stays QUARANTINED under its owner until the
+    operation ends: its owner no longer owns it (nothing may be received into it). Control: the
+    same ref before the release, and a page of another owner, not released, still owned."""
+    pool = make_pool()
+    refs = pool.allocate(2, "a")
+    other = pool.allocate(2, "b")
+    assert refs is not None and other is not None
+    pool.begin_ops([refs[0].page_id])
+    assert pool.owns("a", refs[:1])  # control
+    assert not pool.owns("b", refs[:1])  # another owner's page
+    assert pool.release("a") == [refs[1].page_id]
+    assert pool.owner_of(refs[0].page_id) == "a"  # still held: its operation is outstanding
+    assert pool.generation(refs[0].page_id) == refs[0].generation
+    assert not pool.owns("a", refs[:1])
+    assert pool.owns("b", other)  # control: the unreleased owner's pages

@@ -287,3 +287,35 @@ async def test_a_decode_under_another_tenants_name_fails_check_1(
             assert res.reservation_id not in dec.servicer.reservations
         await pstub.Release(prefill_pb2.ReleaseRequest(request_id="r1"))
         await _all_free(dec.rt.pool)
+
+
+@pytest.mark.parametrize("caller", ["r-y", "r-x"], ids=["control-same-request", "other-request"])
+async def test_a_decode_naming_another_request_over_its_reservation_is_refused(
+    tiny_dir,  # noqa: F811
+    tmp_path,
+    caller,
+):
+    """Decode acts on a reservation only for the request it was made for: a call naming request
+    r-x over r-y's reservation and r-y's untouched manifest (every manifest check compares the
+    manifest with the reservation, both r-y's) must not decode r-y's KV. It is DATA_LOSS
+    RESERVATION, reported, as for a reservation never issued; r-y's reservation is not touched,
+    so r-y's own Decode still decodes. Control: the same call naming r-y decodes."""
+    async with node_pair(tiny_dir, tmp_path) as (dec, _, dstub, pstub):
+        sampling = common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
+        res, call = await reserve_and_prefill(
+            dstub, pstub, "r-y", list(range(3, 40)), sampling, max_new=4
+        )
+        reply = await call
+        tokens, err = await _outcome(dstub.Decode(_decode_request(res, reply, caller, sampling)))
+        if caller == "r-y":
+            assert err is None and len(tokens) == 4
+            assert integrity_failures(dec) == 0
+        else:
+            assert err is not None and err.code() == grpc.StatusCode.DATA_LOSS, err
+            assert error_info(err).reason == "RESERVATION" and tokens == []
+            assert integrity_failures(dec) == 1
+            assert res.reservation_id in dec.servicer.reservations  # r-y's, left as it was
+            tokens, err = await _outcome(dstub.Decode(_decode_request(res, reply, "r-y", sampling)))
+            assert err is None and len(tokens) == 4
+        await pstub.Release(prefill_pb2.ReleaseRequest(request_id="r-y"))
+        await _all_free(dec.rt.pool)

@@ -22,6 +22,7 @@ from kvfence.proto.kvfence.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from kvfence.transfer import InboundState
 
 
 @pytest.fixture(scope="session")
@@ -361,6 +362,50 @@ async def test_bad_prefill_input_is_invalid_argument(nodes, prompt, sampling, ok
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     await pstub.Release(prefill_pb2.ReleaseRequest(request_id="bad-in"))
     await dstub.Release(prefill_pb2.ReleaseRequest(request_id="bad-in"))
+    assert pre.rt.pool.num_free == pre.rt.pool.num_pages
+
+
+@pytest.mark.parametrize("mismatch", ["more-tokens", "fewer-tokens", "fewer-pages", None])
+async def test_a_reservation_that_does_not_match_the_prompt_is_invalid_argument(nodes, mismatch):
+    """Prefill writes the prompt's KV into the reservation's pages and signs its token count:
+    a reservation made for another token count, or with fewer pages than the prompt fills, is
+    refused INVALID_ARGUMENT before anything is computed or sent (decode's transfer is still
+    waiting for its hello), and leaves nothing held: the same call with the reservation as
+    decode issued it then prefills. Control (None): that reservation, whose pages are exactly
+    the prompt's (20 tokens and 4 new in pages of 16), prefills at once."""
+    dec, pre, dstub, pstub = nodes
+    prompt = list(range(3, 23))
+    res = await dstub.Reserve(
+        decode_pb2.ReserveRequest(
+            request_id="mis", tenant_id="t-c", prompt_tokens=len(prompt), max_new_tokens=4
+        )
+    )
+    assert len(res.pages) == 2
+    if mismatch is not None:
+        bad = prefill_pb2.Reservation()
+        bad.CopyFrom(res)
+        if mismatch == "more-tokens":
+            bad.prompt_tokens += 1  # still within the two pages
+        elif mismatch == "fewer-tokens":
+            bad.prompt_tokens -= 1
+        else:
+            del bad.pages[1:]
+        _, call = await reserve_and_prefill(dstub, pstub, "mis", prompt, res=bad)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith(
+            f"prompt of 20 tokens does not match the reservation "
+            f"({bad.prompt_tokens} tokens, {len(bad.pages)} pages)"
+        )
+        assert "mis" not in pre.servicer.held
+        assert pre.rt.pool.num_free == pre.rt.pool.num_pages
+        transfer = dec.servicer.receiver.transfers[res.reservation_id]
+        assert transfer.state == InboundState.EXPECTING and transfer.received == []
+    _, call = await reserve_and_prefill(dstub, pstub, "mis", prompt, res=res)
+    assert (await call).manifest.token_count == len(prompt)
+    await pstub.Release(prefill_pb2.ReleaseRequest(request_id="mis"))
+    await dstub.Release(prefill_pb2.ReleaseRequest(request_id="mis"))
     assert pre.rt.pool.num_free == pre.rt.pool.num_pages
 
 
