@@ -95,14 +95,17 @@ async def test_shutdown_ends_within_its_bound_when_a_node_does_not_answer_releas
     call = asyncio.create_task(client.generate(prompt_ids=[10], max_new_tokens=2))
     await eventually(lambda: "Decode" in c.decode[0].methods())
     t0 = time.monotonic()
-    await c.cp.stop(grace=0.2)
+    # stop()'s documented bound, max(grace, refuse_s) + STOP_TAIL_S (15.2 s here), which the pod's
+    # grace period is sized from; it takes about 5.7 s, and one that waited for the Release
+    # would take RELEASE_TIMEOUT_S (60 s) and more: both far from the bound.
+    await asyncio.wait_for(c.cp.stop(grace=0.2), 0.2 + service.STOP_TAIL_S)
     took = time.monotonic() - t0
     try:
         with pytest.raises(Unavailable, match="shutting down"):
             await asyncio.wait_for(call, 5)
         assert c.decode[0].methods()[-1] == "Release"  # asked, never answered
-        bound = 0.2 + service.STOP_INTERRUPTED_S + service.STOP_LISTENERS_S + service.STOP_FLUSH_S
-        assert service.STOP_INTERRUPTED_S - 0.5 < took < bound + 1.0, took
+        # ... and given its wait (STOP_INTERRUPTED_S) first: a lower bound load cannot break
+        assert took > service.STOP_INTERRUPTED_S - 0.5, took
     finally:
         c.script.release_hold.set()
         c.script.decode_hold.set()
