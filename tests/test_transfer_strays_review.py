@@ -82,7 +82,12 @@ async def refused_hello(
         if n_pages:
             drained = rx.strays_drained
             want = min(n_pages, rx.strays_posted - posted)
-            assert await eventually(lambda: rx.strays_drained - drained == want)
+            # Decode adds the drained receives up when its linger ends, and the endpoint is
+            # still open here: that is after its batch_timeout_s (5 s), eventually's default
+            # too, so wait past it, as for the endpoint below, rather than race it.
+            assert await eventually(
+                lambda: rx.strays_drained - drained == want, timeout=3 * rx.batch_timeout_s
+            )
     finally:
         ep.abort()
     # Decode lingers up to its batch_timeout_s (5 s) for the sender to close: on a loaded

@@ -71,6 +71,9 @@ class Script:
     prefill_error: KvfenceError | None = None
     decode_error: KvfenceError | None = None  # sent after verified=true
     first_token_override: int | None = None  # prefill claims another first token
+    # Fields of the manifest prefill returns set to these values instead (a prefill answering
+    # for another request, tenant, reservation or prompt length), e.g. {"tenant_id": "globex"}.
+    manifest_override: dict[str, Any] = field(default_factory=dict)
     prefill_hold: asyncio.Event | None = None
     decode_hold: asyncio.Event | None = None  # decode waits after verified=true
     release_hold: asyncio.Event | None = None  # decode's Release waits (a node that hangs)
@@ -186,6 +189,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer, _NodeTokenFake):
             token_count=len(request.prompt_token_ids),
             first_token=first,
         )
+        for name, value in self.script.manifest_override.items():
+            setattr(manifest, name, value)
         return prefill_pb2.PrefillResponse(manifest=manifest, pages_sent=1, bytes_sent=64)
 
     async def Release(self, request: Any, context: Any) -> prefill_pb2.ReleaseResponse:

@@ -117,6 +117,52 @@ async def test_the_control_plane_counts_only_the_integrity_checks_it_made(
     assert [f["reason"] for f in failed] == ["MAC", "FIRST_TOKEN_MISMATCH"]
 
 
+def releases_of(node, request_id: str) -> int:
+    return sum(1 for m, req in node.calls if m == "Release" and req.request_id == request_id)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"tenant_id": "globex"},
+        {"request_id": "req-of-another"},
+        {"reservation_id": "res-of-another"},
+        {"token_count": 1},
+        {"token_count": 3},
+    ],
+    ids=["tenant", "request", "reservation", "fewer-tokens", "more-tokens"],
+)
+async def test_a_manifest_not_of_this_request_fails_before_decode(
+    cluster: Cluster, override: dict
+) -> None:
+    """The control plane checks the manifest prefill returned against the request before
+    anything of it goes to decode (control_plane.verify.check_manifest): one naming another
+    tenant, request or reservation, or another prompt length, fails DATA_LOSS MANIFEST_MISMATCH,
+    counted as the control plane's own check, and decode is never asked to Decode it; both nodes
+    release the request. Control (first, on the same cluster): prefill's manifest untouched, the
+    request decodes and decode gets that manifest."""
+    ok = await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=4)
+    assert ok.usage.completion_tokens == 4
+    [decoded] = [req for m, req in cluster.decode[0].calls if m == "Decode"]
+    m = decoded.manifest
+    assert (m.request_id, m.tenant_id, m.token_count) == (ok.request_id, "acme", 2)
+    assert m.reservation_id == decoded.reservation_id
+
+    cluster.script.manifest_override = override
+    with pytest.raises(IntegrityError) as err:
+        await cluster.client().generate(prompt_ids=[10, 11], max_new_tokens=4)
+    assert err.value.code == grpc.StatusCode.DATA_LOSS
+    assert err.value.reason == "MANIFEST_MISMATCH"
+    assert cluster.decode[0].methods().count("Decode") == 1  # the control's alone
+    [failed] = cluster.events.of("request_failed")
+    assert (failed["code"], failed["reason"]) == ("DATA_LOSS", "MANIFEST_MISMATCH")
+    assert integrity_failures(cluster, "MANIFEST_MISMATCH") == 1
+    rid = failed["request_id"]
+    await eventually(
+        lambda: releases_of(cluster.decode[0], rid) > 0 and releases_of(cluster.prefill[0], rid) > 0
+    )
+
+
 async def test_prefill_error_keeps_its_code_and_releases_decode(cluster: Cluster) -> None:
     cluster.script.prefill_error = InvalidArgument("bad prompt", reason="PREFILL_SAYS_NO")
     with pytest.raises(InvalidArgument) as err:

@@ -76,16 +76,25 @@ def test_incident_configuration_cannot_leak(stack):
 
     # 2. A keeps the pools busy with canary prompts while B runs at limit - 1 and at the limit.
     stop = threading.Event()
+    # (start, end) of each of A's generations that succeeded, and of each of B's calls: A's
+    # load ran alongside B only if one of A's really went through the nodes while B's did.
+    a_done: list[tuple[float, float]] = []
+    b_calls: list[tuple[float, float]] = []
+    a_ran = threading.Event()  # the first of A's generations succeeded
 
     def a_load() -> None:
         with stack.client(stack.keys["a"]) as c:
             while not stop.is_set():
                 ids = canary(rng, 300)
-                canaries.append(ids)
+                canaries.append(ids)  # sent: its KV may be in a pool, succeeded or not
+                start = time.monotonic()
                 try:
                     c.generate(prompt_ids=ids, max_new_tokens=64, ignore_eos=True)
                 except KvfenceError:
                     time.sleep(0.05)
+                else:
+                    a_done.append((start, time.monotonic()))
+                    a_ran.set()
 
     loaders = [threading.Thread(target=a_load) for _ in range(2)]
     for t in loaders:
@@ -93,11 +102,16 @@ def test_incident_configuration_cannot_leak(stack):
     b_prompts = {total: [(11 * i + total) % 240 + 3 for i in range(total - 8)]
                  for total in (limit - 1, limit)}  # fmt: skip
     try:
+        # B starts once A's load is under way, A's next generations in flight: started at once,
+        # B's calls (under a tenth of a second each on an idle stack) could be over before A's
+        # first one began.
+        assert a_ran.wait(60), "none of A's generations succeeded"
         with stack.client(stack.keys["b"]) as b:
-            got = {
-                total: b.generate(prompt_ids=p, max_new_tokens=8, ignore_eos=True)
-                for total, p in b_prompts.items()
-            }
+            got = {}
+            for total, p in b_prompts.items():
+                start = time.monotonic()
+                got[total] = b.generate(prompt_ids=p, max_new_tokens=8, ignore_eos=True)
+                b_calls.append((start, time.monotonic()))
     finally:
         stop.set()
         for t in loaders:
@@ -108,7 +122,8 @@ def test_incident_configuration_cannot_leak(stack):
         [GenerationRequest(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
          for p in b_prompts.values()]
     )  # fmt: skip
-    assert len(canaries) > 2  # A's load really ran alongside B
+    # A's load really ran alongside B: a generation of A's succeeded, overlapping a call of B's.
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in a_done for b0, b1 in b_calls), (a_done, b_calls)
     leaked = set().union(*(ngrams(c) for c in canaries)) - set().union(
         *(ngrams(p) for p in b_prompts.values())
     )
