@@ -465,13 +465,26 @@ class ControlPlane:
 
 
 async def serve(cfg: ClusterConfig, stop_event: asyncio.Event, **kwargs: Any) -> None:
-    """Run the control plane until ``stop_event`` is set, then shut down gracefully."""
+    """Run the control plane until ``stop_event`` is set, then shut down gracefully.
+
+    The metrics endpoint (node.metrics_port) is bound before the listeners start: a port that
+    cannot be bound fails the start (BindError naming the address and the setting) with nothing
+    started, no listener left serving and nothing published to the broker, and the state
+    directory let go of. A listener that cannot start stops the metrics endpoint again.
+    """
     cp = ControlPlane(cfg, **kwargs)
-    await cp.start()
-    metrics_port = None
     if cfg.node.metrics_port is not None:
-        metrics_port = cp.metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host)
+        try:
+            metrics_port = cp.metrics.serve(cfg.node.metrics_port, cfg.node.metrics_host)
+        except BaseException:
+            cp.tenants.close()  # as start() does when it fails: another process may take it
+            raise
         log.info("metrics served", port=metrics_port)
+    try:
+        await cp.start()
+    except BaseException:
+        cp.metrics.stop()
+        raise
     try:
         await stop_event.wait()
     finally:

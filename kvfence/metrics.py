@@ -11,6 +11,7 @@ and logged without the credential, at most one line per listener per ``auth_log_
 
 from __future__ import annotations
 
+import errno
 import functools
 import threading
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 from kvfence import PROTOCOL_VERSION, __version__
 from kvfence import logging as kvlog
 from kvfence.errors import INTEGRITY_CHECKS
+from kvfence.server import BindError
 
 NAMESPACE = "kvfence"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -44,6 +46,9 @@ AUTH_LISTENERS = ("public", "admin")
 # refusals since the last one): whoever reaches a port must not set how much the control plane
 # logs. The same interval as a node's refusals (kvfence.node.REFUSAL_LOG_INTERVAL_S).
 AUTH_FAILURE_LOG_INTERVAL_S = 10.0
+# The setting that asks a service (control plane or node alike) to serve its metrics; a bind
+# failure names it, so the operator knows what to change.
+METRICS_PORT_SETTING = "node.metrics_port"
 
 log = kvlog.get_logger("auth")
 
@@ -308,10 +313,19 @@ class Metrics:
         return generate_latest(self.registry)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve the metrics over HTTP in a daemon thread (port 0 = ephemeral); returns the port."""
+        """Serve the metrics over HTTP in a daemon thread (port 0 = ephemeral); returns the port.
+
+        An address that cannot be bound raises BindError, as a gRPC listener's does
+        (kvfence.server), naming the address and node.metrics_port: ``kvfence serve`` prints it
+        as its one line, where the bare OSError ("[Errno 98] Address already in use") said
+        neither. Nothing is left bound then (socketserver closes the socket it failed to bind).
+        """
         if self._server is not None:
             raise RuntimeError(f"metrics of {self.service} already served on {self.port}")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise BindError(metrics_bind_message(host, port, err)) from err
         return int(self._server.server_port)
 
     @property
@@ -327,6 +341,22 @@ class Metrics:
             server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+
+def metrics_bind_message(host: str, port: int, err: OSError) -> str:
+    """Why the metrics endpoint could not listen on ``host``:``port``, in the words the gRPC
+    listeners use for the same failure (kvfence.server), with the setting to change."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if err.errno == errno.EADDRINUSE:
+        return (
+            f"cannot serve metrics on {address} ({METRICS_PORT_SETTING}): the address is in use "
+            "by another process"
+        )
+    # not a local address, a name that does not resolve, a privileged port
+    return (
+        f"cannot serve metrics on {address} (node.metrics_host, {METRICS_PORT_SETTING}): the "
+        f"address cannot be bound here ({err.strerror or err})"
+    )
 
 
 def publish_pool(metrics: Metrics, pool: PagePool) -> None:

@@ -98,6 +98,39 @@ def test_serve_binds_the_host_it_is_given(host: str) -> None:
         m.stop()
 
 
+def test_serve_on_an_address_it_cannot_bind_names_it_and_the_setting() -> None:
+    """A taken port raised the bare "[Errno 98] Address already in use", which `kvfence serve`
+    printed as its one line: neither the address nor node.metrics_port. Now BindError, worded as
+    the gRPC listeners' (kvfence.server), and nothing stays served. Control: a free port on the
+    same host serves."""
+    from kvfence.server import BindError
+
+    first = Metrics("control-plane")
+    port = first.serve(0)
+    second = Metrics("decode")
+    try:
+        with pytest.raises(BindError) as err:
+            second.serve(port)
+        assert str(err.value) == (
+            f"cannot serve metrics on 127.0.0.1:{port} (node.metrics_port): the address is in "
+            "use by another process"
+        )
+        assert second.port is None
+        # not a local address (TEST-NET-1): neither in use nor bindable, and said so
+        with pytest.raises(BindError) as err:
+            second.serve(0, "192.0.2.1")
+        assert str(err.value).startswith(
+            "cannot serve metrics on 192.0.2.1:0 (node.metrics_host, node.metrics_port): the "
+            "address cannot be bound here ("
+        )
+        again = second.serve(0)  # control
+        body = urllib.request.urlopen(f"http://127.0.0.1:{again}/metrics", timeout=5).read()
+        assert b'service="decode"' in body
+    finally:
+        second.stop()
+        first.stop()
+
+
 # Raised as IntegrityError but never counted in kvfence_integrity_failures_total: the CLI's check
 # of a downloaded backup and a damaged tenant database are not KV checks.
 NOT_KV_CHECKS = {"BACKUP_MISMATCH", "TENANT_DATABASE_DAMAGED"}

@@ -7,7 +7,8 @@ dir is here), ``--tls-ca`` (the CA of a control plane that serves TLS) and with 
 ``--tls-server-name`` (env KVFENCE_ADMIN_TLS_SERVER_NAME: the name the control plane's certificate
 carries, when it does not name the host of ``--target``; through a port-forward). Listings render
 as rich tables, or as JSON with ``--json``. An unreachable target, a refused token or an unusable
-CA file is reported in one line on stderr with exit status 1; an out-of-range option, or
+CA file, or a target that does not serve the Admin API (the public port, say), is reported in
+one line on stderr with exit status 1; an out-of-range option, or
 ``--tls-server-name`` without ``--tls-ca``, is a usage error (exit status 2).
 """
 
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
 
 import typer
 from rich.console import Console
@@ -73,6 +74,22 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 def _fail(message: str, code: int = EXIT_ERROR) -> typer.Exit:
     typer.echo(message, err=True)
     return typer.Exit(code)
+
+
+def wrong_api(target: str, api: Literal["admin", "public"]) -> str:
+    """What to say when ``target`` answered UNIMPLEMENTED ("Method not found!"): it serves gRPC
+    but not this API, which is what the control plane's other port does (``api``: "admin" for a
+    call of the Admin API, "public" for one of the public API). ``kvfence up`` puts the admin port
+    at the public port + 1 (kvfence.cli.stack), hence the hint."""
+    if api == "admin":
+        return (
+            f"{target} does not serve the kvfence Admin API (UNIMPLEMENTED): is it the public "
+            "port? (`kvfence up`'s admin port is the public port + 1)"
+        )
+    return (
+        f"{target} does not serve the kvfence public API (UNIMPLEMENTED): is it the admin "
+        "port? (`kvfence up`'s public port is the admin port - 1)"
+    )
 
 
 def check_tls_server_name(
@@ -140,6 +157,8 @@ def _admin(
             raise _fail(f"cannot reach the admin API at {target}: {err.message}{hint}") from None
         if err.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise _fail(f"admin token refused by {target}: {err.message}") from None
+        if err.code == grpc.StatusCode.UNIMPLEMENTED:
+            raise _fail(wrong_api(target, "admin")) from None
         raise _fail(f"{err.code.name}: {err.message}") from None
 
 

@@ -78,7 +78,9 @@ def _live_report(
             "(the admin port) and --admin-token TOKEN (or KVFENCE_ADMIN_TOKEN); "
             "to check a config file use --static FILE"
         )
-    from kvfence.cli.admin import check_tls_server_name, tls_hint
+    import grpc
+
+    from kvfence.cli.admin import check_tls_server_name, tls_hint, wrong_api
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
     from kvfence.kv.pool import PagePool
@@ -99,6 +101,8 @@ def _live_report(
             status = admin.model_status()
             nodes = {n.node_id: n for n in admin.list_nodes().nodes}
     except KvfenceError as err:
+        if err.code == grpc.StatusCode.UNIMPLEMENTED:
+            _die(f"check-config: {wrong_api(target, 'admin')}")
         hint = tls_hint(target, err.message, tls_ca, tls_server_name)
         _die(f"check-config: {target}: {err.code.name}: {err.message}{hint}")
     if not resp.pools:

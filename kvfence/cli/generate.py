@@ -1,8 +1,9 @@
 """``kvfence generate``: stream a generation from a running cluster.
 
 Text goes to stdout as it arrives; ``--json`` prints one object with the token ids, text, finish
-reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2; so
-does bad input (an out-of-range number or token id, a prompt or ``--stop`` string that is not
+reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2 (a
+target that does not serve the public API, the admin port say, is told in those words); so does
+bad input (an out-of-range number or token id, a prompt or ``--stop`` string that is not
 valid UTF-8, an unusable ``--tls-ca`` file, ``--tls-server-name`` without ``--tls-ca``), in one
 line. ``--tls-server-name`` (env
 KVFENCE_TLS_SERVER_NAME) is the name the certificate carries when it does not name the host of
@@ -71,7 +72,9 @@ def generate(
     timeout: float | None = typer.Option(None, "--timeout", help="Deadline in seconds."),
 ) -> None:
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
-    from kvfence.cli.admin import check_tls_server_name, tls_hint
+    import grpc
+
+    from kvfence.cli.admin import check_tls_server_name, tls_hint, wrong_api
     from kvfence.client import Client, GenerationAccumulator
     from kvfence.errors import KvfenceError
     from kvfence.tls import TlsError
@@ -106,6 +109,9 @@ def generate(
     except KvfenceError as err:
         if not as_json and acc.text:
             sys.stdout.write("\n")
+        if err.code == grpc.StatusCode.UNIMPLEMENTED:
+            typer.echo(wrong_api(target, "public"), err=True)
+            raise typer.Exit(EXIT_FAILED) from None
         hint = tls_hint(target, err.message, tls_ca, tls_server_name)
         typer.echo(f"{err.code.name}: {err.message}{hint}", err=True)
         raise typer.Exit(EXIT_FAILED) from None

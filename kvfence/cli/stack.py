@@ -7,8 +7,18 @@ revokes its older ones: only the key in ``up.json`` works), writes ``<state-dir>
 ``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` (owner-only,
 atomically: it exists, whole, exactly while the stack serves) and prints ``kvfence ready:
 <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C, SIGTERM or SIGHUP (the
-terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period);
-so does any of them exiting, and ``up`` then exits 1.
+terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period)
+and ``up`` exits 0, during start-up too (it then says ``kvfence up: stopped``); so does any of
+them exiting, and ``up`` then exits 1 naming it and its exit status (during start-up, with the
+last line it logged: the cause, where "nodes did not register" would name only the stage; a
+stage that times out is still named as the stage).
+
+One ``up`` per state directory: ``up`` holds an exclusive ``flock`` on ``<state-dir>/up.lock``
+(naming its pid) for as long as it runs, taken before it writes anything there. A second ``up``
+on the same state directory is refused (exit 2) and leaves the running stack, its logs and its
+``up.json`` alone. ``up`` takes its control plane as started only once that process holds the
+state directory's lock (``tenants.sqlite3.lock`` names it) and listens on the admin port: not
+from an admin token file, which outlives every run, nor from another control plane answering.
 
 Each service logs to ``<state-dir>/logs/<service>.log``. A new ``up`` moves the logs it finds
 there to ``<service>.log.1`` (replacing the run before that) and starts afresh: the run that just
@@ -19,6 +29,8 @@ lines. Within a run the files are not rotated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -99,6 +111,7 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 
     @app.command("up")
     def up(
+        ctx: typer.Context,
         model: Path | None = typer.Option(None, help="Checkpoint folder (default: embedded tiny)."),
         prefill: int = typer.Option(1, min=1, help="Prefill processes."),
         decode: int = typer.Option(1, min=1, help="Decode processes."),
@@ -124,6 +137,11 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         except OSError as err:
             typer.echo(f"kvfence up: cannot create state dir {state_dir}: {err.strerror}", err=True)
             raise typer.Exit(2) from None
+        # Before anything below writes to the state directory (up-config.yaml, the logs, up.json):
+        # a second `up` there must leave a running stack exactly as it was. Let go when the
+        # command ends (after run_stack stopped the stack), in-process too, as the CLI tests run.
+        lock_fd = hold_up_lock(state_dir)
+        ctx.call_on_close(lambda: os.close(lock_fd))
         cfg = build_up_config(
             base,
             model=model,
@@ -168,6 +186,18 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
                 "every service on loopback without TLS; drop the tls settings (the base config's, "
                 "KVFENCE__TLS__* variables: TLS is for a "
                 "deployment: `kvfence serve ROLE --config` or the Helm chart)",
+                err=True,
+            )
+            raise typer.Exit(2)
+        if resolved.node.metrics_port:
+            # Every service up starts (the control plane and each node, at least three) reads
+            # this one config: the first would bind the port and every other would die on it,
+            # failing the stack with "nodes did not register". 0 gives each a port of its own.
+            typer.echo(
+                f"kvfence up: the config sets node.metrics_port {resolved.node.metrics_port}: up "
+                "runs several services from one config, and only one can listen there; use "
+                '0 (each service takes a free port and logs it, "metrics served") or leave it '
+                "unset (the base config's, or KVFENCE__NODE__METRICS_PORT)",
                 err=True,
             )
             raise typer.Exit(2)
@@ -257,6 +287,45 @@ def _stop_with_parent() -> None:
         raise typer.Exit(1)
 
 
+UP_LOCK = "up.lock"  # in the state directory; the file stays, the lock goes with the process
+
+
+def hold_up_lock(state_dir: Path) -> int:
+    """Take ``<state_dir>/up.lock`` and return its fd (closing it lets go; so does the kernel,
+    however ``up`` ends, ``kill -9`` included), or exit 2 naming the ``up`` that holds it.
+
+    Without it a second ``up`` on the state directory of a running one rotated that stack's logs,
+    removed its ``up.json``, and revoked the demo key it had printed, before its own control plane
+    failed on the tenant database's lock. The control plane's own lock (``tenants.sqlite3.lock``)
+    stays: it also keeps a ``kvfence serve control-plane`` and a restore off the directory."""
+    path = state_dir / UP_LOCK
+    try:
+        # os.open's fds are not inherited (PEP 446): a service outliving `up` does not hold it.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        typer.echo(f"kvfence up: cannot open {path}: {err.strerror}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = b""
+        with contextlib.suppress(OSError):
+            holder = os.pread(fd, 32, 0)
+        os.close(fd)
+        pid = holder.decode(errors="replace").strip()
+        who = f"another kvfence up (pid {pid})" if pid.isdigit() else "another kvfence up"
+        typer.echo(
+            f"kvfence up: {who} is running on {state_dir}: stop it, or use another --state-dir "
+            "and --port",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def rotate_logs(logs: Path) -> None:
     """Keep the last run's logs as ``*.log.1``, one run deep (see the module docstring)."""
     for log in logs.glob("*.log"):
@@ -291,10 +360,23 @@ def run_stack(
     admin_token_file: Path | None = None,
 ) -> int:
     """Start every process, wait for registration, serve until a signal; returns the exit code.
-    ``admin_token_file``: the config's ``control_plane.admin_token_file`` (overrides included)."""
+    ``admin_token_file``: the config's ``control_plane.admin_token_file`` (overrides included).
+    The caller holds the state directory's ``up.lock`` (:func:`hold_up_lock`)."""
+    from control_plane.tenants import TENANTS_DB, lock_path
+    from kvfence.auth import read_token
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
 
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+    stopping = False
+
+    def stop_all(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    # First: a Ctrl-C from here on stops the start (exit 0), not a traceback or exit 1.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop_all)
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
     rotate_logs(logs)
@@ -305,15 +387,6 @@ def run_stack(
     # the cores out instead. An operator's own OMP_NUM_THREADS wins.
     env.setdefault("OMP_NUM_THREADS", str(local_threads(n_prefill + n_decode)))
     env[PARENT_ENV] = str(os.getpid())
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-    stopping = False
-
-    def stop_all(*_: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, stop_all)
     target = cfg["control_plane"]["listen"]
     admin_target = cfg["control_plane"]["admin_listen"]
     # up.json says "this stack is serving, here": one left by an earlier run must not be read as
@@ -321,12 +394,49 @@ def run_stack(
     up_path = state_dir / "up.json"
     up_path.unlink(missing_ok=True)
     try:
-        procs.append(("control-plane", _spawn("control-plane", cfg_path, env, logs / "cp.log")))
+        if stopping:
+            return _stopped()
+        control_plane = _spawn("control-plane", cfg_path, env, logs / "cp.log")
+        procs.append(("control-plane", control_plane))
         # Where the control plane keeps its admin token: the base config's file when it names
         # one (the control plane only reads that), else the one it writes at first start.
         token_file = admin_token_file or state_dir / "admin_token"
-        if not _wait(lambda: token_file.exists(), 60, lambda: stopping, procs):
-            return _fail("control plane did not start", logs)
+        # Neither a token file (it outlives every run) nor an admin port that answers (another
+        # control plane's: on this state directory, or on this port sharing a configured token
+        # file) says that THIS run's control plane started. It has when it holds the state
+        # directory's lock (the lock file names its pid; it reads or writes the admin token only
+        # then), listens on the admin port itself, and answers there with the token.
+        cp_lock = lock_path(state_dir / TENANTS_DB)
+        admin_port = int(admin_target.rsplit(":", 1)[1])
+        admin: AdminClient | None = None
+        admin_token = ""
+
+        def control_plane_started() -> bool:
+            nonlocal admin, admin_token
+            if admin is None:
+                try:
+                    held_by = cp_lock.read_text()
+                except OSError:
+                    return False
+                if f"(pid {control_plane.pid} " not in held_by:
+                    return False
+                try:
+                    admin_token = read_token(token_file)
+                except (OSError, ValueError):
+                    return False  # not written yet
+                admin = AdminClient(admin_target, admin_token)
+            if listens_on(control_plane.pid, admin_port) is False:
+                return False
+            try:
+                admin.list_nodes()
+            except KvfenceError:
+                return False
+            return True
+
+        why = _wait(control_plane_started, 60, lambda: stopping, procs)
+        if why != READY:
+            return _not_ready(why, "control plane did not start", logs)
+        assert admin is not None
         for i in range(n_prefill):
             node_env = {**env, "KVFENCE__NODE__NODE_ID": f"prefill-{i}"}
             procs.append(
@@ -337,16 +447,17 @@ def run_stack(
             procs.append(
                 (f"decode-{i}", _spawn("decode", cfg_path, node_env, logs / f"decode-{i}.log"))
             )
-        admin = AdminClient(admin_target, token_file.read_text().strip())
 
         def all_registered() -> bool:
+            assert admin is not None
             try:
                 return len(admin.list_nodes().nodes) >= n_prefill + n_decode
             except Exception:
                 return False
 
-        if not _wait(all_registered, 180, lambda: stopping, procs):
-            return _fail("nodes did not register", logs)
+        why = _wait(all_registered, 180, lambda: stopping, procs)
+        if why != READY:
+            return _not_ready(why, "nodes did not register", logs)
         try:
             api_key = demo_key(admin)
         except KvfenceError as err:
@@ -354,7 +465,7 @@ def run_stack(
         up = {
             "target": target,
             "admin_target": admin_target,
-            "admin_token": token_file.read_text().strip(),
+            "admin_token": admin_token,
             "api_keys": {DEMO_TENANT: api_key},
         }
         # Whole or absent, never half-written (readers poll for it) and never readable by others,
@@ -392,6 +503,33 @@ def run_stack(
         up_path.unlink(missing_ok=True)
 
 
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (from Linux's /proc: the
+    socket inodes among its fds, in the kernel's TCP tables; gRPC listens on IPv6 sockets, with
+    v4-mapped addresses, as often as on IPv4 ones). None where /proc cannot tell."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    sockets = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            # sl, local_address (hex ip:port), rem_address, st, queues, timers, uid, timeout, inode
+            fields = row.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and f"socket:[{fields[9]}]" in sockets:
+                return True
+    return False
+
+
 def demo_key(admin: AdminClient) -> str:
     """An API key for the demo tenant that is the only one of its keys that works.
 
@@ -409,15 +547,87 @@ def demo_key(admin: AdminClient) -> str:
     return str(fresh.api_key)
 
 
-def _wait(cond: Any, timeout: float, stopping: Any, procs: list[Any]) -> bool:
+READY = "ready"
+STOPPED = "stopped"
+TIMED_OUT = "timed out"
+# What _wait saw: READY, STOPPED (a stop signal), TIMED_OUT, or the (name, process) that exited.
+WaitResult = str | tuple[str, "subprocess.Popen[bytes]"]
+
+
+def _wait(cond: Any, timeout: float, stopping: Any, procs: list[Any]) -> WaitResult:
+    """Poll ``cond`` until it holds; says why it stopped waiting otherwise (see WaitResult): a
+    stage that failed is reported by its cause, not as the stage ("nodes did not register" of a
+    control plane that could not bind its port)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if stopping() or any(p.poll() is not None for _, p in procs):
-            return False
+        if stopping():
+            return STOPPED
+        # The first in start order: the control plane's exit is the cause of the nodes'.
+        exited = next(((name, p) for name, p in procs if p.poll() is not None), None)
+        if exited is not None:
+            return exited
         if cond():
-            return True
+            return READY
         time.sleep(0.2)
-    return False
+    return TIMED_OUT
+
+
+def _not_ready(why: WaitResult, stage: str, logs: Path) -> int:
+    """Say why the start did not get past ``stage``; returns up's exit code."""
+    if why == STOPPED:
+        return _stopped()
+    if isinstance(why, tuple):
+        name, proc = why
+        last = last_log_line(logs / _log_name(name))
+        said = f": {last}" if last else ""
+        print(
+            f"kvfence up: {name} exited with {proc.returncode}{said}; see {logs}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    return _fail(stage, logs)
+
+
+def _stopped() -> int:
+    """A stop signal during the start: as after it, the stack stops and up exits 0."""
+    print("kvfence up: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _log_name(service: str) -> str:
+    return "cp.log" if service == "control-plane" else f"{service}.log"
+
+
+def last_log_line(path: Path) -> str:
+    """The last non-empty line of a service's log, readable: a structlog JSON line as its event
+    and fields (an exception as its last line), anything else (a service's own one-line error
+    before it exits, a gRPC core message) as it is. "" when there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1]
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(entry, dict) or "event" not in entry:
+        return line
+    fields = {k: v for k, v in entry.items() if k not in ("event", "level", "timestamp")}
+    exception = str(fields.pop("exception", "")).strip()
+    text = str(entry["event"])
+    if fields:
+        text += " (" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"
+    if exception:
+        text += ": " + exception.splitlines()[-1]
+    return text
 
 
 def _fail(message: str, logs: Path) -> int:
