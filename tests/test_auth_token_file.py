@@ -145,6 +145,38 @@ def test_an_empty_leftover_file_is_replaced_once_with_a_warning(tmp_path):
     assert load_node_token(None, tmp_path) == tokens[0]  # kept from now on
 
 
+@pytest.mark.parametrize("written", [True, False], ids=["written-meanwhile", "control-still-empty"])
+def test_a_token_written_in_place_while_waiting_for_the_lock_is_kept(
+    tmp_path, monkeypatch, written
+):
+    """Where hard links are refused (``_create_in_place``) the creator makes the file O_EXCL and
+    only then writes its token into that inode. A process that read it empty in between waits
+    for the lock to replace it; by then the file is the same inode, no longer empty. It reads the
+    creator's token instead of replacing it (two processes with different node tokens). Control:
+    a file still empty when the lock is held is replaced."""
+    path = tmp_path / "node_token"
+    path.write_text("")
+    real_flock = auth.fcntl.flock
+    locked = []
+
+    def flock(fd, op):
+        if written and not locked:  # the creator's write lands while this one waits
+            with open(path, "r+") as f:  # the same inode, as _create_in_place writes it
+                f.write("kvfn_creator\n")
+        locked.append(op)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(auth.fcntl, "flock", flock)
+    token = load_node_token(None, tmp_path)
+    assert locked  # it did find the file empty and go for the lock
+    assert path.read_text() == token + "\n"
+    if written:
+        assert token == "kvfn_creator"
+    else:
+        assert token.startswith("kvfn_") and token != "kvfn_creator" and mode(path) == 0o600
+    assert no_temp_files(tmp_path)
+
+
 def test_an_existing_token_file_is_read_not_replaced(tmp_path):
     """Control: a token that is there is the token; the file is left as it is."""
     path = tmp_path / "node_token"

@@ -23,6 +23,8 @@ import aiomqtt
 import pytest
 import structlog
 from fixtures_mqtt import Mosquitto, free_port
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
 from test_events import CLUSTER, make_bus, subscriber, wait_until
 
 import kvfence.events as events_mod
@@ -387,3 +389,46 @@ async def test_a_status_given_up_then_tried_again_does_not_block_the_events() ->
                 assert later in await collect(sub, {later}, timeout=10)
         finally:
             await bus.stop()
+
+
+# --- a PUBACK's reason code: a refusal from 0x80 up --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "refused"),
+    [
+        (0x00, False),  # Success
+        (0x10, False),  # No matching subscribers: taken all the same
+        (0x7F, False),  # the highest success value (no PUBACK code of its own: paho's int)
+        (0x80, True),  # Unspecified error: the lowest refusal
+        (0x87, True),  # Not authorized (the broker's ACL)
+    ],
+    ids=["0x00", "0x10", "0x7f", "0x80", "0x87"],
+)
+async def test_a_puback_reason_code_from_0x80_up_is_a_refusal(
+    monkeypatch: pytest.MonkeyPatch, code: int, refused: bool
+) -> None:
+    """MQTT 5: a PUBACK reason code below 0x80 says the broker took the message, 0x80 and up that
+    it did not. A message acknowledged 0x80 counted as delivered would be lost with nothing held,
+    counted or logged. ``_Client.publish`` is given each code as paho's on_publish reports it,
+    with no broker (Mosquitto sends none but 0x87 of the refusals)."""
+    client = events_mod._Client("127.0.0.1", free_port(), protocol=aiomqtt.ProtocolVersion.V5)
+    assert client.puback_codes
+    paho = client._client
+    mid = 7
+    reason = code if code == 0x7F else ReasonCode(PacketTypes.PUBACK, identifier=code)
+
+    def publish(topic: str, payload: Any, qos: int, retain: bool, properties: Any) -> Any:
+        # sent; its PUBACK comes in later, through paho's on_publish as when read off the socket
+        asyncio.get_running_loop().call_soon(paho.on_publish, paho, None, mid, reason, None)
+        return events_mod.paho_mqtt.MQTTMessageInfo(mid)
+
+    monkeypatch.setattr(paho, "publish", publish)
+    topic = f"kvfence/v1/{CLUSTER}/events/node_joined"
+    if refused:
+        with pytest.raises(events_mod.PublishRefused) as err:
+            await client.publish(topic, b"{}", qos=1, timeout=5)
+        assert err.value.reason_code == code and err.value.topic == topic
+    else:
+        await client.publish(topic, b"{}", qos=1, timeout=5)
+    assert not client._kv_acks  # the waiter was answered and is gone

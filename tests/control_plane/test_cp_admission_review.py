@@ -1,6 +1,6 @@
-"""Admission under a decode node that does not answer Reserve, tenant limits before the tokenizer,
-interrupted requests and the tenant's concurrency, and interrupts at admission not counted as
-refusals.
+"""Admission under a decode node that does not answer Reserve, tenant limits before the tokenizer
+(and again with the exact count after it), interrupted requests and the tenant's concurrency, and
+interrupts at admission not counted as refusals.
 
 Each negative test has its control: the same path serving, or counting, when it should.
 """
@@ -228,6 +228,32 @@ async def test_a_text_over_the_tenants_tokens_by_its_bytes_is_refused_before_tok
         else:
             result = await c.client().generate(LONG_TEXT, max_new_tokens=2)
             assert result.usage.prompt_tokens == 5000 and encoded == [5000]
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("bound", [4, None], ids=["loose-bound", "no-bound"])
+async def test_a_text_over_the_tenants_tokens_by_its_exact_count_is_refused_after_tokenizing(
+    tmp_path: Path, encoded: list[int], monkeypatch: pytest.MonkeyPatch, bound: int | None
+) -> None:
+    """The check before the tokenizer refuses only what its lower bound proves too long: with a
+    loose bound (an HF tokenizer: several bytes a token) 15 bytes are at least 4 tokens, 14 with
+    max_new_tokens, within 20; with none (a tokenizer with unknown tokens) nothing is known.
+    Tokenized they are 15, 25 in all: only the check with the exact count refuses it, before any
+    node is called. Control: 10 bytes, 20 in all, are served."""
+    c = await make_cluster(tmp_path, limits=TenantLimits(max_tokens_per_request=20))
+    encoded.clear()  # the fake nodes' script
+    try:
+        monkeypatch.setattr(c.cp.model.tokenizer, "max_text_bytes_per_token", bound)
+        with pytest.raises(InvalidArgument) as err:
+            await c.client().generate("x" * 15, max_new_tokens=10)
+        assert err.value.reason == "OVER_TENANT_TOKEN_LIMIT" and encoded == [15]
+        assert "= 25 exceeds" in err.value.message  # the exact count, not "at least"
+        [event] = c.events.of("admission_rejected")
+        assert event["reason"] == "OVER_TENANT_TOKEN_LIMIT"
+        assert c.node_calls() == 0
+        result = await c.client().generate("x" * 10, max_new_tokens=10)
+        assert result.usage.prompt_tokens == 10 and encoded == [15, 10]
     finally:
         await c.close()
 

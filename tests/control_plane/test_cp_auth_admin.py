@@ -67,6 +67,95 @@ async def test_admin_token_required(cluster: Cluster, token: str | None, code) -
     assert (await good.ListTenants(control_pb2.ListTenantsRequest(), metadata=good_auth)).tenants
 
 
+ADMIN = control_pb2.DESCRIPTOR.services_by_name["Admin"]
+
+
+async def admin_call(admin, name: str, request, metadata) -> grpc.StatusCode:
+    """The status the Admin method ``name`` answers ``request`` with (a stream read to its end)."""
+    call = getattr(admin, name)
+    try:
+        if ADMIN.methods_by_name[name].server_streaming:
+            async for _ in call(request, metadata=metadata):
+                pass
+        else:
+            await call(request, metadata=metadata)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    ("token", "code"),
+    [
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        ("wrong", grpc.StatusCode.UNAUTHENTICATED),
+        ("tenant-key", grpc.StatusCode.PERMISSION_DENIED),
+    ],
+)
+async def test_every_admin_method_needs_the_admin_token(
+    cluster: Cluster, token: str | None, code
+) -> None:
+    """Each Admin method checks the token itself (``@_admin_only``, one per method): a method
+    left without it serves whoever reaches the admin port, and only ListTenants was tested. Each
+    is sent a request it serves with the admin token (so a missing check shows as a success, not
+    as NOT_FOUND): no token, a wrong one and a tenant's key are refused, and nothing changes.
+    Control: the admin token gets every one of the same requests through."""
+    import asyncio
+
+    from kvfence.errors import Cancelled, ResourceExhausted
+
+    admin, good = cluster.admin()
+    [tenant] = (await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=good)).tenants
+    cluster.script.reserve_error = ResourceExhausted("full")  # a request in flight, to abort
+    waiting = asyncio.create_task(
+        cluster.client(timeout=8).generate(prompt_ids=[10], max_new_tokens=2)
+    )
+    await eventually(lambda: cluster.cp.queue.waiting == 1)
+    listed = await admin.ListRequests(control_pb2.ListRequestsRequest(), metadata=good)
+    [in_flight] = listed.requests
+    # In an order the control can serve them all: the abort before the model goes offline (which
+    # ends the waiting request too).
+    requests = {
+        "ListTenants": control_pb2.ListTenantsRequest(),
+        "CreateTenant": control_pb2.CreateTenantRequest(name="intruder"),
+        "CreateKey": control_pb2.CreateKeyRequest(tenant=tenant.name),
+        "SetLimits": control_pb2.SetLimitsRequest(
+            name=tenant.name, limits=control_pb2.TenantLimits(scrub_on_free=True)
+        ),
+        "ListNodes": control_pb2.ListNodesRequest(),
+        "GetModelStatus": control_pb2.ModelStatusRequest(),
+        "ListRequests": control_pb2.ListRequestsRequest(),
+        "AbortRequest": control_pb2.AbortRequestRequest(request_id=in_flight.request_id),
+        "CheckConfig": control_pb2.CheckConfigRequest(),
+        "BackupTenants": control_pb2.BackupTenantsRequest(),
+        "RevokeKey": control_pb2.RevokeKeyRequest(key_id=tenant.keys[0].key_id),
+        "SetModelAccess": control_pb2.SetModelAccessRequest(online=False, reason="maintenance"),
+    }
+    assert set(requests) == set(ADMIN.methods_by_name)  # a new Admin method belongs here too
+
+    _, bad = cluster.admin(cluster.api_key if token == "tenant-key" else token or "")
+    metadata = [] if token is None else bad
+    answered = {name: await admin_call(admin, name, r, metadata) for name, r in requests.items()}
+    assert answered == dict.fromkeys(requests, code)
+    # nothing changed: no tenant, key or limits; the model online; the request still waiting
+    after = await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=good)
+    assert list(after.tenants) == [tenant]
+    assert cluster.cp.access.online
+    assert cluster.cp.queue.waiting == 1 and not waiting.done()
+
+    # control: with the admin token every one is served, and each did what it says
+    answered = {name: await admin_call(admin, name, r, good) for name, r in requests.items()}
+    assert answered == dict.fromkeys(requests, grpc.StatusCode.OK)
+    with pytest.raises(Cancelled):
+        await asyncio.wait_for(waiting, 5)
+    after = await admin.ListTenants(control_pb2.ListTenantsRequest(), metadata=good)
+    assert sorted(t.name for t in after.tenants) == sorted([tenant.name, "intruder"])
+    [acme] = [t for t in after.tenants if t.name == tenant.name]
+    assert acme.limits.scrub_on_free
+    assert [k.revoked for k in acme.keys] == [True, False]
+    assert not cluster.cp.access.online
+
+
 async def test_tenants_survive_restart_and_keys_are_stored_hashed(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path)
     first = ControlPlane(cfg, model_info=make_model_info())
