@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -259,3 +260,83 @@ def test_owns_refuses_a_released_page_still_quarantined() -> None:
     assert pool.generation(refs[0].page_id) == refs[0].generation
     assert not pool.owns("a", refs[:1])
     assert pool.owns("b", other)  # control: the unreleased owner's pages
+
+
+def test_an_owner_that_holds_pages_cannot_allocate_again() -> None:
+    """A second allocate for an owner would replace its page list: the first pages keep that
+    owner but no list names them, so release() never frees them (leaked for good). Control:
+    another owner allocates meanwhile, and the same owner again once it has released."""
+    pool = make_pool()
+    first = pool.allocate(2, "a")
+    assert first is not None
+    with pytest.raises(ValueError, match="already holds pages"):
+        pool.allocate(1, "a")
+    assert pool.pages_of("a") == first and pool.num_free == NUM_PAGES - 2
+    assert pool.allocate(1, "b") is not None  # control: another owner
+    assert sorted(pool.release("a")) == sorted(r.page_id for r in first)
+    pool.release("b")
+    assert pool.num_free == NUM_PAGES
+    assert pool.allocate(1, "a") is not None  # control: the same owner, after its release
+    pool.check_integrity()
+
+
+def test_set_state_moves_pages_only_forward() -> None:
+    """IN_USE -> RECEIVING would let a second transfer land in pages being decoded; RECEIVING ->
+    IN_USE would decode pages no check has passed. A refused move changes no page. Control: the
+    forward path RESERVED -> RECEIVING -> READY -> IN_USE."""
+    pool = make_pool()
+    refs = pool.allocate(2, "a")
+    assert refs is not None
+    pool.set_state("a", PageState.RECEIVING)
+    for bad in (PageState.IN_USE, PageState.RESERVED, PageState.RECEIVING):
+        with pytest.raises(ValueError, match=f"RECEIVING -> {bad.name} not allowed"):
+            pool.set_state("a", bad)
+        assert [pool.state_of(r.page_id) for r in refs] == [PageState.RECEIVING] * 2
+    pool.set_state("a", PageState.READY)  # control
+    pool.set_state("a", PageState.IN_USE)  # control
+    for bad in (PageState.RESERVED, PageState.RECEIVING, PageState.READY, PageState.IN_USE):
+        with pytest.raises(ValueError, match=f"IN_USE -> {bad.name} not allowed"):
+            pool.set_state("a", bad)
+        assert [pool.state_of(r.page_id) for r in refs] == [PageState.IN_USE] * 2
+
+
+def test_quarantined_pages_never_move_back_into_use() -> None:
+    """QUARANTINED pages are a failed transfer's, which may still be written into: no move out of
+    it but the free that release() makes once they settle. Control: the same moves are allowed
+    from RECEIVING, before the quarantine (READY) and in the pool's other owner."""
+    pool = make_pool()
+    refs = pool.allocate(2, "a")
+    other = pool.allocate(1, "b")
+    assert refs is not None and other is not None
+    pool.set_state("a", PageState.RECEIVING)
+    pool.set_state("b", PageState.RECEIVING)
+    pool.quarantine("a")
+    for bad in (PageState.RECEIVING, PageState.READY, PageState.IN_USE):
+        with pytest.raises(ValueError, match=f"QUARANTINED -> {bad.name} not allowed"):
+            pool.set_state("a", bad)
+        assert [pool.state_of(r.page_id) for r in refs] == [PageState.QUARANTINED] * 2
+    pool.set_state("b", PageState.READY)  # control
+    pool.set_state("b", PageState.IN_USE)  # control
+    assert sorted(pool.release("a")) == sorted(r.page_id for r in refs)  # control: freed
+    pool.check_integrity()
+
+
+def test_ending_an_operation_never_begun_is_refused_and_counts_nothing() -> None:
+    """Without the refusal the page's count would go below zero; a receive posted into it later
+    would then bring it to zero, not one, and release() would free the page while that receive
+    may still write into it. Control: a begun operation ends, and holds the released page until
+    then."""
+    pool = make_pool()
+    refs = pool.allocate(1, "a")
+    assert refs is not None
+    pid = refs[0].page_id
+    with pytest.raises(ValueError, match="no outstanding operation"):
+        pool.end_ops([pid])
+    assert pool.outstanding_ops("a") == 0
+    pool.begin_ops([pid])  # a receive posted into the page
+    assert pool.outstanding_ops("a") == 1
+    assert pool.release("a") == []  # held: the receive may still write
+    assert pool.state_of(pid) == PageState.QUARANTINED
+    assert pool.end_ops([pid]) == [pid]  # control: it settles, and that frees the page
+    assert pool.state_of(pid) == PageState.FREE
+    pool.check_integrity()

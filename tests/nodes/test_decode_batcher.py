@@ -14,6 +14,8 @@ from control_plane.lifecycle import RequestRecord
 from control_plane.verify import DecodeStream
 from decode_svc.batcher import ActiveSeq, DecodeBatcher
 from kvfence.config import pages_needed
+from kvfence.errors import IntegrityError
+from kvfence.kv.pool import PageRef
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
 from kvfence.model.sampling import SamplingParams, sample_one
 from kvfence.proto.kvfence.v1 import common_pb2, decode_pb2
@@ -366,3 +368,133 @@ def test_the_stop_check_of_a_step_does_not_grow_with_the_sequence() -> None:
     tok, spy = spy_tokenizer()
     control = ids_decoded_per_token(lambda ids: tok.decode(ids), spy, ids)
     assert control[1999] >= 2000 and control[99] >= 100
+
+
+async def run_until_ended(batcher: DecodeBatcher, events: list[list]) -> None:
+    """Start a batcher whose sequences were added before it (so its first step has them all)
+    and stop it once every list of ``events`` ends in a finish or an error (5 s at most)."""
+    batcher.start()
+    try:
+        for _ in range(500):
+            if all(e and e[-1][0] in ("finish", "error") for e in events):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"sequences did not end: {events}")
+    finally:
+        batcher.stop()
+
+
+def tokens_of(events: list) -> list[int]:
+    return [t for kind, value in events if kind == "tokens" for t in value]
+
+
+async def test_max_batch_caps_a_step_when_more_sequences_wait_than_fit():
+    """Three sequences wait when the engine thread starts: the first step takes max_batch of
+    them, the third waits for a later step and still finishes with the colocated tokens.
+    Control: with max_batch 3 the first step takes all three."""
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    want = colo.generate(
+        [GenerationRequest(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in PROMPTS]
+    )
+    for max_batch in (2, 3):
+        batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                                asyncio.get_running_loop(), max_batch=max_batch)  # fmt: skip
+        sizes = record_step_sizes(batcher)
+        events: list[list] = [[] for _ in PROMPTS]
+        for i, p in enumerate(PROMPTS):
+            batcher.add(start_sequence(colo, i, p, 4, events[i]))
+        await run_until_ended(batcher, events)
+        assert sizes[0] == max_batch and max(sizes) == max_batch, sizes
+        for e, w in zip(events, want, strict=True):
+            assert tokens_of(e) == w.token_ids and e[-1] == ("finish", "length")
+        for i in range(len(PROMPTS)):
+            colo.pool.release(f"seq-{i}")
+    assert colo.pool.num_free == colo.pool.num_pages
+
+
+async def run_pair_removing_one_mid_step(
+    colo: ColocatedEngine, remove: bool
+) -> tuple[list[ActiveSeq], list[list], list[bool]]:
+    """Two sequences, both in the first step; with ``remove``, seq-1 is removed from the first
+    step's on_step callback (after the engine sampled, before the step's tokens are accepted).
+    Returns them, their events, and what remove() answered."""
+    removed: list[bool] = []
+    events: list[list] = [[], []]
+
+    def remove_mid_step(rows: int) -> None:
+        if remove and not removed:
+            removed.append(batcher.remove("seq-1"))
+
+    batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                            asyncio.get_running_loop(), on_step=remove_mid_step)  # fmt: skip
+    seqs = [start_sequence(colo, i, p, 4, events[i]) for i, p in enumerate(PROMPTS[:2])]
+    for seq in seqs:
+        batcher.add(seq)
+    await run_until_ended(batcher, events[:1] if remove else events)
+    assert batcher.active == 0
+    return seqs, events, removed
+
+
+async def test_a_sequence_removed_during_a_step_gets_no_token_from_it():
+    """A cancel or release removes a sequence while a step that includes it runs. The step's
+    token for it must be dropped: nothing more reaches its stream, nothing is appended to it.
+    Control: without the removal the same sequence gets every token; its neighbour in the same
+    steps finishes either way."""
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    want = colo.generate(
+        [GenerationRequest(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
+         for p in PROMPTS[:2]]
+    )  # fmt: skip
+    for remove in (False, True):
+        seqs, events, removed = await run_pair_removing_one_mid_step(colo, remove)
+        assert tokens_of(events[0]) == want[0].token_ids  # the neighbour, either way
+        if remove:
+            assert removed == [True]
+            assert events[1] == [("tokens", [seqs[1].first_token])], events[1]
+            assert seqs[1].generated == [seqs[1].first_token]
+        else:  # control
+            assert tokens_of(events[1]) == want[1].token_ids
+            assert events[1][-1] == ("finish", "length")
+        for seq in seqs:
+            colo.pool.release(seq.seq_id)
+    assert colo.pool.num_free == colo.pool.num_pages  # the step's write settled on every page
+
+
+async def test_a_row_whose_tag_check_fails_is_failed_with_an_integrity_error():
+    """A row whose block table names a page at a generation the pool no longer has (here an
+    earlier page, so the page the step writes is still its own and the step runs) is flagged by
+    the kernel and gets no token: it must end with PAGE_GENERATION at once, not stay in the batch
+    with nothing emitted. Control: the same sequence with its current refs finishes; the
+    neighbour in the same steps finishes either way."""
+    colo = ColocatedEngine.from_path(None, page_size=16, num_pages=64)
+    want = colo.generate(
+        [GenerationRequest(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
+         for p in (PROMPTS[0], PROMPTS[2])]
+    )  # fmt: skip
+    for stale in (False, True):
+        batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
+                                asyncio.get_running_loop())  # fmt: skip
+        events: list[list] = [[], []]
+        good = start_sequence(colo, 0, PROMPTS[0], 4, events[0])
+        victim = start_sequence(colo, 2, PROMPTS[2], 4, events[1])  # 18 tokens: writes page 1
+        assert len(victim.pages) == 2
+        if stale:
+            first = victim.pages[0]
+            victim.pages = [PageRef(first.page_id, first.generation - 1), victim.pages[1]]
+        batcher.add(good)
+        batcher.add(victim)
+        await run_until_ended(batcher, events)
+        assert tokens_of(events[0]) == want[0].token_ids  # the neighbour, either way
+        if stale:
+            assert len(events[1]) == 2 and events[1][0] == ("tokens", [victim.first_token])
+            kind, err = events[1][1]
+            assert kind == "error" and isinstance(err, IntegrityError), events[1]
+            assert err.reason == "PAGE_GENERATION"
+            assert victim.generated == [victim.first_token]
+        else:  # control
+            assert tokens_of(events[1]) == want[1].token_ids
+            assert events[1][-1] == ("finish", "length")
+        assert batcher.active == 0
+        for seq in (good, victim):
+            colo.pool.release(seq.seq_id)
+    assert colo.pool.num_free == colo.pool.num_pages
