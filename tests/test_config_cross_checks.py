@@ -6,6 +6,9 @@ pre-install hook, reads the config through the same model).
 - ``tls.public_cert`` without ``tls.public_key`` (or the reverse) is refused at load.
 - ``control_plane.admin_listen`` on ``control_plane.listen``'s port is refused at load.
 - ``control_plane.admission_queue_per_tenant`` set larger than ``admission_queue`` is refused.
+- Internal mTLS (``tls.internal_ca``/``internal_cert``/``internal_key``) without public TLS is
+  refused at load and by ``check-config --static`` (REGISTRY_IN_CLEAR: the node token would reach
+  the registry in clear); ``tls.internal_server_name`` without ``tls.internal_ca`` is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvfence.config import ConfigError, load_config, parse_config
+from kvfence.config import REGISTRY_IN_CLEAR, ConfigError, load_config, parse_config
 
 
 def _error(data: dict[str, object], env: dict[str, str] | None = None) -> str:
@@ -210,3 +213,48 @@ def test_load_config_refuses_the_reviews_file(tmp_path: Path) -> None:
         load_config(path, environ={})
     path.write_text("tls: {public_cert: /x.pem, public_key: /x.key}\n")
     assert load_config(path, environ={}).tls.public_key == Path("/x.key")
+
+
+# --- internal mTLS needs public TLS; a node name to verify needs the internal CA ------------------
+
+INTERNAL_TLS = {"internal_ca": "/ca.pem", "internal_cert": "/node.pem", "internal_key": "/node.key"}
+PUBLIC_TLS = {"public_cert": "/x.pem", "public_key": "/x.key"}
+
+
+def test_internal_mtls_without_public_tls_is_refused_at_load_and_by_check_config(
+    tmp_path: Path,
+) -> None:
+    # nodes register (node token included) on the public listener: with mTLS between the
+    # services and no public TLS, the token would go out in clear while the operator thinks the
+    # cluster runs TLS
+    assert REGISTRY_IN_CLEAR in _error({"tls": INTERNAL_TLS})
+    env = {f"KVFENCE__TLS__{key.upper()}": value for key, value in INTERNAL_TLS.items()}
+    msg = _error({}, env)
+    assert REGISTRY_IN_CLEAR in msg
+    assert (
+        "(from KVFENCE__TLS__INTERNAL_CA, KVFENCE__TLS__INTERNAL_CERT, KVFENCE__TLS__INTERNAL_KEY)"
+        in msg
+    )
+    bad = _check_static({"tls": INTERNAL_TLS}, tmp_path)
+    assert bad.returncode != 0
+    assert "node token would travel there in clear" in bad.stdout + bad.stderr
+
+
+def test_control_internal_mtls_with_public_tls_loads(tmp_path: Path) -> None:
+    both = {**INTERNAL_TLS, **PUBLIC_TLS}
+    tls = parse_config({"tls": both}, environ={}).tls
+    assert (tls.internal_ca, tls.public_cert) == (Path("/ca.pem"), Path("/x.pem"))
+    good = _check_static({"tls": both}, tmp_path)
+    assert good.returncode == 0, good.stdout + good.stderr
+
+
+def test_internal_server_name_without_the_internal_ca_is_refused() -> None:
+    # the control plane would call the nodes in clear: no node certificate the name is checked on
+    msg = _error({"tls": {**PUBLIC_TLS, "internal_server_name": "kvfence-node"}})
+    assert "internal_server_name without internal_ca" in msg
+    msg = _error({}, {"KVFENCE__TLS__INTERNAL_SERVER_NAME": "kvfence-node"})
+    assert "internal_server_name without internal_ca" in msg
+    assert "(from KVFENCE__TLS__INTERNAL_SERVER_NAME)" in msg
+    # control: with the internal CA (and the rest of the TLS set) the name loads
+    tls = {**PUBLIC_TLS, **INTERNAL_TLS, "internal_server_name": "kvfence-node"}
+    assert parse_config({"tls": tls}, environ={}).tls.internal_server_name == "kvfence-node"
