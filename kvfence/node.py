@@ -431,6 +431,7 @@ class NodeAgent:
             except Exception:
                 log.exception("heartbeat task had failed")
         self._error_log.flush()
+        self._failed_log.flush()  # the beats left unanswered since its last line
         await self._channel.close(None)
 
 

@@ -149,6 +149,55 @@ async def test_admin_commands_at_the_public_port_say_so(cluster: Cluster) -> Non
     assert len(json.loads(result.stdout)["nodes"]) == 2  # the fake decode and prefill nodes
 
 
+@pytest.fixture
+def older_admin() -> Iterator[str]:
+    """An Admin API of an older release: the service is there (ListTenants answers) but later
+    methods (GetModelStatus, BackupTenants, CheckConfig) are not. Its address."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvfence.proto.kvfence.v1 import control_pb2
+
+    handler = grpc.method_handlers_generic_handler(
+        "kvfence.v1.Admin",
+        {
+            "ListTenants": grpc.unary_unary_rpc_method_handler(
+                lambda request, context: control_pb2.ListTenantsResponse(),
+                request_deserializer=control_pb2.ListTenantsRequest.FromString,
+                response_serializer=control_pb2.ListTenantsResponse.SerializeToString,
+            )
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_a_method_an_older_control_plane_lacks_is_not_called_the_wrong_port(
+    older_admin: str, tmp_path: Path
+) -> None:
+    """UNIMPLEMENTED for one Admin method, where the Admin API itself answers (a CLI newer than
+    its control plane), was told "is it the public port?" of the right port. ListTenants, which
+    every release serves, tells the two apart. Control: the method that control plane has works,
+    and the wrong port is still called the wrong port (the test above)."""
+    token = ["--admin-token", "kvfa_x"]
+    older = (
+        f"the control plane at {older_admin} does not implement this command (UNIMPLEMENTED): an "
+        "older release? Upgrade it, or use the kvfence CLI of its release"
+    )
+    for cmd in (["model", "status"], ["tenants", "backup", str(tmp_path / "b.backup")]):
+        assert_one_line(invoke(*cmd, "--target", older_admin, *token), 1, older)
+    assert_one_line(
+        invoke("check-config", "--target", older_admin, *token), 2, f"check-config: {older}"
+    )
+    result = invoke("tenants", "list", "--target", older_admin, *token)  # control
+    assert result.exit_code == 0, result.output
+
+
 async def test_check_config_at_the_public_port_says_so(cluster: Cluster) -> None:
     """check-config's live mode, exit 2 (the check could not run). Control: at the admin
     port it runs and passes."""

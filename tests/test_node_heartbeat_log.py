@@ -57,3 +57,26 @@ async def test_unanswered_heartbeats_are_logged_once_per_interval(down: int) -> 
     assert sum(e["failures"] for e in failed) == down
     assert len(failed) == (1 if down == 1 else 2)
     assert [e["failed_in_a_row"] for e in back] == [down]
+
+
+async def test_beats_unanswered_when_the_node_stops_are_logged_at_its_stop() -> None:
+    """A node stopped while its control plane is down: the unanswered beats since the last line
+    were logged by a timer up to 10 s after the agent had stopped, or never (its loop gone). Its
+    stop logs them. Control: the first failure is logged at once, as before."""
+    agent = NodeAgent(
+        f"127.0.0.1:{free_port()}",
+        control_pb2.RegisterRequest(node_id="n"),
+        lambda: control_pb2.HeartbeatRequest(node_id="n"),
+        0.05,
+    )
+    registry = FlakyRegistry(10**6)  # never answers
+    agent._stub = registry  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        agent.start_heartbeats()
+        assert await eventually(lambda: registry.calls >= 10, 30)
+        first = [e for e in logs if e["event"] == "heartbeat failed"]
+        assert [e["failures"] for e in first] == [1]  # control
+        await agent.stop()
+        failed = [e["failures"] for e in logs if e["event"] == "heartbeat failed"]
+    assert len(failed) == 2 and sum(failed) == registry.calls
+    assert agent._failed_log._timer is None

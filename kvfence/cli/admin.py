@@ -92,6 +92,30 @@ def wrong_api(target: str, api: Literal["admin", "public"]) -> str:
     )
 
 
+def unimplemented_admin(
+    target: str, token: str, tls_ca: str | None = None, tls_server_name: str | None = None
+) -> str:
+    """What to say of an Admin call answered UNIMPLEMENTED: the wrong port (``wrong_api``), or a
+    control plane of an older release that lacks this one method (the Admin API grew over
+    releases: a newer CLI against a control plane not yet upgraded). ListTenants, which every
+    release serves, tells them apart: UNIMPLEMENTED there too is the wrong port."""
+    from kvfence.client import AdminClient
+    from kvfence.errors import KvfenceError
+
+    try:
+        with AdminClient(
+            target, token, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout=5.0
+        ) as probe:
+            probe.list_tenants()
+    except KvfenceError as err:
+        if err.code.name == "UNIMPLEMENTED":
+            return wrong_api(target, "admin")
+    return (
+        f"the control plane at {target} does not implement this command (UNIMPLEMENTED): an "
+        "older release? Upgrade it, or use the kvfence CLI of its release"
+    )
+
+
 def check_tls_server_name(
     tls_ca: str | None, tls_server_name: str | None, envvar: str = "KVFENCE_ADMIN_TLS_SERVER_NAME"
 ) -> str | None:
@@ -158,7 +182,7 @@ def _admin(
         if err.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise _fail(f"admin token refused by {target}: {err.message}") from None
         if err.code == grpc.StatusCode.UNIMPLEMENTED:
-            raise _fail(wrong_api(target, "admin")) from None
+            raise _fail(unimplemented_admin(target, token, tls_ca, tls_server_name)) from None
         raise _fail(f"{err.code.name}: {err.message}") from None
 
 

@@ -80,7 +80,7 @@ def _live_report(
         )
     import grpc
 
-    from kvfence.cli.admin import check_tls_server_name, tls_hint, wrong_api
+    from kvfence.cli.admin import check_tls_server_name, tls_hint, unimplemented_admin
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
     from kvfence.kv.pool import PagePool
@@ -102,7 +102,8 @@ def _live_report(
             nodes = {n.node_id: n for n in admin.list_nodes().nodes}
     except KvfenceError as err:
         if err.code == grpc.StatusCode.UNIMPLEMENTED:
-            _die(f"check-config: {wrong_api(target, 'admin')}")
+            said = unimplemented_admin(target, admin_token, tls_ca, tls_server_name)
+            _die(f"check-config: {said}")
         hint = tls_hint(target, err.message, tls_ca, tls_server_name)
         _die(f"check-config: {target}: {err.code.name}: {err.message}{hint}")
     if not resp.pools:

@@ -515,6 +515,7 @@ def listens_on(pid: int, port: int) -> bool | None:
     for fd in fds:
         with contextlib.suppress(OSError):
             sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    listening = False  # any socket listening in the tables read: empty ones (WSL1) tell nothing
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -525,9 +526,10 @@ def listens_on(pid: int, port: int) -> bool | None:
             fields = row.split()
             if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
                 continue
+            listening = True
             if int(fields[1].rsplit(":", 1)[1], 16) == port and f"socket:[{fields[9]}]" in sockets:
                 return True
-    return False
+    return False if listening else None
 
 
 def demo_key(admin: AdminClient) -> str:

@@ -236,3 +236,42 @@ def test_wait_says_why_it_stopped():
     assert up_cli._wait(lambda: False, 5, lambda: True, procs) == up_cli.STOPPED
     assert up_cli._wait(lambda: True, 5, lambda: False, procs) == ("decode-0", gone)
     assert up_cli._wait(lambda: False, 0.3, lambda: False, procs[:1]) == up_cli.TIMED_OUT
+
+
+def test_listens_on_says_it_cannot_tell_when_proc_shows_no_listener(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where /proc's TCP tables cannot be read, or show no listening socket at all (WSL1 leaves
+    them empty), ``listens_on`` cannot tell (None: ``up`` then goes by the admin port's answer);
+    it said False, and ``up`` waited a minute for a control plane that ran. Control: with the
+    tables, this process's own listener is found, and a port nobody listens on is False."""
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s, socket.socket() as idle:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        idle.bind(("127.0.0.1", 0))  # bound, not listening: its port is free of listeners
+        free = idle.getsockname()[1]
+        assert up_cli.listens_on(os.getpid(), port) is True  # control
+        assert up_cli.listens_on(os.getpid(), free) is False  # control
+        real = Path.read_text
+
+        def no_tables(self: Path, *args: object, **kwargs: object) -> str:
+            if str(self).startswith("/proc/net/tcp"):
+                raise PermissionError(13, "Permission denied")
+            return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Path, "read_text", no_tables)
+        assert up_cli.listens_on(os.getpid(), port) is None
+        monkeypatch.setattr(
+            Path,
+            "read_text",
+            lambda self, *a, **k: (
+                "  sl  local_address ...\n"
+                if str(self).startswith("/proc/net/tcp")
+                else real(self, *a, **k)
+            ),  # type: ignore[arg-type]
+        )
+        assert up_cli.listens_on(os.getpid(), port) is None
