@@ -69,7 +69,6 @@ from __future__ import annotations
 import calendar
 import contextlib
 import enum
-import fcntl
 import hashlib
 import io
 import os
@@ -90,6 +89,7 @@ from typing import BinaryIO
 import grpc
 
 from kvfence.errors import IntegrityError, InvalidArgument, KvfenceError, NotFound
+from kvfence.filelock import LockHeld, hold_lock
 from kvfence.logging import get_logger
 
 log = get_logger("tenants")
@@ -266,28 +266,14 @@ def lock_state(db_path: Path, user: str) -> int:
     it releases the lock, as does the process's exit). ``user`` says who holds it, for the message
     another process gets. Raises :class:`StateDirInUse` when it is held."""
     path = lock_path(db_path)
-    # os.open's fds are not inherited by child processes (PEP 446): a subprocess started while the
-    # lock is held does not keep it after this process lets go.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = b""
-        with contextlib.suppress(OSError):
-            holder = os.pread(fd, 200, 0)
-        os.close(fd)
-        held_by = holder.decode(errors="replace").strip() or "another process"
+        return hold_lock(path, f"{user} (pid {os.getpid()} on {socket.gethostname()})")
+    except LockHeld as held:
         raise StateDirInUse(
-            f"the state directory {db_path.parent} is in use ({held_by} holds {path}): "
-            "one control plane per state directory, and restore only while none runs on it"
+            f"the state directory {db_path.parent} is in use ({held.held_by or 'another process'}"
+            f" holds {path}): one control plane per state directory, and restore only while none "
+            "runs on it"
         ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    with contextlib.suppress(OSError):
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{user} (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
-    return fd
 
 
 class TenantStore:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -298,21 +297,17 @@ def hold_up_lock(state_dir: Path) -> int:
     removed its ``up.json``, and revoked the demo key it had printed, before its own control plane
     failed on the tenant database's lock. The control plane's own lock (``tenants.sqlite3.lock``)
     stays: it also keeps a ``kvfence serve control-plane`` and a restore off the directory."""
+    from kvfence.filelock import LockHeld, hold_lock
+
     path = state_dir / UP_LOCK
     try:
-        # os.open's fds are not inherited (PEP 446): a service outliving `up` does not hold it.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # Its fd is not inherited (PEP 446): a service outliving `up` does not hold it.
+        return hold_lock(path, str(os.getpid()))
     except OSError as err:
         typer.echo(f"kvfence up: cannot open {path}: {err.strerror}", err=True)
         raise typer.Exit(2) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = b""
-        with contextlib.suppress(OSError):
-            holder = os.pread(fd, 32, 0)
-        os.close(fd)
-        pid = holder.decode(errors="replace").strip()
+    except LockHeld as held:
+        pid = held.held_by
         who = f"another kvfence up (pid {pid})" if pid.isdigit() else "another kvfence up"
         typer.echo(
             f"kvfence up: {who} is running on {state_dir}: stop it, or use another --state-dir "
@@ -320,10 +315,6 @@ def hold_up_lock(state_dir: Path) -> int:
             err=True,
         )
         raise typer.Exit(2) from None
-    with contextlib.suppress(OSError):
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def rotate_logs(logs: Path) -> None:
