@@ -411,3 +411,17 @@ def test_serve_exits_1_with_one_line_when_its_metrics_port_is_taken(
             proc.terminate()
             proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()
+
+
+def test_an_unimplemented_call_whose_target_then_goes_is_named_neither_way(
+    older_admin: str,
+) -> None:
+    """UNIMPLEMENTED, then ListTenants failing otherwise (the target gone since, or failing):
+    neither an older release nor the wrong port can be told, and the line says both, where it
+    said "older release?". Control: a target whose ListTenants answers is an older release."""
+    gone = f"127.0.0.1:{free_port()}"
+    assert admin_cli.unimplemented_admin(gone, "kvfa_x") == (
+        f"{gone} does not implement this command (UNIMPLEMENTED), and did not answer again "
+        "(UNAVAILABLE): the public port, or a control plane of an older release"
+    )
+    assert "an older release? Upgrade it" in admin_cli.unimplemented_admin(older_admin, "kvfa_x")

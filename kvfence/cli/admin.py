@@ -110,6 +110,12 @@ def unimplemented_admin(
     except KvfenceError as err:
         if err.code.name == "UNIMPLEMENTED":
             return wrong_api(target, "admin")
+        if err.code.name not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            # Gone or failing since: neither case can be told.
+            return (
+                f"{target} does not implement this command (UNIMPLEMENTED), and did not answer "
+                f"again ({err.code.name}): the public port, or a control plane of an older release"
+            )
     return (
         f"the control plane at {target} does not implement this command (UNIMPLEMENTED): an "
         "older release? Upgrade it, or use the kvfence CLI of its release"

@@ -303,8 +303,8 @@ def hold_up_lock(state_dir: Path) -> int:
     try:
         # Its fd is not inherited (PEP 446): a service outliving `up` does not hold it.
         return hold_lock(path, str(os.getpid()))
-    except OSError as err:
-        typer.echo(f"kvfence up: cannot open {path}: {err.strerror}", err=True)
+    except OSError as err:  # opening it, or flock itself (ENOLCK on some network filesystems)
+        typer.echo(f"kvfence up: cannot lock {path}: {err.strerror}", err=True)
         raise typer.Exit(2) from None
     except LockHeld as held:
         pid = held.held_by
