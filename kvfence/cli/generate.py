@@ -8,14 +8,34 @@ valid UTF-8, an unusable ``--tls-ca`` file, ``--tls-server-name`` without ``--tl
 line. ``--tls-server-name`` (env
 KVFENCE_TLS_SERVER_NAME) is the name the certificate carries when it does not name the host of
 ``--target`` (through a port-forward).
+
+On a terminal, the text's control characters (ESC, which starts the sequences that move the
+cursor or rewrite the window title, carriage return, backspace...) are shown escaped (``\\x1b``):
+the text is the model's, and the terminal is the operator's. Tabs and newlines stay; a pipe or a
+file gets the text exactly as it came, and ``--json`` is unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import typer
+
+# C0 controls but tab and newline, DEL and C1 controls (module docstring).
+_TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _is_terminal(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty()) if callable(isatty) else False
+
+
+def for_terminal(text: str) -> str:
+    """``text`` with the control characters a terminal would act on written as ``\\xNN``."""
+    return _TERMINAL_CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
 
 # The public API's --tls-server-name (generate, probe isolation); the admin commands' is
 # kvfence.cli.admin.TLS_SERVER_NAME, with its own environment variable.
@@ -87,6 +107,7 @@ def generate(
         raise typer.Exit(EXIT_FAILED)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     acc = GenerationAccumulator()
+    on_terminal = _is_terminal(sys.stdout)
     try:
         client = Client(
             target, api_key, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout=timeout
@@ -104,7 +125,7 @@ def generate(
             ):
                 acc.add(chunk)
                 if not as_json and chunk.text:
-                    sys.stdout.write(chunk.text)
+                    sys.stdout.write(for_terminal(chunk.text) if on_terminal else chunk.text)
                     sys.stdout.flush()
     except KvfenceError as err:
         if not as_json and acc.text:
