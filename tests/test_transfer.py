@@ -44,6 +44,24 @@ def make_source(pool: PagePool, n: int, fill: float = 1.0) -> list[torch.Tensor]
     return [torch.full(pool.kv.shape[1:], fill + i) for i in range(n)]
 
 
+async def send_batch_of_a(ep, pool: PagePool) -> tuple[list[torch.Tensor], list]:
+    """What a prefill node sends for reservation "A" (key ``b"k" * 32``, request "reqA") over
+    ``ep``: the hello, once it is answered the batch header (pages 0 and 1, the last batch), then
+    both pages right behind it, without waiting for decode. The pages' sources and the sends."""
+    from kvfence.transfer import _expect_ok, authenticator
+
+    hello = {"reservation_id": "A", "request_id": "reqA", "auth": authenticator(b"k" * 32, "A")}
+    await _send_json(ep, hello)
+    await _expect_ok(ep, 5)
+    await _send_json(ep, {"indices": [0, 1], "last": True})
+    sources = make_source(pool, 2, fill=1.0)
+    sends = [
+        asyncio.ensure_future(ep.send(page_buffer(s), tag=page_tag("A", 0, k, PROTOCOL_VERSION)))
+        for k, s in enumerate(sources)
+    ]
+    return sources, sends
+
+
 RECEIVER_ONLY = ("bind_host", "max_unverified", "on_reject")  # KvReceiver options ``send`` ignores
 
 
@@ -170,8 +188,6 @@ async def test_a_reservation_released_while_its_batch_header_arrives_gets_no_rec
     lands."""
     import ucxx
 
-    from kvfence.transfer import _expect_ok, _send_json, authenticator
-
     pool = make_pool(pages=2)
     rx, events = await make_receiver(pool, max_batch_bytes=4 * pool.page_bytes)
     refs = pool.allocate(2, "A")
@@ -194,15 +210,7 @@ async def test_a_reservation_released_while_its_batch_header_arrives_gets_no_rec
     rx._receive_pages = release_first
     ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
     try:
-        hello = {"reservation_id": "A", "request_id": "reqA", "auth": authenticator(b"k" * 32, "A")}
-        await _send_json(ep, hello)
-        await _expect_ok(ep, 5)
-        await _send_json(ep, {"indices": [0, 1], "last": True})
-        sources = make_source(pool, 2, fill=1.0)
-        sends = [
-            ep.send(page_buffer(s), tag=page_tag("A", 0, k, PROTOCOL_VERSION))
-            for k, s in enumerate(sources)
-        ]
+        sources, sends = await send_batch_of_a(ep, pool)
         await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 5)
         await asyncio.wait_for(t.done.wait(), 5)
         await asyncio.sleep(0.2)  # anything still to land
@@ -232,8 +240,6 @@ async def test_a_batch_gets_no_receive_unless_its_reservation_both_receives_and_
     before anything is posted. Control: neither, the same batch lands."""
     import ucxx
 
-    from kvfence.transfer import _expect_ok, _send_json, authenticator
-
     pool = make_pool(pages=2)
     rx, events = await make_receiver(pool, max_batch_bytes=4 * pool.page_bytes)
     refs = pool.allocate(2, "A")
@@ -255,15 +261,7 @@ async def test_a_batch_gets_no_receive_unless_its_reservation_both_receives_and_
     rx._receive_pages = in_the_window
     ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
     try:
-        hello = {"reservation_id": "A", "request_id": "reqA", "auth": authenticator(b"k" * 32, "A")}
-        await _send_json(ep, hello)
-        await _expect_ok(ep, 5)
-        await _send_json(ep, {"indices": [0, 1], "last": True})
-        sources = make_source(pool, 2, fill=1.0)
-        sends = [
-            ep.send(page_buffer(s), tag=page_tag("A", 0, k, PROTOCOL_VERSION))
-            for k, s in enumerate(sources)
-        ]
+        sources, sends = await send_batch_of_a(ep, pool)
         await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 5)
         # decode's answer to the batch: sent once its receives completed, or were refused
         [answer] = await _within(ep, [_recv_json(ep, reply=True)], 5)

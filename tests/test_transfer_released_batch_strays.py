@@ -8,19 +8,9 @@ import asyncio
 
 import pytest
 from asyncwait import eventually
-from test_transfer import holds, make_pool, make_receiver, make_source
+from test_transfer import holds, make_pool, make_receiver, send_batch_of_a
 
-from kvfence.transfer import (
-    PROTOCOL_VERSION,
-    InboundState,
-    _expect_ok,
-    _recv_json,
-    _send_json,
-    _within,
-    authenticator,
-    page_buffer,
-    page_tag,
-)
+from kvfence.transfer import InboundState, _recv_json, _within
 
 
 @pytest.mark.parametrize("release", [True, False], ids=["released", "control"])
@@ -51,18 +41,8 @@ async def test_a_batch_refused_as_released_after_its_header_has_its_pages_draine
     rx._receive_pages = release_first
     ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
     try:
-        hello = {"reservation_id": "A", "request_id": "reqA", "auth": authenticator(b"k" * 32, "A")}
-        await _send_json(ep, hello)
-        await _expect_ok(ep, 5)
-        await _send_json(ep, {"indices": [0, 1], "last": True})
-        sources = make_source(pool, 2, fill=1.0)
-        # sent right behind the header, before decode answers (it answers a received batch)
-        sends = [
-            asyncio.ensure_future(
-                ep.send(page_buffer(s), tag=page_tag("A", 0, k, PROTOCOL_VERSION))
-            )
-            for k, s in enumerate(sources)
-        ]
+        # the pages sent right behind the header, before decode answers (it answers a batch)
+        sources, sends = await send_batch_of_a(ep, pool)
         [answer] = await _within(ep, [_recv_json(ep, reply=True)], 5)
         await asyncio.wait_for(asyncio.gather(*sends), 5)
         if release:
