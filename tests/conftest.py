@@ -11,9 +11,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import contextlib
+import io
+from collections.abc import Iterator
 
 import psutil
 import pytest
+import structlog
 
 
 def _live_children() -> dict[int, psutil.Process]:
@@ -46,3 +49,12 @@ def _no_leaked_children():
         with contextlib.suppress(psutil.Error):
             p.kill()
     assert not leaked, f"test module left processes running: {names}"
+
+
+@pytest.fixture
+def quiet_logs() -> Iterator[None]:
+    """The in-process control plane logs through structlog, which prints to whatever sys.stdout
+    is; while CliRunner captures stdout that would mix server logs into the command's output."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=io.StringIO()))
+    yield
+    structlog.reset_defaults()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import signal
 import socket
@@ -23,7 +22,6 @@ from typing import Any
 
 import psutil
 import pytest
-import structlog
 import typer
 import yaml
 from typer.testing import CliRunner
@@ -79,15 +77,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def quiet_logs() -> Iterator[None]:
-    """The in-process control plane logs through structlog, which prints to whatever sys.stdout
-    is; while CliRunner captures stdout that would mix server logs into the command's output."""
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=io.StringIO()))
-    yield
-    structlog.reset_defaults()
 
 
 async def run_cli(*args: str) -> Any:

@@ -15,7 +15,6 @@ The control plane runs in-process with fake nodes; the CLI runs in a worker thre
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import socket
 import subprocess
@@ -27,22 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
-import typer
 import yaml
-from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
 from cp_fakes import make_model_info
 from cp_harness import Cluster, make_cfg, make_cluster
+from test_cli_robustness import free_port, invoke, run_cli
 
 from control_plane.service import ControlPlane
 from control_plane.service import serve as serve_cp
 from control_plane.tenants import TenantLimits
 from kvfence.cli import admin as admin_cli
-from kvfence.cli import check as check_cli
-from kvfence.cli import generate as generate_cli
-from kvfence.cli import probe as probe_cli
 from kvfence.cli import stack as stack_cli
 from kvfence.config import Role, parse_config
 from kvfence.metrics import Metrics
@@ -53,23 +47,11 @@ from kvfence.server import BindError
 UP_HINT = "(`kvfence up`'s admin port is the public port + 1)"
 
 
-def make_app() -> typer.Typer:
-    app = typer.Typer()
-    groups = {name: typer.Typer() for name in ("serve", "tenants", "model", "probe")}
-    for name, group in groups.items():
-        app.add_typer(group, name=name)
-    for module in (stack_cli, generate_cli, admin_cli, check_cli, probe_cli):
-        module.register(app, groups)
-    return app
-
-
-def invoke(*args: str) -> Any:
-    return CliRunner().invoke(make_app(), list(args))
-
-
-async def run_cli(*args: str) -> Any:
-    """The CLI in a worker thread: the control plane runs on this test's event loop."""
-    return await asyncio.to_thread(invoke, *args)
+@pytest.fixture
+async def cluster(tmp_path: Path, quiet_logs: None) -> AsyncIterator[Cluster]:
+    c = await make_cluster(tmp_path)
+    yield c
+    await c.close()
 
 
 def assert_one_line(result: Any, code: int, line: str) -> None:
@@ -77,12 +59,6 @@ def assert_one_line(result: Any, code: int, line: str) -> None:
     assert result.exit_code == code, (result.exit_code, result.output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert result.stderr.splitlines() == [line], result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def bindable(port: int) -> bool:
@@ -109,22 +85,6 @@ def metrics_in_use(port: int) -> str:
         f"cannot serve metrics on 127.0.0.1:{port} (node.metrics_port): the address is in use by "
         "another process"
     )
-
-
-@pytest.fixture
-def quiet_logs() -> Iterator[None]:
-    """The in-process control plane logs through structlog to whatever sys.stdout is; while
-    CliRunner captures stdout that would mix server logs into the command's output."""
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=io.StringIO()))
-    yield
-    structlog.reset_defaults()
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, quiet_logs: None) -> AsyncIterator[Cluster]:
-    c = await make_cluster(tmp_path)
-    yield c
-    await c.close()
 
 
 # -- a CLI command at the other port ---------------------------------------------------------------

@@ -7,10 +7,9 @@ plane and the fake nodes run on this test's event loop.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -50,15 +49,6 @@ def make_app() -> typer.Typer:
     admin_cli.register(app, groups)
     generate_cli.register(app, groups)
     return app
-
-
-@pytest.fixture
-def quiet_logs() -> Iterator[None]:
-    """The in-process cluster logs through structlog, which prints to whatever sys.stdout is; while
-    CliRunner captures stdout that would mix server logs into the command's output."""
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=io.StringIO()))
-    yield
-    structlog.reset_defaults()
 
 
 async def run_cli(*args: str) -> tuple[int, str, str]:
