@@ -26,7 +26,7 @@ import hashlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
@@ -475,6 +475,22 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def wrong_api(target: str, api: Literal["admin", "public"]) -> str:
+    """What to say when ``target`` answered UNIMPLEMENTED ("Method not found!"): it serves gRPC
+    but not this API, which is what the control plane's other port does (``api``: "admin" for a
+    call of the Admin API, "public" for one of the public API). ``kvfence up`` puts the admin port
+    at the public port + 1 (kvfence.cli.stack), hence the hint."""
+    if api == "admin":
+        return (
+            f"{target} does not serve the kvfence Admin API (UNIMPLEMENTED): is it the public "
+            "port? (`kvfence up`'s admin port is the public port + 1)"
+        )
+    return (
+        f"{target} does not serve the kvfence public API (UNIMPLEMENTED): is it the admin "
+        "port? (`kvfence up`'s public port is the admin port - 1)"
+    )
 
 
 class AdminClient:

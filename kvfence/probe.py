@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvfence.client import Client, ModelSummary
+from kvfence.client import Client, ModelSummary, wrong_api
 from kvfence.errors import (
     InvalidArgument,
     KvfenceError,
@@ -442,6 +442,8 @@ class IsolationProbe:
                     f"{who} key refused by {self.target}: {err.code.name}: {_one_line(err.message)}"
                 ) from None
             except KvfenceError as err:
+                if err.code == grpc.StatusCode.UNIMPLEMENTED:  # the admin port, say
+                    raise ProbeSetupError(wrong_api(self.target, "public")) from None
                 raise ProbeSetupError(
                     f"cannot reach {self.target}: {err.code.name}: {_one_line(err.message)}"
                 ) from None

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 from rich.console import Console
@@ -76,22 +76,6 @@ def _fail(message: str, code: int = EXIT_ERROR) -> typer.Exit:
     return typer.Exit(code)
 
 
-def wrong_api(target: str, api: Literal["admin", "public"]) -> str:
-    """What to say when ``target`` answered UNIMPLEMENTED ("Method not found!"): it serves gRPC
-    but not this API, which is what the control plane's other port does (``api``: "admin" for a
-    call of the Admin API, "public" for one of the public API). ``kvfence up`` puts the admin port
-    at the public port + 1 (kvfence.cli.stack), hence the hint."""
-    if api == "admin":
-        return (
-            f"{target} does not serve the kvfence Admin API (UNIMPLEMENTED): is it the public "
-            "port? (`kvfence up`'s admin port is the public port + 1)"
-        )
-    return (
-        f"{target} does not serve the kvfence public API (UNIMPLEMENTED): is it the admin "
-        "port? (`kvfence up`'s public port is the admin port - 1)"
-    )
-
-
 def unimplemented_admin(
     target: str, token: str, tls_ca: str | None = None, tls_server_name: str | None = None
 ) -> str:
@@ -99,7 +83,7 @@ def unimplemented_admin(
     control plane of an older release that lacks this one method (the Admin API grew over
     releases: a newer CLI against a control plane not yet upgraded). ListTenants, which every
     release serves, tells them apart: UNIMPLEMENTED there too is the wrong port."""
-    from kvfence.client import AdminClient
+    from kvfence.client import AdminClient, wrong_api
     from kvfence.errors import KvfenceError
 
     try:

@@ -94,8 +94,8 @@ def generate(
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
     import grpc
 
-    from kvfence.cli.admin import check_tls_server_name, tls_hint, wrong_api
-    from kvfence.client import Client, GenerationAccumulator
+    from kvfence.cli.admin import check_tls_server_name, tls_hint
+    from kvfence.client import Client, GenerationAccumulator, wrong_api
     from kvfence.errors import KvfenceError
     from kvfence.tls import TlsError
 

@@ -110,32 +110,15 @@ def isolation(
                 progress=_RichProgress(progress),
             )
     except ProbeSetupError as err:
-        message = _wrong_port(target, err) or str(err)
-        typer.echo(f"kvfence probe isolation: {message}", err=True)
+        typer.echo(f"kvfence probe isolation: {err}", err=True)
         if as_json:
-            typer.echo(json.dumps({"verdict": "ERROR", "exit_code": EXIT_ERROR, "error": message}))
+            typer.echo(json.dumps({"verdict": "ERROR", "exit_code": EXIT_ERROR, "error": str(err)}))
         raise typer.Exit(EXIT_ERROR) from None
     if as_json:
         typer.echo(json.dumps(report.to_dict()))
     else:
         _print_report(report)
     raise typer.Exit(report.exit_code)
-
-
-def _wrong_port(target: str, err: Exception) -> str | None:
-    """The admin port's answer to the probe's first call (UNIMPLEMENTED: it serves the Admin API
-    only), as the other commands say it; None for any other setup failure. kvfence.probe reports
-    it as "cannot reach TARGET: UNIMPLEMENTED: ...", raised while handling the call's
-    KvfenceError, which is therefore the setup error's __context__."""
-    import grpc
-
-    from kvfence.cli.admin import wrong_api
-    from kvfence.errors import KvfenceError
-
-    cause = err.__context__
-    if isinstance(cause, KvfenceError) and cause.code == grpc.StatusCode.UNIMPLEMENTED:
-        return wrong_api(target, "public")
-    return None
 
 
 _VERDICT_STYLE = {
