@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ import grpc
 from kvfence import PROTOCOL_VERSION, __version__
 from kvfence import logging as kvlog
 from kvfence.auth import bearer_metadata, read_token, token_matches
-from kvfence.config import ClusterConfig, ModelShape, Role
+from kvfence.config import NAME_CHARS, ClusterConfig, ModelShape, Role
 from kvfence.errors import IntegrityError, Unauthenticated
 from kvfence.kv.pool import PagePool
 from kvfence.metrics import Metrics
@@ -100,11 +102,22 @@ class NodeRuntime:
             scrub_on_free=cfg.kv.scrub_on_free,
         )
         layout = kv_layout(cfg, shape)
-        node_id = cfg.node.node_id or f"{role.value}-{os.getpid()}"
+        node_id = cfg.node.node_id or default_node_id(role)
         engine = Engine(loaded.model, pool)
         return cls(
             role, node_id, loaded.fingerprint, layout, pool, engine, loaded, loaded.text_fingerprint
         )
+
+
+def default_node_id(role: Role) -> str:
+    """The id of a node whose config names none: ``<role>-<host>-<pid>``. The pid alone is not
+    enough: in containers every node is pid 1, and two nodes with one id supersede each other
+    (the control plane routes to the last one registered, the other takes no work), so two
+    containers of a role would serve as one. The host name (the container's, in Docker or a
+    pod) tells them apart; characters a node id may not hold (it is a level of the node's MQTT
+    topics) become ``_``."""
+    host = re.sub(rf"[^{NAME_CHARS}]", "_", socket.gethostname()) or "host"
+    return f"{role.value}-{host}-{os.getpid()}"
 
 
 # A refused node call is logged at most once per this interval (the line counts the refusals since
