@@ -7,6 +7,8 @@ heavy imports (torch, grpc services) happen inside the commands so that ``kvfenc
 from __future__ import annotations
 
 import importlib
+import signal
+import sys
 
 import typer
 
@@ -51,5 +53,10 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 
 
 def main() -> None:
-    _load_commands()
+    try:
+        _load_commands()
+    except KeyboardInterrupt:
+        # Ctrl-C while the commands load (before click, which answers a Ctrl-C in a command with
+        # "Aborted!"): the shell's exit for SIGINT, without a traceback of whatever was importing.
+        sys.exit(128 + signal.SIGINT)
     app()
