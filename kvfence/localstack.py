@@ -2,7 +2,7 @@
 scripts that need the real thing (separate processes, real gRPC and UCX).
 
 ``LocalStack`` starts ``python -m kvfence up`` on free ports with its own state directory, waits for
-``up.json`` (one left there by an earlier run is removed first), and offers clients for tenants,
+its own ``up.json`` (the one whose ``pid`` is that process's), and offers clients for tenants,
 the admin API and each node's Stats (called with the cluster node token, as the nodes require).
 ``stop()`` sends SIGTERM, waits, and kills whatever is left, the services included, so a failed
 run leaves no process behind. (``psutil`` comes with the ``test`` extra; it is imported only when
@@ -44,6 +44,16 @@ def free_port_pair() -> int:
                 continue
         return port
     raise RuntimeError("no free port pair")
+
+
+def _up_of(path: Path, pid: int) -> dict[str, Any] | None:
+    """``up.json`` when the ``kvfence up`` process ``pid`` wrote it; None while it is another's
+    or absent (``up`` writes it whole, by rename)."""
+    try:
+        up = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return up if isinstance(up, dict) and up.get("pid") == pid else None
 
 
 class LocalStack:
@@ -94,19 +104,18 @@ class LocalStack:
             **self.env,
         }
         up_json = self.state_dir / "up.json"
-        # One left by an earlier stack in this directory (killed before `up` could remove it)
-        # would be read at once as this run's, its ports and token those of a dead stack: `up`
-        # removes it too, but only once it runs, after this loop may already have looked.
-        up_json.unlink(missing_ok=True)
         self._log = (self.state_dir / "up.out").open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
-        while not up_json.exists():
+        # Only this run's up.json: one left by an earlier stack (killed before `up` could remove
+        # it) would name a dead stack's ports and token, and one of a stack still running there
+        # (whose lock refuses this `up`) is that stack's, to be left alone, not deleted.
+        while (up := _up_of(up_json, self.proc.pid)) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"kvfence up failed:\n{self.output()}")
             time.sleep(0.1)
-        self.up = json.loads(up_json.read_text())
+        self.up = up
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
         return self
 

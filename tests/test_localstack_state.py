@@ -1,4 +1,5 @@
-"""LocalStack.start() never takes an ``up.json`` left by an earlier stack for this run's.
+"""LocalStack.start() never takes an ``up.json`` left by an earlier stack for this run's, and
+never removes one (a stack still running there keeps its credentials).
 
 ``kvfence up`` is replaced by a fake process (no services start): it writes its own ``up.json``
 the first time it is polled, or has exited at once without writing one.
@@ -16,7 +17,12 @@ import pytest
 import kvfence.localstack as localstack
 from kvfence.localstack import LocalStack
 
-STALE = {"target": "127.0.0.1:1", "admin_target": "127.0.0.1:2", "admin_token": "old"}
+STALE = {
+    "target": "127.0.0.1:1",
+    "admin_target": "127.0.0.1:2",
+    "admin_token": "old",
+    "pid": os.getpid() + 1,  # another `up`'s
+}
 FRESH = {
     "target": "127.0.0.1:3",
     "admin_target": "127.0.0.1:4",
@@ -36,7 +42,7 @@ class _FakeUp:
     def poll(self) -> int | None:
         if self.exits:
             return 1  # `up` failed before it wrote up.json
-        (self.state_dir / "up.json").write_text(json.dumps(FRESH))
+        (self.state_dir / "up.json").write_text(json.dumps({**FRESH, "pid": self.pid}))
         return None
 
 
@@ -63,7 +69,7 @@ def test_a_stale_up_json_is_not_read_as_this_runs(
     _leave_stale(tmp_path)
     stack = _stack(tmp_path, monkeypatch, exits=False).start(timeout=30)
     try:
-        assert stack.up == FRESH
+        assert stack.up == {**FRESH, "pid": os.getpid()}
     finally:
         stack._log.close()
 
@@ -75,7 +81,8 @@ def test_a_failed_up_is_reported_not_covered_by_a_stale_up_json(
     stack = _stack(tmp_path, monkeypatch, exits=True)
     with pytest.raises(RuntimeError, match="kvfence up failed"):
         stack.start(timeout=30)
-    assert not (tmp_path / "state" / "up.json").exists()
+    # The refused run's own up.json never came; the other stack's is as it left it.
+    assert json.loads((tmp_path / "state" / "up.json").read_text()) == STALE
 
 
 def test_control_a_fresh_state_dir_reads_this_runs_up_json(
@@ -83,6 +90,6 @@ def test_control_a_fresh_state_dir_reads_this_runs_up_json(
 ) -> None:
     stack = _stack(tmp_path, monkeypatch, exits=False).start(timeout=30)
     try:
-        assert stack.up == FRESH
+        assert stack.up == {**FRESH, "pid": os.getpid()}
     finally:
         stack._log.close()

@@ -4,7 +4,7 @@
 and M decode processes on loopback, waits until every node has registered, creates a demo tenant
 (or, when an earlier ``up`` with this state directory created it, issues it a fresh key and
 revokes its older ones: only the key in ``up.json`` works), writes ``<state-dir>/up.json``
-``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}}`` (owner-only,
+``{"target", "admin_target", "admin_token", "api_keys": {"demo": ...}, "pid"}`` (owner-only,
 atomically: it exists, whole, exactly while the stack serves) and prints ``kvfence ready:
 <target>`` followed by a paste-ready ``kvfence generate`` command. Ctrl-C, SIGTERM or SIGHUP (the
 terminal closed) stops every process it started (SIGTERM first, SIGKILL after a grace period)
@@ -458,6 +458,7 @@ def run_stack(
             "admin_target": admin_target,
             "admin_token": admin_token,
             "api_keys": {DEMO_TENANT: api_key},
+            "pid": os.getpid(),  # whose: a reader waiting for this run's tells it from a stale one
         }
         # Whole or absent, never half-written (readers poll for it) and never readable by others,
         # not even for a moment: it holds the admin token and an API key.
