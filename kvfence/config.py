@@ -126,7 +126,8 @@ class NodeConfig(_Strict):
     """This process: its role and where it listens."""
 
     role: Role = Role.CONTROL_PLANE
-    # empty = "<role>-<hostname>-<pid>" (kvfence.node.default_node_id). A level of this node's MQTT topics, so constrained like `cluster`.
+    # empty = "<role>-<hostname>-<pid>" (kvfence.node.default_node_id). A level of this node's
+    # MQTT topics, so constrained like `cluster`.
     node_id: str = Field(default="", pattern=rf"^[{NAME_CHARS}]*$")
     listen: str = "127.0.0.1:0"
     # Address others use to reach this node, host:port; empty = the bound listen address. An IPv6

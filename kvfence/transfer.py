@@ -60,7 +60,11 @@ header had right behind it: UCX would otherwise keep them, unmatched, for as lon
 lives. It receives at most as many as the reservation decode itself issued holds (not the
 sender's count of indices): for a reservation it knows, its prompt pages; for one it released,
 the count it remembers with the id; for an id it does not know, ``UNKNOWN_RESERVATION_STRAYS``.
-Pages beyond that stay in UCX.
+Pages beyond that stay in UCX. After a verified hello, a batch header that is malformed (a length
+no control message may have, not JSON, not a JSON object, no list of indices) fails the transfer
+``PROTOCOL`` and is answered so, like any refused batch (it names no pages, so none are drained).
+A malformed hello is answered nothing: nothing is verified yet, so decode reports ``BAD_HELLO``
+and aborts the endpoint.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
@@ -69,27 +73,27 @@ the hello itself never left (its send failed), since pages went out right behind
 a timeout or any later failure is final.
 
 Reservation ids and a restarted decode. Decode issues ids ``<node>.<instance>.<uuid4 hex>``
-(``KvReceiver.new_reservation_id``; :func:`reservation_origin` reads the first two parts): the
-node part is the first 8 hex digits of a BLAKE2b hash of the decode node's id (:func:`node_tag`;
+(``KvReceiver.new_reservation_id``; :func:`reservation_origin` reads the first two parts): the node
+part is the first 8 hex digits of a BLAKE2b hash of the decode node's id (:func:`node_tag`;
 ``DecodeServicer`` gives its receiver its node's id), the instance 8 hex digits drawn once per
-receiver, i.e. per decode process. A decode container restarted in its pod keeps its node id
-(the Helm chart sets it to the pod name) and listens at the same UCX address, so a transfer for
-a reservation of the previous process reaches the new one, its hello naming an id of this node
-and another instance: decode refuses it ``NODE_RESTARTED`` and reports a ``transfer_failed``
-with that reason (no integrity violation, no count), and prefill fails the call UNAVAILABLE, as
-for ``RESERVATION_RELEASED``: the node lost the request (DESIGN.md), and a retry reserves anew.
-Any other unknown id stays ``UNKNOWN_RESERVATION``, an integrity violation (DATA_LOSS): one of
-this process's own instance, one another decode node issued (a misrouted transfer, a stale
-address: that node is alive, so nothing was lost to a restart), or one of any other shape,
-including the bare uuid4 hex ids of releases before the instance part (so the first in-place
-restart after upgrading from one still raises the alert for the requests then in flight). A node
-without a configured ``node.node_id`` is ``decode-<pid>``: a restart with another pid is another
-node. No hello for an unknown id can be authenticated (the secret was the lost process's), so a
-peer on the UCX port can pick which of the two it causes: both are hello events bounded alike
-(decode_svc), and both drain at most ``UNKNOWN_RESERVATION_STRAYS`` stray pages. A restarted
-process that drew its predecessor's instance (one chance in 2**32) sees that predecessor's ids
-as its own, and another node whose id hashes to this one's node part (one in 2**32 per pair) as
-this node's: ``UNKNOWN_RESERVATION`` for the first, ``NODE_RESTARTED`` for the second.
+receiver, i.e. per decode process. A decode container restarted in its pod keeps its node id (the
+Helm chart sets it to the pod name) and listens at the same UCX address, so a transfer for a
+reservation of the previous process reaches the new one, its hello naming an id of this node and
+another instance: decode refuses it ``NODE_RESTARTED`` and reports a ``transfer_failed`` with that
+reason (no integrity violation, no count), and prefill fails the call UNAVAILABLE, as for
+``RESERVATION_RELEASED``: the node lost the request (DESIGN.md), and a retry reserves anew. Any
+other unknown id stays ``UNKNOWN_RESERVATION``, an integrity violation (DATA_LOSS): one of this
+process's own instance, one another decode node issued (a misrouted transfer, a stale address: that
+node is alive, so nothing was lost to a restart), or one of any other shape, including the bare
+uuid4 hex ids of releases before the instance part (so the first in-place restart after upgrading
+from one still raises the alert for the requests then in flight). A node without a configured
+``node.node_id`` is ``decode-<hostname>-<pid>``: a restart with another pid is another node. No
+hello for an unknown id can be authenticated (the secret was the lost process's), so a peer on the
+UCX port can pick which of the two it causes: both are hello events bounded alike (decode_svc), and
+both drain at most ``UNKNOWN_RESERVATION_STRAYS`` stray pages. A restarted process that drew its
+predecessor's instance (one chance in 2**32) sees that predecessor's ids as its own, and another
+node whose id hashes to this one's node part (one in 2**32 per pair) as this node's:
+``UNKNOWN_RESERVATION`` for the first, ``NODE_RESTARTED`` for the second.
 
 The receiver decides where bytes land: a sender names only an index into *its* reservation's prompt
 pages, so a sender bug can at worst leave a reserved page unwritten or wrongly written — which the
@@ -434,7 +438,18 @@ async def _send_json(
 
 
 async def _recv_json(ep: Any, *, reply: bool = False) -> dict[str, Any]:
-    """One control message in either form (a shorter message fills the start of the buffer)."""
+    """One control message in either form, parsed; a malformed one raises (awaited in
+    ``_within``, which then aborts the endpoint: what a hello and an answer get)."""
+    return _control_object(await _recv_control(ep, reply=reply))
+
+
+async def _recv_control(ep: Any, *, reply: bool = False) -> bytes | TransferError:
+    """The body of one control message in either form (a shorter message fills the start of the
+    buffer), or the PROTOCOL error of a length no control message may have.
+
+    That error is returned, not raised: every receive posted for the message completed, so the
+    endpoint is sound, while one raised inside ``_within`` aborts it before decode can answer
+    the reason (``KvReceiver._receive_batches`` answers a malformed batch header)."""
     head = np.zeros(FRAME_BYTES, dtype=np.uint8)  # never parse stale heap bytes
     await _recv(ep, head, tag=REPLY_LEN_TAG if reply else LEN_TAG)
     n = int(head[:8].view(np.int64)[0])
@@ -444,11 +459,30 @@ async def _recv_json(ep: Any, *, reply: bool = False) -> dict[str, Any]:
         body = np.empty(n, dtype=np.uint8)
         await _recv(ep, body, tag=REPLY_BODY_TAG if reply else BODY_TAG)
     else:
-        raise TransferError(f"control message of {n} bytes", reason="PROTOCOL")
-    obj = json.loads(body.tobytes())
+        return TransferError(f"control message of {n} bytes", reason="PROTOCOL")
+    return body.tobytes()
+
+
+def _control_object(body: bytes | TransferError) -> dict[str, Any]:
+    """A received control message as a JSON object; raises the PROTOCOL error of a bad length
+    or of JSON that is not an object, and json's own error (a ValueError) for what is not JSON."""
+    if isinstance(body, TransferError):
+        raise body
+    obj = json.loads(body)
     if not isinstance(obj, dict):
         raise TransferError("control message is not an object", reason="PROTOCOL")
     return obj
+
+
+def _batch_header_object(body: bytes | TransferError) -> dict[str, Any]:
+    """A received batch header as a JSON object; anything else is PROTOCOL, not JSON included
+    (a transfer failure's reason is one of decode's, never a parser's exception name)."""
+    try:
+        return _control_object(body)
+    except (ValueError, RecursionError) as err:  # not JSON or UTF-8, or nested too deep to parse
+        raise TransferError(
+            f"batch header is not JSON ({type(err).__name__})", reason="PROTOCOL"
+        ) from None
 
 
 class InboundState(Enum):
@@ -942,7 +976,14 @@ class KvReceiver:
             if batch == 0 and first is not None:
                 header = first
             else:
-                [header] = await _within(ep, [_recv_json(ep)], self.batch_timeout_s)
+                # Received here, parsed after: a header that arrived whole but is malformed (a
+                # bad length, not JSON, not an object) fails the transfer PROTOCOL on a sound
+                # endpoint, so decode answers the reason like any other refused header. Raised
+                # inside _within, the error aborted the endpoint first, and prefill read only a
+                # lost connection. The hello stays parsed inside (_serve): an unverified peer's
+                # malformed hello gets no answer.
+                [body] = await _within(ep, [_recv_control(ep)], self.batch_timeout_s)
+                header = _batch_header_object(body)
             if header.get("done"):
                 return
             # Bounded by decode's own reservation, not by its max_batch_bytes: a batch refused as
