@@ -353,9 +353,10 @@ async def test_generate_tls_ca_file_errors_are_one_line(tls_cp: Any, pki: Path) 
     not_pem.write_text("hello")
     result = await run_cli(*base, "--tls-ca", str(not_pem))
     assert_one_line_error(result, 2, "not PEM")
-    # control: the right CA gets through TLS to the control plane, which refuses the key "k"
+    # control: the right CA gets through TLS to the control plane, which refuses the key "k":
+    # a request that failed at the server, exit 1 (the CA files above: nothing sent, exit 2)
     result = await run_cli(*base, "--tls-ca", str(pki / "ca.pem"), "--timeout", "10")
-    assert_one_line_error(result, 2, "UNAUTHENTICATED")
+    assert_one_line_error(result, 1, "UNAUTHENTICATED")
 
 
 # -- --tls-server-name: a certificate that does not name the host connected to (port-forward) ----
@@ -429,12 +430,12 @@ async def test_check_config_and_generate_tls_server_name(named_cp: Any, pki: Pat
     gen = [*GEN, "--target", f"127.0.0.1:{named_cp.ports.public}", "--prompt-ids", "1"]
     gen += ["--timeout", "10"]
     result = await run_cli(*gen, *ca)
-    assert_one_line_error(result, 2, "UNAVAILABLE", "does not name 127.0.0.1")
+    assert_one_line_error(result, 1, "UNAVAILABLE", "does not name 127.0.0.1")
     # control: the control plane answers, and refuses the key "k"
     result = await run_cli(*gen, *named)
-    assert_one_line_error(result, 2, "UNAUTHENTICATED")
+    assert_one_line_error(result, 1, "UNAUTHENTICATED")
     result = await run_cli_env({"KVFENCE_TLS_SERVER_NAME": CP_NAME}, *gen, *ca)
-    assert_one_line_error(result, 2, "UNAUTHENTICATED")
+    assert_one_line_error(result, 1, "UNAUTHENTICATED")
     result = await run_cli(*gen, "--tls-server-name", CP_NAME)
     assert_one_line_error(result, 2, "KVFENCE_TLS_SERVER_NAME", "needs --tls-ca")
 

@@ -174,13 +174,13 @@ async def test_check_config_at_the_public_port_says_so(cluster: Cluster) -> None
 
 
 async def test_generate_at_the_admin_port_says_so(cluster: Cluster) -> None:
-    """generate at the admin port with a valid API key: one line, exit 2 as for any failed
+    """generate at the admin port with a valid API key: one line, exit 1 as for any failed
     request. Control: at the public port it generates."""
     args = ["--api-key", cluster.api_key, "--prompt-ids", "10,11", "-n", "2"]
     result = await run_cli("generate", "--target", cluster.admin_target, *args)
     assert_one_line(
         result,
-        2,
+        1,
         f"{cluster.admin_target} does not serve the kvfence public API (UNIMPLEMENTED): is it "
         "the admin port? (`kvfence up`'s public port is the admin port - 1)",
     )

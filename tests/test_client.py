@@ -297,8 +297,9 @@ async def test_cli_generate_json_and_text(cluster: Cluster, quiet_logs: None) ->
     }
     code, out, _ = await run_cli(*base, "hello", "-n", "4")
     assert code == 0 and out == FOUR_TOKENS_TEXT + "\n"
+    # the control plane's refusal: a request that failed at the server, exit 1
     code, _, err = await run_cli(*base, "--prompt-ids", "1", "-n", "1000")
-    assert code == 2 and err.startswith("INVALID_ARGUMENT: prompt_tokens (1) + max_new_tokens")
+    assert code == 1 and err.startswith("INVALID_ARGUMENT: prompt_tokens (1) + max_new_tokens")
 
 
 async def test_cli_admin_commands(cluster: Cluster, quiet_logs: None) -> None:

@@ -1,13 +1,24 @@
 """``kvfence generate``: stream a generation from a running cluster.
 
 Text goes to stdout as it arrives; ``--json`` prints one object with the token ids, text, finish
-reason and usage instead. A failed request prints ``STATUS: message`` to stderr and exits 2 (a
-target that does not serve the public API, the admin port say, is told in those words); so does
-bad input (an out-of-range number or token id, a prompt or ``--stop`` string that is not
-valid UTF-8, an unusable ``--tls-ca`` file, ``--tls-server-name`` without ``--tls-ca``), in one
-line. ``--tls-server-name`` (env
-KVFENCE_TLS_SERVER_NAME) is the name the certificate carries when it does not name the host of
-``--target`` (through a port-forward).
+reason and usage instead. ``--tls-server-name`` (env KVFENCE_TLS_SERVER_NAME) is the name the
+certificate carries when it does not name the host of ``--target`` (through a port-forward).
+
+Exit codes, as the admin commands' and ``kvfence events``' (1: failed at or with the server,
+2: usage), so that a script can tell "called wrong" from "the service refused":
+
+- 0: the generation completed.
+- 1 (EXIT_FAILED): the request was sent and failed: the control plane refused or failed it
+  (``STATUS: message`` on stderr: UNAVAILABLE, RESOURCE_EXHAUSTED, UNAUTHENTICATED for a key it
+  does not know, INVALID_ARGUMENT for a request over the model's limit ...), it could not be
+  reached (or its TLS certificate was refused), or the target does not serve the public API (the
+  admin port, say: told in those words).
+- 2 (EXIT_USAGE): nothing was sent: click's own usage errors (an unknown option, an out-of-range
+  number or token id, no ``--api-key``, both or neither of PROMPT and ``--prompt-ids``), an empty
+  ``--api-key``, a prompt or ``--stop`` string that is not valid UTF-8, an unusable ``--tls-ca``
+  file, ``--tls-server-name`` without ``--tls-ca``.
+
+Every error is one line on stderr.
 
 On a terminal, the text's control characters (ESC, which starts the sequences that move the
 cursor or rewrite the window title, carriage return, backspace...) are shown escaped (``\\x1b``):
@@ -20,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from typing import Any
 
 import typer
 
@@ -47,7 +59,10 @@ TLS_SERVER_NAME = typer.Option(
     "--target (through a port-forward: the control plane's Service name).",
 )
 
-EXIT_FAILED = 2
+# Module docstring: 1 when the request was sent and failed, 2 when nothing was sent (click's own
+# usage errors exit 2 too).
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids are uint32 on the wire
 UINT64_MAX = 2**64 - 1  # the seed is uint64
 
@@ -95,34 +110,47 @@ def generate(
     import grpc
 
     from kvfence.cli.admin import check_tls_server_name, tls_hint
-    from kvfence.client import Client, GenerationAccumulator, wrong_api
-    from kvfence.errors import KvfenceError
+    from kvfence.client import Client, GenerationAccumulator, build_request, wrong_api
+    from kvfence.errors import InvalidArgument, KvfenceError
     from kvfence.tls import TlsError
+
+    def usage(message: str) -> typer.Exit:
+        typer.echo(message, err=True)
+        return typer.Exit(EXIT_USAGE)
 
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of PROMPT or --prompt-ids")
+    if not api_key.strip():  # `--api-key "$KEY"` with KEY unset: no key to send
+        raise usage("--api-key (or KVFENCE_API_KEY) is empty")
     bad_name = check_tls_server_name(tls_ca, tls_server_name, "KVFENCE_TLS_SERVER_NAME")
     if bad_name is not None:
-        typer.echo(bad_name, err=True)
-        raise typer.Exit(EXIT_FAILED)
+        raise usage(bad_name)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-    acc = GenerationAccumulator()
-    on_terminal = _is_terminal(sys.stdout)
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "stop": stop,
+        "ignore_eos": ignore_eos,
+    }
+    try:
+        # What the wire cannot carry (a string that is not UTF-8 ...) is refused before anything
+        # is sent, so that it exits 2 and an INVALID_ARGUMENT of the control plane's exits 1.
+        build_request(prompt, ids, **params)
+    except InvalidArgument as err:
+        raise usage(f"{err.code.name}: {err.message}") from None
     try:
         client = Client(
             target, api_key, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout=timeout
         )
+    except TlsError as err:  # the CA file, read here: nothing was sent
+        raise usage(f"--tls-ca: {err}") from None
+    acc = GenerationAccumulator()
+    on_terminal = _is_terminal(sys.stdout)
+    try:
         with client:
-            for chunk in client.stream(
-                prompt,
-                prompt_ids=ids,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                stop=stop,
-                ignore_eos=ignore_eos,
-            ):
+            for chunk in client.stream(prompt, prompt_ids=ids, **params):
                 acc.add(chunk)
                 if not as_json and chunk.text:
                     sys.stdout.write(for_terminal(chunk.text) if on_terminal else chunk.text)
@@ -135,9 +163,6 @@ def generate(
             raise typer.Exit(EXIT_FAILED) from None
         hint = tls_hint(target, err.message, tls_ca, tls_server_name)
         typer.echo(f"{err.code.name}: {err.message}{hint}", err=True)
-        raise typer.Exit(EXIT_FAILED) from None
-    except TlsError as err:
-        typer.echo(f"--tls-ca: {err}", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     if as_json:
         res = acc.result()
