@@ -236,12 +236,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.batcher is not None:
             self.batcher.stop()
 
-    def end_streams(self, err: KvfenceError) -> int:
+    def end_in_flight(self, err: KvfenceError) -> int:
         """End every running Decode stream with ``err``: the node's drain timed out, and its
-        server is about to stop (``RunningNode.drain``). Ended by the server's stop instead, a
-        stream reached its client as a cut connection (NODE_UNREACHABLE, "became
-        unreachable"), though the node had stopped on purpose. Each stream's own end gives its
-        pages back. How many were ended."""
+        server is about to stop (``RunningNode.drain``, which calls prefill's servicer by the
+        same name). Ended by the server's stop instead, a stream reached its client as a cut
+        connection (NODE_UNREACHABLE, "became unreachable"), though the node had stopped on
+        purpose. Each stream's own end gives its pages back. How many were ended."""
         ended = 0
         for res in list(self.reservations.values()):
             if res.state == ResState.DECODING and res.emit is not None:

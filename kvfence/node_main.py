@@ -33,7 +33,11 @@ nothing, so the control plane tries another node), heartbeats ``draining`` at on
 control plane routes no new request to it, and keeps it registered, its requests running), and
 goes on serving Decode, Release and the KV transfers of what it already holds, until it holds
 nothing (decode: no reservation, so no stream either; prefill: no call in flight and no source
-pages awaiting their transfer or Release) or ``node.drain_timeout_s`` passes. Then the plain stop
+pages awaiting their transfer or Release) or ``node.drain_timeout_s`` passes. A drain that times
+out first ends the calls the node still runs, UNAVAILABLE with reason ``NODE_DRAINING`` (the
+servicer's ``end_in_flight``: decode's Decode streams; prefill's Prefill calls, CANCELLED with that
+reason once their KV send began, prefill_svc/service.py says why), rather than leave them to be cut
+by the stop, which reached the control plane as NODE_UNREACHABLE. Then the plain stop
 (``RunningNode.stop``): heartbeats end (the control plane drops the node after
 ``node_timeout_s``; with nothing left on it, nothing fails), health NOT_SERVING, stop accepting,
 give in-flight RPCs a short grace (``STOP_GRACE_S``: the drain already waited; what still runs
@@ -72,11 +76,12 @@ DRAIN_POLL_S = 0.05
 # How long the event bus may take to deliver what is left at stop (its disconnect from a broker
 # that does not answer takes up to events.PUBLISH_TIMEOUT_S + 1 more).
 STOP_FLUSH_S = 1.0
-# What stop() may take beyond node.drain_timeout_s: the listener's close (STOP_GRACE_S), the
-# engine thread's current pass, the receiver's connections (transfer.HANDLERS_STOP_S and half a
-# second), the bus (STOP_FLUSH_S and its disconnect). The chart's default
-# terminationGracePeriodSeconds is drainTimeoutS plus this; a pod killed mid-stop is not drained
-# cleanly (its status goes offline by the broker's will, its requests fail NODE_LOST).
+# What stop() may take beyond node.drain_timeout_s: the listener's close (STOP_GRACE_S), the engine
+# thread's current pass, decode's receiver connections (transfer.HANDLERS_STOP_S and half a second)
+# or prefill's sends a timed-out drain ended (prefill_svc WINDING_STOP_S), the bus (STOP_FLUSH_S and
+# its disconnect). The chart's default terminationGracePeriodSeconds is drainTimeoutS plus this; a
+# pod killed mid-stop is not drained cleanly (its status goes offline by the broker's will, its
+# requests fail NODE_LOST).
 STOP_TAIL_S = 15.0
 
 T = TypeVar("T")
@@ -129,15 +134,17 @@ class RunningNode:
                     timeout_s=timeout_s,
                     **self.servicer.held_counts(),
                 )
-                end_streams = getattr(self.servicer, "end_streams", None)  # decode's
-                if end_streams is not None:
-                    end_streams(
-                        Unavailable(
-                            f"the node stopped before this request finished: its drain timed "
-                            f"out after {timeout_s:g} s",
-                            reason=NODE_DRAINING,
-                        )
+                # What the node still runs (decode: its Decode streams; prefill: its Prefill
+                # calls) ends now, saying why. Left to the server's stop below, it was cut, and
+                # reached the control plane as a lost connection (NODE_UNREACHABLE, "became
+                # unreachable"), though the node had stopped on purpose.
+                self.servicer.end_in_flight(
+                    Unavailable(
+                        f"the node stopped before this request finished: its drain timed "
+                        f"out after {timeout_s:g} s",
+                        reason=NODE_DRAINING,
                     )
+                )
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
         log.info("node drained", node_id=self.rt.node_id)

@@ -28,7 +28,19 @@ or releases nothing.
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Prefill`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, before any page is taken (the control plane tries another prefill node);
 the calls in flight finish, and ``Release`` goes on, so the node is drained once no call is in
-flight and no source pages are held.
+flight and no source pages are held. A call still in flight when the drain times out is ended
+then, before the server stops (``end_in_flight``; cut by the stop, it reached the control plane
+as a lost connection, NODE_UNREACHABLE). Its status says where it was. Before its UCX send began
+(queued for, or in, its forward pass) nothing of it left the node: UNAVAILABLE, ``NODE_DRAINING``,
+which the control plane takes as a draining node's refusal and prefills the request on another
+node, with the same decode reservation. Once its send began, decode may hold part of it, and
+a reservation takes one transfer only (a second is refused REPLAY, an integrity violation): the
+call ends CANCELLED, ``NODE_DRAINING``, which the control plane does not retry and passes on to
+the tenant as UNAVAILABLE, ``NODE_DRAINING`` ("the prefill node serving this request is shutting
+down"), counted against neither node. Such a call answers at once, without waiting for its send
+to wind down (an opening handshake is never cut short: up to ``transfer.batch_timeout_s``); its
+pages stay in use until every UCX operation of the send has settled, and ``close`` waits for it
+(up to ``WINDING_STOP_S``).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -49,6 +62,7 @@ from kvfence.config import ClusterConfig, pages_needed
 from kvfence.errors import (
     NODE_DRAINING,
     RESERVATION_RELEASED,
+    Cancelled,
     DeadlineExceeded,
     IntegrityError,
     InvalidArgument,
@@ -74,12 +88,27 @@ from prefill_svc.batcher import PrefillBatcher
 
 log = kvlog.get_logger("prefill")
 
+# How long close() waits for the sends of calls a timed-out drain ended. Prefill has no receiver,
+# so this takes the place of decode's receiver wait in node_main.STOP_TAIL_S's budget.
+WINDING_STOP_S = 2.0
+
+
+@dataclass(eq=False)
+class Call:
+    """One Prefill call in flight (compared by identity)."""
+
+    task: asyncio.Task[Any] | None  # its handler's
+    # Its UCX send, once begun (kept after it ended): from then on decode may hold part of it.
+    send: asyncio.Task[int] | None = None
+    # What a timed-out drain ended it with (``end_in_flight``), or None.
+    ended: KvfenceError | None = None
+
 
 @dataclass
 class Held:
     pages: list[PageRef]
     since: float
-    call: object  # the Prefill call that allocated them (only it, Release or the reaper frees them)
+    call: Call  # the Prefill call that allocated them (only it, Release or the reaper frees them)
     scrub: bool = False  # the tenant asked for its pages to be zeroed when freed
     # Its prompt's place in the engine thread's queue (PrefillBatcher.submit): a release cancels
     # it, which takes effect only while the pass has not started.
@@ -108,6 +137,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             on_pass=metrics.prefill_pass_prompts.observe,
         )
         self.held: dict[str, Held] = {}
+        self.calls: set[Call] = set()  # in flight
+        # Sends of calls a timed-out drain ended, still winding down (``close`` waits for them).
+        self.winding: set[asyncio.Task[int]] = set()
         # Idle UCX endpoints to decode nodes, reused by later transfers (kvfence/transfer.py).
         self.endpoints = EndpointPool(
             max_idle_per_peer=cfg.transfer.endpoint_pool_max_idle,
@@ -127,6 +159,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        if self.winding:
+            # Sends of calls ended by a timed-out drain: each settles its UCX operations (and
+            # its call's pages come back) before the endpoints close under it, if it can within
+            # WINDING_STOP_S: an opening hello decode never answers waits out
+            # transfer.batch_timeout_s, longer than the pod's grace period leaves the stop
+            # (node_main.STOP_TAIL_S). What still winds then is cut by the process's exit.
+            await asyncio.wait(self.winding, timeout=WINDING_STOP_S)
         await self.endpoints.close()
         for request_id in list(self.held):
             self._release(request_id)
@@ -142,6 +181,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def held_counts(self) -> dict[str, int]:
         return {"calls": self.queue_length, "held": len(self.held)}
 
+    def end_in_flight(self, err: KvfenceError) -> int:
+        """End every Prefill call in flight with ``err`` (UNAVAILABLE, NODE_DRAINING): the node's
+        drain timed out, and its server is about to stop (``RunningNode.drain``). A call whose
+        UCX send began gets the same reason as CANCELLED instead, which the control plane does
+        not retry elsewhere (module docstring). Each call's own end gives its pages back; a send
+        winds down on its own (``close`` waits for it). How many were ended."""
+        ended = 0
+        for call in list(self.calls):
+            if call.ended is not None or call.task is None or call.task.done():
+                continue
+            call.ended = err
+            if call.send is not None:
+                call.ended = Cancelled(err.message, reason=err.reason, metadata=err.metadata)
+                if not call.send.done():
+                    call.send.cancel()
+                    self.winding.add(call.send)
+                    call.send.add_done_callback(self._wound_down)
+            call.task.cancel()
+            ended += 1
+        return ended
+
+    def _wound_down(self, send: asyncio.Task[int]) -> None:
+        self.winding.discard(send)
+        if not send.cancelled():
+            send.exception()  # retrieved: its call has answered already
+
     # ---- RPCs --------------------------------------------------------------------------------
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -150,23 +215,35 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.rpc_count += 1
         self.metrics.rpcs_total.labels(method="Prefill").inc()
         self.queue_length += 1
-        call = object()
+        call = Call(asyncio.current_task())
+        self.calls.add(call)
         with kvlog.request_context(request.request_id, request.tenant_id):
             try:
                 return await self._prefill(request, call)
             except KvfenceError as err:
                 self._release(request.request_id, call)
-                self.metrics.requests_total.labels(status=err.code.name).inc()
-                await abort(context, err)
+                answer = err
+                if call.ended is not None:  # a failure that raced the drain's end of it
+                    answer = call.ended
+                    if call.task is not None:
+                        call.task.uncancel()
+                self.metrics.requests_total.labels(status=answer.code.name).inc()
+                await abort(context, answer)
             except asyncio.CancelledError:
                 self._release(request.request_id, call)
-                raise
+                # Ended by a timed-out drain (end_in_flight), and by nothing else (grpc's own
+                # cancel, the client gone or the server stopping, stays a cancel): its answer.
+                if call.ended is None or call.task is None or call.task.uncancel() > 0:
+                    raise
+                self.metrics.requests_total.labels(status=call.ended.code.name).inc()
+                await abort(context, call.ended)
             except Exception as err:
                 log.exception("prefill failed")
                 self._release(request.request_id, call)
                 self.metrics.requests_total.labels(status="INTERNAL").inc()
                 await abort(context, KvfenceError(f"prefill failed: {type(err).__name__}"))
             finally:
+                self.calls.discard(call)
                 self.queue_length -= 1
         raise AssertionError("unreachable")
 
@@ -185,7 +262,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     # ---- the work ----------------------------------------------------------------------------
     async def _prefill(
-        self, req: prefill_pb2.PrefillRequest, call: object
+        self, req: prefill_pb2.PrefillRequest, call: Call
     ) -> prefill_pb2.PrefillResponse:
         if self.draining:
             raise Unavailable(
@@ -275,8 +352,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise Unavailable("released while prefilling", reason=RESERVATION_RELEASED)
             return await self._finish(req, refs, first, len(tokens))
         finally:
-            self.pool.end_ops(ids)
-            self._publish_pages()
+            if call.send is not None and not call.send.done():
+                # Ended by a timed-out drain before its send wound down (end_in_flight): the
+                # pages stay in use until every UCX operation of the send has settled.
+                call.send.add_done_callback(lambda _: self._ops_over(ids))
+            else:
+                self._ops_over(ids)
+
+    def _ops_over(self, ids: list[int]) -> None:
+        self.pool.end_ops(ids)
+        self._publish_pages()
 
     async def _finish(
         self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int
@@ -344,11 +429,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if held is None:  # released before the send began: nothing to send for
             raise Unavailable("released before the KV transfer", reason=RESERVATION_RELEASED)
         send = asyncio.ensure_future(self._send(req, outbound, fault))
-        held.send = send
+        held.send = held.call.send = send
         try:
-            sent = await send
+            # Shielded, so that a timed-out drain ends the call without waiting for the send to
+            # wind down (end_in_flight: it cancels the send itself). Any other cancel of the call
+            # cancels the send and waits for it, below, as an unshielded await did.
+            sent = await asyncio.shield(send)
         except asyncio.CancelledError:
             task = asyncio.current_task()
+            if held.call.ended is None and not send.done():
+                send.cancel()
+                while not send.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait({send})
             if send.cancelled() and (task is None or task.cancelling() == 0):
                 # Not this call's cancel (which cancels the send too, then re-raises here): a
                 # release cancelled the send.
@@ -443,7 +536,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         for request_id in list(self.held):
             self._release(request_id)
 
-    def _release(self, request_id: str, call: object | None = None) -> bool:
+    def _release(self, request_id: str, call: Call | None = None) -> bool:
         """Give the request's pages back (deferred while an operation is on them). With ``call``,
         only if that Prefill call allocated them: a refused duplicate must not free the pages of
         the request it duplicates."""

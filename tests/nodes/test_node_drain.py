@@ -371,15 +371,19 @@ async def test_drain_gives_up_after_drain_timeout_s_and_the_node_stops_leaking_n
 
 def test_a_nodes_stop_budget_adds_up() -> None:
     """node_main.STOP_TAIL_S, which the chart adds to drainTimeoutS for the pod's grace period,
-    covers each bounded wait of the stop after the drain (the listener's close, the receiver's
-    connections, the bus's flush and its disconnect from a broker that does not answer) with
-    five seconds left for the engine thread's current pass."""
+    covers each bounded wait of the stop after the drain (the listener's close, decode's receiver
+    connections or prefill's winding sends, the bus's flush and its disconnect from a broker that
+    does not answer) with five seconds left for the engine thread's current pass."""
     from kvfence import events, node_main, transfer
+    from prefill_svc import service as prefill_service
 
     waits = (
         node_main.STOP_GRACE_S
-        + transfer.HANDLERS_STOP_S
-        + 0.5  # the cancelled handlers' own wait
+        # decode's receiver connections, or prefill's sends ended by the timed-out drain
+        + max(
+            transfer.HANDLERS_STOP_S + 0.5,  # the cancelled handlers' own wait
+            prefill_service.WINDING_STOP_S,
+        )
         + node_main.STOP_FLUSH_S
         + events.PUBLISH_TIMEOUT_S
         + 1
