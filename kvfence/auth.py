@@ -187,6 +187,18 @@ def token_matches(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
+def unsendable(token: str) -> str | None:
+    """Why gRPC cannot send ``token`` in a header (None: it can). A header value is printable
+    ASCII; anything else (the ``\\r`` a key file saved with CRLF line ends keeps, a newline, a
+    non-ASCII letter) makes the client library fail the call before it connects, with
+    "INTERNAL: Invalid metadata" and lines of its own log: a caller says why instead."""
+    for i, c in enumerate(token):
+        if not " " <= c <= "~":
+            hint = " (a key file with Windows line ends?)" if c == "\r" else ""
+            return f"it holds {c!r} at offset {i}: a key is printable ASCII{hint}"
+    return None
+
+
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying ``token`` as ``authorization: Bearer <token>``."""
     return (("authorization", f"Bearer {token}"),)

@@ -203,3 +203,33 @@ def test_an_unusable_ca_file_exits_2(tmp_path: Path) -> None:
     assert_exit(invoke(*base, "--tls-ca", str(not_pem)), 2, "--tls-ca", "not PEM")
     make_ca(tmp_path, "ca")
     assert_exit(invoke(*base, "--tls-ca", str(tmp_path / "ca.pem")), 1, "UNAVAILABLE")
+
+
+@pytest.mark.parametrize(
+    ("key", "needle"),
+    [
+        ("sk-demo\r", "'\\r' at offset 7: a key is printable ASCII (a key file with Windows"),
+        ("sk\ndemo", "'\\n' at offset 2"),
+        ("ключ", "'к' at offset 0"),
+    ],
+)
+def test_a_key_grpc_cannot_send_exits_2_saying_why(key: str, needle: str) -> None:
+    """The real Client: gRPC refuses such a header value before it connects, with "INTERNAL:
+    Invalid metadata" and lines of C-core log. Control: a printable key is sent, and the request
+    fails at the (absent) server: exit 1."""
+    base = ["generate", "--target", f"127.0.0.1:{_closed_port()}", "--prompt-ids", "1"]
+    result = invoke(*base, "--api-key", key, "--timeout", "10")
+    assert_exit(result, 2, "--api-key (or KVFENCE_API_KEY) cannot be sent", needle)
+    assert result.stderr.count("\n") == 1
+    assert_exit(invoke(*base, "--api-key", "sk-demo", "--timeout", "10"), 1, "UNAVAILABLE")
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_a_timeout_not_above_0_exits_2(server: Server, timeout: str) -> None:
+    """A deadline already past would fail DEADLINE_EXCEEDED with nothing sent. Control: a
+    positive one is sent."""
+    result = invoke(*BASE, "--prompt-ids", "1", "--timeout", timeout)
+    assert_exit(result, 2, "--timeout must be above 0 seconds")
+    assert server.sent == []
+    assert_exit(invoke(*BASE, "--prompt-ids", "1", "--timeout", "0.5"), 0)
+    assert len(server.sent) == 1

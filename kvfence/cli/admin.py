@@ -145,6 +145,7 @@ def _admin(
     """An AdminClient; any error becomes one line on stderr and exit status 1 (2 for usage)."""
     import grpc
 
+    from kvfence.auth import unsendable
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
     from kvfence.tls import TlsError
@@ -156,6 +157,9 @@ def _admin(
         token = DEFAULT_TOKEN_FILE.read_text().strip()
     if not token:
         raise _fail("no admin token: pass --admin-token or set KVFENCE_ADMIN_TOKEN")
+    why = unsendable(token)
+    if why is not None:
+        raise _fail(f"the admin token cannot be sent: {why}")
     try:
         client = AdminClient(
             target, token, tls_ca=tls_ca, tls_server_name=tls_server_name, timeout=10.0

@@ -109,6 +109,7 @@ def generate(
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
     import grpc
 
+    from kvfence.auth import unsendable
     from kvfence.cli.admin import check_tls_server_name, tls_hint
     from kvfence.client import Client, GenerationAccumulator, build_request, wrong_api
     from kvfence.errors import InvalidArgument, KvfenceError
@@ -122,6 +123,11 @@ def generate(
         raise typer.BadParameter("give exactly one of PROMPT or --prompt-ids")
     if not api_key.strip():  # `--api-key "$KEY"` with KEY unset: no key to send
         raise usage("--api-key (or KVFENCE_API_KEY) is empty")
+    why = unsendable(api_key)
+    if why is not None:
+        raise usage(f"--api-key (or KVFENCE_API_KEY) cannot be sent: {why}")
+    if timeout is not None and not timeout > 0:  # a deadline already past: nothing would be sent
+        raise usage(f"--timeout must be above 0 seconds, not {timeout:g}")
     bad_name = check_tls_server_name(tls_ca, tls_server_name, "KVFENCE_TLS_SERVER_NAME")
     if bad_name is not None:
         raise usage(bad_name)
