@@ -51,7 +51,7 @@ def _up_of(path: Path, pid: int) -> dict[str, Any] | None:
     or absent (``up`` writes it whole, by rename)."""
     try:
         up = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (OSError, ValueError):  # absent, or not this run's: a stale file cut short, say
         return None
     return up if isinstance(up, dict) and up.get("pid") == pid else None
 
@@ -110,11 +110,15 @@ class LocalStack:
         # Only this run's up.json: one left by an earlier stack (killed before `up` could remove
         # it) would name a dead stack's ports and token, and one of a stack still running there
         # (whose lock refuses this `up`) is that stack's, to be left alone, not deleted.
-        while (up := _up_of(up_json, self.proc.pid)) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"kvfence up failed:\n{self.output()}")
-            time.sleep(0.1)
+        try:
+            while (up := _up_of(up_json, self.proc.pid)) is None:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()  # first: the output then holds the services' last lines
+                    raise RuntimeError(f"kvfence up failed:\n{self.output()}")
+                time.sleep(0.1)
+        except BaseException:  # Ctrl-C, anything: the stack it started must not outlive it
+            self.stop()
+            raise
         self.up = up
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
         return self

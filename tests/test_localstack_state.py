@@ -39,11 +39,22 @@ class _FakeUp:
         self.exits = exits
         self.pid = os.getpid()  # psutil looks for its children: none that matter here
 
+        self.signals: list[int] = []
+
     def poll(self) -> int | None:
-        if self.exits:
-            return 1  # `up` failed before it wrote up.json
+        if self.exits or self.signals:
+            return 1  # `up` failed before it wrote up.json, or was stopped
         (self.state_dir / "up.json").write_text(json.dumps({**FRESH, "pid": self.pid}))
         return None
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 1
+
+
+STARTED: list[_FakeUp] = []  # what the latest _stack's Popen started
 
 
 def _stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, exits: bool) -> LocalStack:
@@ -51,7 +62,10 @@ def _stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, exits: bool) -> L
 
     def popen(cmd: list[str], **kw: Any) -> _FakeUp:
         assert cmd[2:4] == ["kvfence", "up"]
-        return _FakeUp(state, exits=exits)
+        STARTED.append(_FakeUp(state, exits=exits))
+        return STARTED[-1]
+
+    STARTED.clear()
 
     monkeypatch.setattr(localstack.subprocess, "Popen", popen)
     return LocalStack(state)
@@ -93,3 +107,46 @@ def test_control_a_fresh_state_dir_reads_this_runs_up_json(
         assert stack.up == {**FRESH, "pid": os.getpid()}
     finally:
         stack._log.close()
+
+
+@pytest.mark.parametrize("stale", ["", "{", "[1]", "{not json"])
+def test_a_stale_up_json_cut_short_is_waited_past(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: str
+) -> None:
+    """A stale file that is not this run's in any form (cut short by a full disk, say) is not this
+    run's up.json; it raised out of start() and left the `up` it had started running."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "up.json").write_text(stale)
+    stack = _stack(tmp_path, monkeypatch, exits=False).start(timeout=30)
+    try:
+        assert stack.up == {**FRESH, "pid": os.getpid()}
+    finally:
+        stack._log.close()
+
+
+def test_an_interrupted_start_stops_the_up_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while start() waits: the `up` it started is stopped (SIGTERM), not left running.
+    Control: the same start, not interrupted, leaves it running (no signal)."""
+    import signal
+
+    _leave_stale(tmp_path)  # so the first look finds no up.json of this run, and waits
+    stack = _stack(tmp_path, monkeypatch, exits=False)
+
+    def interrupted(_: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(localstack.time, "sleep", interrupted)
+    monkeypatch.setattr(_FakeUp, "poll", lambda self: None)  # never writes up.json
+    with pytest.raises(KeyboardInterrupt):
+        stack.start(timeout=30)
+    assert [up.signals for up in STARTED] == [[signal.SIGTERM]]
+
+    monkeypatch.undo()
+    control = _stack(tmp_path, monkeypatch, exits=False).start(timeout=30)
+    try:
+        assert [up.signals for up in STARTED] == [[]]
+    finally:
+        control._log.close()
