@@ -1,5 +1,5 @@
 """``python -m kvfence`` runs the CLI (what `kvfence up` uses to start its children)."""
 
-from kvfence.cli import main
+from kvfence.entry import main
 
 main()

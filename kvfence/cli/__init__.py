@@ -7,10 +7,11 @@ heavy imports (torch, grpc services) happen inside the commands so that ``kvfenc
 from __future__ import annotations
 
 import importlib
-import signal
-import sys
+from collections.abc import Callable
+from typing import Any
 
 import typer
+import typer.main
 
 from kvfence import logging as kvlog
 
@@ -52,11 +53,14 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
     kvlog.configure("console", "DEBUG" if verbose else "WARNING")
 
 
+def prepare() -> Callable[[], Any]:
+    """The click command of the whole CLI, every command module loaded (kvfence.entry runs it)."""
+    _load_commands()
+    return typer.main.get_command(app)
+
+
 def main() -> None:
-    try:
-        _load_commands()
-    except KeyboardInterrupt:
-        # Ctrl-C while the commands load (before click, which answers a Ctrl-C in a command with
-        # "Aborted!"): the shell's exit for SIGINT, without a traceback of whatever was importing.
-        sys.exit(128 + signal.SIGINT)
-    app()
+    """The CLI (kvfence.entry's main, which also turns a Ctrl-C while it loads into exit 130)."""
+    from kvfence.entry import main as entry_main
+
+    entry_main()
