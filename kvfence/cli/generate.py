@@ -15,8 +15,9 @@ Exit codes, as the admin commands' and ``kvfence events``' (1: failed at or with
   admin port, say: told in those words).
 - 2 (EXIT_USAGE): nothing was sent: click's own usage errors (an unknown option, an out-of-range
   number or token id, no ``--api-key``, both or neither of PROMPT and ``--prompt-ids``), an empty
-  ``--api-key``, a prompt or ``--stop`` string that is not valid UTF-8, an unusable ``--tls-ca``
-  file, ``--tls-server-name`` without ``--tls-ca``.
+  ``--api-key`` or one gRPC cannot send (not printable ASCII), a ``--timeout`` not above 0, a prompt
+  or ``--stop`` string that is not valid UTF-8, an unusable ``--tls-ca`` file, ``--tls-server-name``
+  without ``--tls-ca``.
 
 Every error is one line on stderr.
 
