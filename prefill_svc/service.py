@@ -164,7 +164,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # its call's pages come back) before the endpoints close under it, if it can within
             # WINDING_STOP_S: an opening hello decode never answers waits out
             # transfer.batch_timeout_s, longer than the pod's grace period leaves the stop
-            # (node_main.STOP_TAIL_S). What still winds then is cut by the process's exit.
+            # (node_main.STOP_TAIL_S). What still winds then is cancelled when the event loop ends.
             await asyncio.wait(self.winding, timeout=WINDING_STOP_S)
         await self.endpoints.close()
         for request_id in list(self.held):
