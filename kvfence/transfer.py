@@ -64,7 +64,8 @@ Pages beyond that stay in UCX. After a verified hello, a batch header that is ma
 no control message may have, not JSON, not a JSON object, no list of indices) fails the transfer
 ``PROTOCOL`` and is answered so, like any refused batch (it names no pages, so none are drained).
 A malformed hello is answered nothing: nothing is verified yet, so decode reports ``BAD_HELLO``
-and aborts the endpoint.
+and aborts the endpoint. A connection that ends before its first hello (the peer closed it, or
+its process died) is reported ``PEER_GONE`` instead: no hello was malformed.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
@@ -803,9 +804,18 @@ class KvReceiver:
                 if self._stopped:
                     return
                 if served == 0 or isinstance(err, TransferError | ValueError):
+                    # A hello that came malformed, or none within batch_timeout_s (TIMEOUT, a
+                    # TransferError), is BAD_HELLO; a connection whose receive failed before any
+                    # hello (UCX saw the peer close or crash) is PEER_GONE, so that a prefill
+                    # process killed mid-connection does not read as a forged hello.
+                    malformed = isinstance(err, TransferError | ValueError)
                     self.report(
                         "transfer_failed",
-                        {"reason": "BAD_HELLO", "error": type(err).__name__, "stage": "ucx_hello"},
+                        {
+                            "reason": "BAD_HELLO" if malformed else "PEER_GONE",
+                            "error": type(err).__name__,
+                            "stage": "ucx_hello",
+                        },
                     )
                 return
             strays: list[int] = []

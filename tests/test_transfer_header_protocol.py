@@ -242,3 +242,30 @@ async def test_a_malformed_hello_is_still_answered_nothing(name) -> None:
     finally:
         ep.abort()
         await rx.stop()
+
+
+@pytest.mark.parametrize("says", ["nothing", "a malformed hello"])
+async def test_a_peer_gone_before_its_hello_is_peer_gone_not_bad_hello(says: str) -> None:
+    """A connection that ends before any hello (a prefill process killed mid-connection) is
+    reported PEER_GONE: BAD_HELLO would read as a forged or malformed hello. Control: the same
+    connection ended right after a malformed hello is still BAD_HELLO."""
+    import ucxx
+
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
+    try:
+        if says != "nothing":
+            await ep.send(np.frombuffer(BAD_HELLOS["not-an-object"], np.uint8), tag=LEN_TAG)
+            assert await eventually(lambda: bool(events), timeout=10)
+        assert await eventually(lambda: rx.open_endpoints == 1 or bool(events), timeout=10)
+        await ep.close()
+        assert await eventually(lambda: bool(events) and rx.open_endpoints == 0, timeout=10)
+        reason = "PEER_GONE" if says == "nothing" else "BAD_HELLO"
+        assert [(kind, p["reason"], p["stage"]) for kind, p in events] == [
+            ("transfer_failed", reason, "ucx_hello")
+        ]
+        assert rx.answers == 0 and rx.handler_errors == 0
+    finally:
+        ep.abort()
+        await rx.stop()
