@@ -236,8 +236,12 @@ def node_failed(
     )
     # RESERVATION_RELEASED is load (a queue that outlasted the reservation), not a broken node;
     # NODE_RESTARTED is decode's previous process gone (the new one serves): neither node is
-    # broken now.
-    if timed_out or (err.code() in _NODE_FAULTS and failure.reason not in _NOT_A_FAULT):
+    # broken now. NODE_DRAINING is a node shutting down on purpose, whose drain timed out and
+    # ended the calls it still ran: route nothing new to it, but it is no fault (counted, a decode
+    # node ending its streams logged "node cooling down after failures", reason NODE_DRAINING).
+    if failure.reason == NODE_DRAINING:  # UNAVAILABLE, or CANCELLED once prefill's send began
+        registry.mark_draining(node)
+    elif timed_out or (err.code() in _NODE_FAULTS and failure.reason not in _NOT_A_FAULT):
         _count_failure(registry, node, failure.reason)
         if decode is not None and (timed_out or failure.reason in _TRANSFER_TO_DECODE):
             _count_failure(registry, decode, failure.reason)
