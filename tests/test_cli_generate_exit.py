@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import typer
+from fake_client import FakeClientBase
 from test_tls import make_ca
 from typer.testing import CliRunner
 
@@ -65,16 +66,7 @@ class Server:
 def server(monkeypatch: pytest.MonkeyPatch) -> Server:
     srv = Server()
 
-    class FakeClient:
-        def __init__(self, *_: Any, **__: Any) -> None:
-            pass
-
-        def __enter__(self) -> FakeClient:
-            return self
-
-        def __exit__(self, *_: Any) -> None:
-            pass
-
+    class FakeClient(FakeClientBase):
         def stream(self, prompt: str | None, **kw: Any) -> Iterator[GenerationChunk]:
             srv.sent.append(build_request(prompt, **kw))  # what the real one puts on the wire
             if srv.error is None:

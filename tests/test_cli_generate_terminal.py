@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import typer
+from fake_client import FakeClientBase
 from typer.testing import CliRunner
 
 from kvfence import client as client_mod
@@ -24,16 +25,7 @@ TEXT = "ok\x1b]0;pwned\x07 \x1b[2J\rhidden\tkept\n\x9bend"
 def answering(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Client whose answer is TEXT, in two messages."""
 
-    class FakeClient:
-        def __init__(self, *_: Any, **__: Any) -> None:
-            pass
-
-        def __enter__(self) -> FakeClient:
-            return self
-
-        def __exit__(self, *_: Any) -> None:
-            pass
-
+    class FakeClient(FakeClientBase):
         def stream(self, prompt: str | None, **_: Any) -> Iterator[GenerationChunk]:
             yield GenerationChunk("r", [1, 2], TEXT[:10])
             yield GenerationChunk("r", [], TEXT[10:], "length", Usage(1, 2))

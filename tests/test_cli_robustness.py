@@ -24,6 +24,7 @@ import psutil
 import pytest
 import typer
 import yaml
+from fake_client import FakeClientBase
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
@@ -214,16 +215,7 @@ def fake_client(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     protobuf's ValueError) and returns no tokens; records each request."""
     built: list[Any] = []
 
-    class FakeClient:
-        def __init__(self, *_: Any, **__: Any) -> None:
-            pass
-
-        def __enter__(self) -> FakeClient:
-            return self
-
-        def __exit__(self, *_: Any) -> None:
-            pass
-
+    class FakeClient(FakeClientBase):
         def stream(self, prompt: str | None, **kw: Any) -> Iterator[Any]:
             built.append(build_request(prompt, **kw))
             return iter(())
