@@ -216,12 +216,23 @@ def test_a_key_grpc_cannot_send_exits_2_saying_why(key: str, needle: str) -> Non
     assert_exit(invoke(*base, "--api-key", "sk-demo", "--timeout", "10"), 1, "UNAVAILABLE")
 
 
-@pytest.mark.parametrize("timeout", ["0", "-1"])
-def test_a_timeout_not_above_0_exits_2(server: Server, timeout: str) -> None:
-    """A deadline already past would fail DEADLINE_EXCEEDED with nothing sent. Control: a
-    positive one is sent."""
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "1000000.5", "1e10", "inf"])
+def test_a_timeout_not_above_0_or_too_large_exits_2(server: Server, timeout: str) -> None:
+    """A deadline already past, or one beyond what gRPC can set, would fail DEADLINE_EXCEEDED
+    with nothing sent. Control: a positive one is sent."""
     result = invoke(*BASE, "--prompt-ids", "1", "--timeout", timeout)
-    assert_exit(result, 2, "--timeout must be above 0 seconds")
+    assert_exit(result, 2, "--timeout must be above 0 and at most 1000000 seconds")
     assert server.sent == []
     assert_exit(invoke(*BASE, "--prompt-ids", "1", "--timeout", "0.5"), 0)
     assert len(server.sent) == 1
+
+
+@pytest.mark.parametrize("timeout", ["1e10", "inf"])
+def test_a_timeout_grpc_cannot_set_is_refused_before_the_real_client_calls(timeout: str) -> None:
+    """The real Client, at a port nothing listens on: gRPC's deadline overflows, and the call
+    failed at once DEADLINE_EXCEEDED (exit 1, as if sent). Control: the largest timeout taken
+    reaches the connection attempt, UNAVAILABLE."""
+    base = ["generate", "--target", f"127.0.0.1:{_closed_port()}", "--api-key", "k"]
+    base += ["--prompt-ids", "1", "--timeout"]
+    assert_exit(invoke(*base, timeout), 2, "--timeout must be above 0 and at most")
+    assert_exit(invoke(*base, "1000000"), 1, "UNAVAILABLE")

@@ -15,9 +15,9 @@ Exit codes, as the admin commands' and ``kvfence events``' (1: failed at or with
   admin port, say: told in those words).
 - 2 (EXIT_USAGE): nothing was sent: click's own usage errors (an unknown option, an out-of-range
   number or token id, no ``--api-key``, both or neither of PROMPT and ``--prompt-ids``), an empty
-  ``--api-key`` or one gRPC cannot send (not printable ASCII), a ``--timeout`` not above 0, a prompt
-  or ``--stop`` string that is not valid UTF-8, an unusable ``--tls-ca`` file, ``--tls-server-name``
-  without ``--tls-ca``.
+  ``--api-key`` or one gRPC cannot send (not printable ASCII), a ``--timeout`` not above 0 or
+  above ``MAX_TIMEOUT_S``, a prompt or ``--stop`` string that is not valid UTF-8, an unusable
+  ``--tls-ca`` file, ``--tls-server-name`` without ``--tls-ca``.
 
 Every error is one line on stderr.
 
@@ -66,6 +66,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids are uint32 on the wire
 UINT64_MAX = 2**64 - 1  # the seed is uint64
+# gRPC's deadline overflows above about 1e9 s: --timeout inf or 1e10 failed the call at once with
+# DEADLINE_EXCEEDED (exit 1, though nothing was sent). About 11.6 days is past any generation.
+MAX_TIMEOUT_S = 1_000_000
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
@@ -127,8 +130,10 @@ def generate(
     why = unsendable(api_key)
     if why is not None:
         raise usage(f"--api-key (or KVFENCE_API_KEY) cannot be sent: {why}")
-    if timeout is not None and not timeout > 0:  # a deadline already past: nothing would be sent
-        raise usage(f"--timeout must be above 0 seconds, not {timeout:g}")
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # past, or one gRPC cannot set
+        raise usage(
+            f"--timeout must be above 0 and at most {MAX_TIMEOUT_S} seconds, not {timeout:g}"
+        )
     bad_name = check_tls_server_name(tls_ca, tls_server_name, "KVFENCE_TLS_SERVER_NAME")
     if bad_name is not None:
         raise usage(bad_name)
