@@ -633,3 +633,24 @@ def test_up_twice_on_one_state_dir_and_sighup_stops_everything(tmp_path: Path) -
             c.generate(prompt_ids=[1, 2], max_new_tokens=2)
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize(("command", "unreachable"), [("backup", 1), ("probe", 2)])
+def test_a_timeout_grpc_cannot_set_is_a_usage_error(
+    command: str, unreachable: int, tmp_path: Path
+) -> None:
+    """As for generate: above MAX_TIMEOUT_S gRPC's deadline overflowed, and the call failed at
+    once DEADLINE_EXCEEDED, as if the server had not answered. Control: the largest timeout taken
+    reaches the connection attempt at a port nothing listens on: "cannot reach", UNAVAILABLE
+    (the probe's exit status for that is its setup error's, 2)."""
+    target = ["--target", f"127.0.0.1:{free_port()}"]
+    args = {
+        "backup": ["tenants", "backup", str(tmp_path / "b.json"), "--admin-token", "t", *target],
+        "probe": ["probe", "isolation", *target, "--tenant-a-key", "a", "--tenant-b-key", "b"],
+    }[command]
+    for too_large in ("1000000.5", "1e10", "inf"):
+        result = invoke(*args, "--timeout", too_large)
+        assert_one_line_error(result, 2, "Invalid value for '--timeout'")
+        assert "DEADLINE_EXCEEDED" not in result.output
+    result = invoke(*args, "--timeout", "1000000")
+    assert_one_line_error(result, unreachable, "cannot reach", "Connection refused")

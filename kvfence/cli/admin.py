@@ -26,6 +26,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvfence.cli.generate import MAX_TIMEOUT_S
+
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
@@ -342,7 +344,9 @@ def tenants_set_limits(
 def tenants_backup(
     out_file: Path = typer.Argument(..., help="File to write (owner-only: it holds key hashes)."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT_FILE if it exists."),
-    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds for the transfer."),
+    timeout: float = typer.Option(
+        120.0, "--timeout", min=1.0, max=MAX_TIMEOUT_S, help="Seconds for the transfer."
+    ),
     target: str = TARGET,
     admin_token: str | None = TOKEN,
     tls_ca: str | None = TLS_CA,

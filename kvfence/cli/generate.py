@@ -4,8 +4,9 @@ Text goes to stdout as it arrives; ``--json`` prints one object with the token i
 reason and usage instead. ``--tls-server-name`` (env KVFENCE_TLS_SERVER_NAME) is the name the
 certificate carries when it does not name the host of ``--target`` (through a port-forward).
 
-Exit codes, as the admin commands' and ``kvfence events``' (1: failed at or with the server,
-2: usage), so that a script can tell "called wrong" from "the service refused":
+Exit codes, so that a script can tell "called wrong" from "the service refused" (the admin
+commands and ``kvfence events`` also exit 1 for a failure at or with the server and 2 for a usage
+error, but the admin commands exit 1 for a missing token or an unusable CA):
 
 - 0: the generation completed.
 - 1 (EXIT_FAILED): the request was sent and failed: the control plane refused or failed it
@@ -66,8 +67,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids are uint32 on the wire
 UINT64_MAX = 2**64 - 1  # the seed is uint64
-# gRPC's deadline overflows above about 1e9 s: --timeout inf or 1e10 failed the call at once with
-# DEADLINE_EXCEEDED (exit 1, though nothing was sent). About 11.6 days is past any generation.
+# The largest --timeout of any command (generate, probe isolation, tenants backup): gRPC's deadline
+# overflows above about 1e9 s, and --timeout inf or 1e10 failed the call at once with
+# DEADLINE_EXCEEDED (exit 1, though nothing was sent). About 11.6 days is past any call.
 MAX_TIMEOUT_S = 1_000_000
 
 

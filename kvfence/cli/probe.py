@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvfence.cli.generate import TLS_SERVER_NAME
+from kvfence.cli.generate import MAX_TIMEOUT_S, TLS_SERVER_NAME
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -58,7 +58,9 @@ def isolation(
     concurrency: int = typer.Option(8, "--concurrency", min=1, help="Tenant A requests in flight."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of every canary (repeatable run)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-    timeout: float = typer.Option(60.0, "--timeout", min=0.001, help="Per-request deadline, s."),
+    timeout: float = typer.Option(
+        60.0, "--timeout", min=0.001, max=MAX_TIMEOUT_S, help="Per-request deadline, s."
+    ),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
     tls_server_name: str | None = TLS_SERVER_NAME,
     fail_on_divergence: bool = typer.Option(
