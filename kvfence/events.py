@@ -237,8 +237,8 @@ class _ClosingSSLSocket(ssl.SSLSocket):
     def recv(self, buflen: int = 1024, flags: int = 0) -> bytes:
         # The alert a broker ends the connection with after the handshake (TLS 1.3 checks the
         # client's certificate only then: "certificate required") reaches paho here, which logs
-        # it and drops it; aiomqtt then just times out waiting for the CONNACK. Noted on the
-        # context (one per connection attempt) for _Client to report.
+        # it and drops it; aiomqtt would then just time out waiting for the CONNACK. Noted on
+        # the context (one per connection attempt) for _Client to report.
         try:
             return super().recv(buflen, flags)
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
@@ -437,7 +437,8 @@ class _Client(aiomqtt.Client):
     ``on_publish`` again after ``__init__``) ``puback_codes`` is False and ``publish`` is aiomqtt's,
     as before: a refused message then counts as delivered (``EventBus`` warns once).
     Finally, a TLS alert that ended the connection before the CONNACK (TLS 1.3's "certificate
-    required") turns aiomqtt's "Operation timed out" into ``MqttTlsAlert``.
+    required") fails the attempt at once with ``MqttTlsAlert``, where aiomqtt waited out its
+    timeout and said "Operation timed out".
 
     Two more for ``EventBus``: ``broker_disconnect_reason`` is the reason code of a DISCONNECT the
     broker sent (MQTT 5; paho's ``on_disconnect`` flags tell it from a connection that just broke,
@@ -505,6 +506,7 @@ class _Client(aiomqtt.Client):
                     code = getattr(reason_code, "value", reason_code)
                     if isinstance(code, int):
                         self.broker_disconnect_reason = code
+                self._fail_on_alert()
                 aiomqtt_on_disconnect(client, userdata, flags, reason_code, props)
 
             paho.on_disconnect = on_disconnect
@@ -517,6 +519,28 @@ class _Client(aiomqtt.Client):
                 return paho_disconnect(reasoncode, properties)
 
             paho.disconnect = disconnect
+
+    def _fail_on_alert(self) -> None:
+        """The connection ended before the CONNACK with a TLS alert: fail the attempt now. aiomqtt
+        (2.5.1) would wait out its whole timeout (10 s by default) for a CONNACK that cannot
+        come, and only then would ``__aenter__`` report the alert; ``kvfence events`` against a
+        broker that requires a client certificate took 10 s to say so."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._kv_loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:  # paho's callback on another thread: futures are the loop's
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self._kv_loop.call_soon_threadsafe(self._fail_on_alert)
+            return
+        alert = getattr(self._kv_tls_context, "kvfence_alert", None)
+        connected = getattr(self, "_connected", None)
+        if not alert or not isinstance(connected, asyncio.Future) or connected.done():
+            return
+        with self._kv_guard:
+            if self._kv_abandoned:  # given up already: nobody would retrieve the exception
+                return
+        connected.set_exception(MqttTlsAlert(alert))
 
     @property
     def _speaks_v5(self) -> bool:

@@ -46,6 +46,7 @@ import kvfence.events as events_mod
 from kvfence.events import (
     MAX_SEND_ATTEMPTS,
     EventBus,
+    MqttTls,
     PublishRefused,
     _Client,
     event_topic,
@@ -568,6 +569,36 @@ async def delivers(broker: Mosquitto, pki_dir: Path, bus: EventBus) -> bool:
             return got["seq"] == seq and await bus.wait_drained(5)
         finally:
             await bus.stop()
+
+
+async def test_the_alert_fails_the_attempt_without_waiting_for_a_connack(
+    pki: Path,  # noqa: F811
+) -> None:
+    """The broker's "certificate required" alert ends the attempt at once: aiomqtt waited out
+    its timeout (10 s by default) for the CONNACK, then said "Operation timed out". With a
+    timeout far longer than the test's bound, the alert must be what ends it. Control: with the
+    client certificate, the same client connects."""
+    with start_mosquitto(users=ACCOUNTS, tls=broker_tls(pki, require_certificate=True)) as broker:
+
+        def client(tls: MqttTls) -> _Client:
+            return _Client(
+                broker.host,
+                broker.port,
+                username=PUBLISHER.username,
+                password=PUBLISHER.password,
+                tls_context=tls.context(),
+                protocol=aiomqtt.ProtocolVersion.V5,
+                timeout=600,
+            )
+
+        with pytest.raises(events_mod.MqttTlsAlert) as refused:
+            async with asyncio.timeout(60):
+                async with client(trust(pki)):
+                    pass
+        assert is_client_certificate_required(refused.value)
+        async with asyncio.timeout(60):
+            async with client(trust(pki, client="client")) as good:
+                await good.publish(event_topic(CLUSTER, "node_joined"), b"{}", qos=1)
 
 
 @asynccontextmanager
