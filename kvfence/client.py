@@ -12,7 +12,8 @@ when that certificate does not name the host of ``target`` (through a port-forwa
 
 Failures raise the typed errors of :mod:`kvfence.errors` (``InvalidArgument``, ``Unavailable``,
 ``IntegrityError`` ...), rebuilt from the gRPC status with its ErrorInfo reason; arguments the wire
-cannot carry (see ``build_request``) raise ``InvalidArgument`` before anything is sent. A
+cannot carry (see ``build_request``), and a ``timeout`` gRPC cannot set as a deadline (not above
+0, or above ``MAX_TIMEOUT_S``), raise ``InvalidArgument`` before anything is sent. A
 Generate stream that ends OK without its final message (finish reason and usage: a proxy cut it,
 a faulty server) raises ``Unavailable`` with reason ``STREAM_TRUNCATED``, as the control plane
 treats such a stream from decode: its answer may be incomplete. This interface is stable: tests
@@ -30,6 +31,7 @@ from typing import Any, Literal
 
 import grpc
 
+from kvfence import MAX_TIMEOUT_S
 from kvfence.auth import bearer_metadata
 from kvfence.errors import (
     INVALID_PARAMETERS,
@@ -47,6 +49,20 @@ from kvfence.proto.kvfence.v1 import (
 )
 from kvfence.server import client_channel_options
 from kvfence.tls import TlsError, read_pem
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` if gRPC can set it as a deadline (None: no deadline); InvalidArgument when it
+    is not above 0 (a deadline already past), above ``MAX_TIMEOUT_S``, or not a number (NaN)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidArgument(f"timeout must be a number of seconds, not {timeout!r}")
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise InvalidArgument(
+            f"timeout must be above 0 and at most {MAX_TIMEOUT_S} seconds, not {timeout:g}"
+        )
+    return float(timeout)
 
 
 @dataclass(frozen=True)
@@ -274,8 +290,8 @@ class Client:
         tls_server_name: str | None = None,
         timeout: float | None = None,
     ):
+        self.timeout = check_timeout(timeout)  # before anything is opened
         self.target = target
-        self.timeout = timeout
         self._metadata = bearer_metadata(api_key)
         self._channel = _sync_channel(target, tls_ca, tls_server_name)
         self._stub = client_pb2_grpc.GenerationStub(self._channel)
@@ -376,8 +392,8 @@ class AsyncClient:
         tls_server_name: str | None = None,
         timeout: float | None = None,
     ):
+        self.timeout = check_timeout(timeout)  # before anything is opened
         self.target = target
-        self.timeout = timeout
         self._metadata = bearer_metadata(api_key)
         options = _options(tls_ca, tls_server_name)
         creds = _credentials(tls_ca)
@@ -505,8 +521,8 @@ class AdminClient:
         tls_server_name: str | None = None,
         timeout: float | None = 10.0,
     ):
+        self.timeout = check_timeout(timeout)  # before anything is opened
         self.target = target
-        self.timeout = timeout
         self._metadata = bearer_metadata(admin_token)
         self._channel = _sync_channel(target, tls_ca, tls_server_name)
         self._stub = control_pb2_grpc.AdminStub(self._channel)
@@ -601,6 +617,7 @@ class AdminClient:
         """A consistent snapshot of the tenant database: a self-contained SQLite file holding
         tenants, limits and API key hashes (keep it private). ``kvfence tenants restore`` puts it
         back. IntegrityError if what arrived is not the whole file the control plane sent."""
+        timeout = check_timeout(timeout)
         call = self._stub.BackupTenants(
             control_pb2.BackupTenantsRequest(), metadata=self._metadata, timeout=timeout
         )

@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvfence.cli.generate import MAX_TIMEOUT_S
+from kvfence import MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message

@@ -37,6 +37,8 @@ from typing import Any
 
 import typer
 
+from kvfence import MAX_TIMEOUT_S
+
 # C0 controls but tab and newline, DEL and C1 controls (module docstring).
 _TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -67,10 +69,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 UINT32_MAX = 2**32 - 1  # max_new_tokens and token ids are uint32 on the wire
 UINT64_MAX = 2**64 - 1  # the seed is uint64
-# The largest --timeout of any command (generate, probe isolation, tenants backup): gRPC's deadline
-# overflows above about 1e9 s, and --timeout inf or 1e10 failed the call at once with
-# DEADLINE_EXCEEDED (exit 1, though nothing was sent). About 11.6 days is past any call.
-MAX_TIMEOUT_S = 1_000_000
 
 
 def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvfence.cli.generate import MAX_TIMEOUT_S, TLS_SERVER_NAME
+from kvfence import MAX_TIMEOUT_S
+from kvfence.cli.generate import TLS_SERVER_NAME
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
