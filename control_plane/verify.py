@@ -131,7 +131,11 @@ def node_error(node: Node, err: grpc.aio.AioRpcError) -> KvfenceError:
         # took it for its own cancel (no retry) and the failure alerts ignored it.
         reason = "NODE_CANCELLED" if base.reason == "CANCELLED" else base.reason
         base = Unavailable(base.message, reason=reason, metadata=base.metadata)
-    log.warning(
+    # A node shutting down on purpose (its drain timed out: a rolling update, a scale-down) is
+    # no fault of the node's to warn about: the control plane marks it draining and counts
+    # nothing against it (routing.node_failed). The request's own end is still logged.
+    emit = log.info if base.reason == NODE_DRAINING else log.warning
+    emit(
         "node call failed",
         node_id=node.node_id,
         role=node.role,

@@ -3,14 +3,17 @@
 after). That is a node shutting down on purpose: the control plane marks it draining (nothing new
 is routed to it ahead of its next heartbeat) and counts nothing towards its cool-down. Counted, a
 decode node ending three streams logged "node cooling down after failures", reason NODE_DRAINING.
-Control: the same calls failing with a fault's reason count, and mark nothing."""
+Its "node call failed" line is info, not a warning. Control: the same calls failing with a fault's
+reason count, mark nothing, and warn."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from control_plane.registry import DECODE, PREFILL
 from control_plane.routing import node_failed
@@ -41,6 +44,11 @@ def _node(role: str) -> SimpleNamespace:
     return SimpleNamespace(node_id=f"{role}-0", role=role, failures=0, failed_at=0.0)
 
 
+def _levels(logs: list[dict[str, Any]]) -> list[str]:
+    """The levels of the control plane's "node call failed" lines, in order."""
+    return [e["log_level"] for e in logs if e["event"] == "node call failed"]
+
+
 @pytest.mark.parametrize(
     "role, err",
     [
@@ -53,12 +61,15 @@ def test_calls_ended_by_a_timed_out_drain_mark_it_draining_and_count_nothing(
     role: str, err: KvfenceError
 ) -> None:
     registry, node = _registry(), _node(role)
-    for _ in range(3):
-        failure = node_failed(registry, node, _rpc_error(err))  # type: ignore[arg-type]
-        # CANCELLED included: the node's, never the client's, it reaches the client UNAVAILABLE
-        assert failure.reason == NODE_DRAINING and failure.code == grpc.StatusCode.UNAVAILABLE
+    with capture_logs() as logs:
+        for _ in range(3):
+            failure = node_failed(registry, node, _rpc_error(err))  # type: ignore[arg-type]
+            # CANCELLED included: the node's, never the client's, it reaches the client
+            # UNAVAILABLE
+            assert failure.reason == NODE_DRAINING and failure.code == grpc.StatusCode.UNAVAILABLE
     assert node.failures == 0
     assert registry.marked == [node.node_id] * 3  # mark_draining itself is idempotent
+    assert _levels(logs) == ["info"] * 3
 
 
 @pytest.mark.parametrize(
@@ -73,7 +84,9 @@ def test_control_the_same_calls_failing_on_the_node_count_and_mark_nothing(
     role: str, err: KvfenceError
 ) -> None:
     registry, node = _registry(), _node(role)
-    for _ in range(3):
-        node_failed(registry, node, _rpc_error(err))  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        for _ in range(3):
+            node_failed(registry, node, _rpc_error(err))  # type: ignore[arg-type]
     assert node.failures == 3
     assert registry.marked == []
+    assert _levels(logs) == ["warning"] * 3
