@@ -4,13 +4,14 @@ scripts that need the real thing (separate processes, real gRPC and UCX).
 ``LocalStack`` starts ``python -m kvfence up`` on free ports with its own state directory, waits for
 its own ``up.json`` (the one whose ``pid`` is that process's), and offers clients for tenants,
 the admin API and each node's Stats (called with the cluster node token, as the nodes require).
-``stop()`` sends SIGTERM, waits, and kills whatever is left, the services included, so a failed
-run leaves no process behind. (``psutil`` comes with the ``test`` extra; it is imported only when
-a stack starts.)
+``stop()`` sends SIGTERM, waits, and kills whatever is left, the services included (also those of
+a ``start`` that failed, or whose ``up`` died), so a failed run leaves no process behind.
+(``psutil`` comes with the ``test`` extra; it is imported only when a stack starts.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -120,7 +121,10 @@ class LocalStack:
             self.stop()
             raise
         self.up = up
-        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        try:
+            self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:  # `up` is gone already: stop() finds its services (_services)
+            self.children = []
         return self
 
     def output(self) -> str:
@@ -208,6 +212,7 @@ class LocalStack:
 
         if self.proc is None:
             return
+        services = self._services()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -215,7 +220,7 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for child in self.children:
+        for child in services:
             try:
                 child.wait(timeout=10)
             except psutil.TimeoutExpired:
@@ -224,6 +229,30 @@ class LocalStack:
                 pass
         self._log.close()
         self.proc = None
+
+    def _services(self) -> list[Any]:
+        """The processes this stack's ``up`` started: known once ``start`` returned, and found
+        now when it failed before that (``up`` died, or its ``up.json`` never came). ``up`` names
+        itself in each service's environment (``PARENT_ENV``), which finds them after ``up``
+        itself died too (they then outlive it, stopping, until their SIGTERM is through). Never
+        by the state directory: a refused second stack there must not stop the running one."""
+        import psutil
+
+        from kvfence.cli.stack import PARENT_ENV
+
+        found = {p.pid: p for p in self.children}
+        assert self.proc is not None
+        up_pid = str(self.proc.pid)
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                found.setdefault(p.pid, p)
+        for p in psutil.process_iter():
+            if p.pid in found:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get(PARENT_ENV) == up_pid:
+                    found[p.pid] = p
+        return list(found.values())
 
     def __enter__(self) -> LocalStack:
         return self.start()
