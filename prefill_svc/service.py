@@ -40,7 +40,19 @@ the tenant as UNAVAILABLE, ``NODE_DRAINING`` ("the prefill node serving this req
 down"), counted against neither node. Such a call answers at once, without waiting for its send
 to wind down (an opening handshake is never cut short: up to ``transfer.batch_timeout_s``); its
 pages stay in use until every UCX operation of the send has settled, and ``close`` waits for it
-(up to ``WINDING_STOP_S``).
+(up to ``WINDING_STOP_S``). A send that ended failing, or cut by a ``Release``, before its call
+resumed, is ended the same way. One that ended having sent every page is not: decode holds the
+whole transfer, and the call, with no await left before its answer, returns its manifest on its
+next turn of the event loop, well within the grace the server's stop then gives in-flight calls
+(``node_main.STOP_GRACE_S``).
+
+A forward pass that fails this node's integrity check (``IntegrityError``: a page not at the
+generation the request holds) is always reported (``report_integrity``: a metric, an
+``integrity_violation`` event, an error line), once, when the pass ends, whether or not its call
+still waits for it. A call whose pass failed it as a timed-out drain ended the call answers the
+violation, DATA_LOSS, not ``NODE_DRAINING``: the control plane would prefill the request again
+elsewhere as if nothing had happened. A pass that fails only after the drain ended its call (it
+was still running) is reported then, its call already answered ``NODE_DRAINING``.
 """
 
 from __future__ import annotations
@@ -102,6 +114,9 @@ class Call:
     send: asyncio.Task[int] | None = None
     # What a timed-out drain ended it with (``end_in_flight``), or None.
     ended: KvfenceError | None = None
+    # Its forward pass failed this node's integrity check, and that was reported: once, by
+    # whichever sees it first (the pass's end, or the call), as the call may no longer wait.
+    integrity_reported: bool = False
 
 
 @dataclass
@@ -185,11 +200,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """End every Prefill call in flight with ``err`` (UNAVAILABLE, NODE_DRAINING): the node's
         drain timed out, and its server is about to stop (``RunningNode.drain``). A call whose
         UCX send began gets the same reason as CANCELLED instead, which the control plane does
-        not retry elsewhere (module docstring). Each call's own end gives its pages back; a send
-        winds down on its own (``close`` waits for it). How many were ended."""
+        not retry elsewhere (module docstring). A call whose send already ended having sent
+        every page is not ended: it answers its manifest. Each call's own end gives its pages
+        back; a send winds down on its own (``close`` waits for it). How many were ended."""
         ended = 0
         for call in list(self.calls):
             if call.ended is not None or call.task is None or call.task.done():
+                continue
+            if sent_whole(call.send):
+                # Its send is over and decode holds the whole transfer; only the call has not
+                # resumed yet. Ended now, the request failed for nothing. Left alone, the call
+                # answers its manifest without another await, on its next turn of the loop,
+                # well within the server stop's grace that follows (``RunningNode.stop``). (The
+                # fault hook's ``replay`` sends once more: that test-only send the stop may cut.)
                 continue
             call.ended = err
             if call.send is not None:
@@ -224,9 +247,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self._release(request.request_id, call)
                 answer = err
                 if call.ended is not None:  # a failure that raced the drain's end of it
-                    answer = call.ended
                     if call.task is not None:
                         call.task.uncancel()
+                    # The drain's answer, unless the failure is an integrity violation: that
+                    # one must reach the control plane as what it is (DATA_LOSS: the request
+                    # fails, and the tenant is told why), never as a refusal to retry elsewhere.
+                    if not isinstance(err, IntegrityError):
+                        answer = call.ended
                 self.metrics.requests_total.labels(status=answer.code.name).inc()
                 await abort(context, answer)
             except asyncio.CancelledError:
@@ -319,13 +346,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.held[req.request_id].job = job
             loop = asyncio.get_running_loop()
 
-            def pass_over(_: object) -> None:  # on the engine thread
+            def pass_over(done: Future[int]) -> None:  # on the engine thread
                 self.pool.end_ops(ids)
                 # Pages of a call cancelled mid-pass are freed here, after the call has ended:
                 # the gauge must show it now, not at the node's next call (on an idle node,
-                # KvfencePagesQuarantined for pages that are free).
-                with contextlib.suppress(RuntimeError):  # the loop closed: nobody scrapes
-                    loop.call_soon_threadsafe(self._publish_pages)
+                # KvfencePagesQuarantined for pages that are free). A pass that failed this
+                # node's integrity check is reported here too, whether or not the call still
+                # waits for it (ended by a drain or cancelled mid-pass, it no longer does).
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                    loop.call_soon_threadsafe(self._pass_over, req, call, done)
 
             job.add_done_callback(pass_over)
             try:
@@ -338,11 +367,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     raise Unavailable(
                         "released while queued for prefill", reason=RESERVATION_RELEASED
                     ) from None
+                violation = integrity_failure(job)
+                if violation is not None:
+                    # The pass failed the check as the call was cancelled, before it resumed.
+                    # Reported in any case (the pass's end may not have run yet here); and a
+                    # timed-out drain's cancel (end_in_flight: UNAVAILABLE, NODE_DRAINING, for
+                    # a call before its send) must not turn it into a retry on another node:
+                    # the call answers the violation (Prefill). Any other cancel stays one.
+                    self._report_integrity(req, call, violation)
+                    if call.ended is not None:
+                        raise violation from None
                 raise
             except IntegrityError as err:  # this node's own check (a page's generation)
-                report_integrity(
-                    self.metrics, self.bus, log, err, "prefill", req.request_id, req.tenant_id
-                )
+                self._report_integrity(req, call, err)
                 raise
             held = self.held.get(req.request_id)
             if held is None or held.call is not call:
@@ -362,6 +399,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _ops_over(self, ids: list[int]) -> None:
         self.pool.end_ops(ids)
         self._publish_pages()
+
+    def _pass_over(self, req: prefill_pb2.PrefillRequest, call: Call, job: Future[int]) -> None:
+        """On the event loop, once a call's forward pass is over (or dropped before it ran)."""
+        self._publish_pages()
+        violation = integrity_failure(job)
+        if violation is not None:
+            self._report_integrity(req, call, violation)
+
+    def _report_integrity(
+        self, req: prefill_pb2.PrefillRequest, call: Call, err: IntegrityError
+    ) -> None:
+        """Report the failed check of a call's forward pass, once (``Call.integrity_reported``).
+        The pass's end usually comes first, outside the call's log context: the logger is bound
+        to the request here."""
+        if call.integrity_reported:
+            return
+        call.integrity_reported = True
+        logger = log.bind(request_id=req.request_id, tenant_id=req.tenant_id)
+        report_integrity(
+            self.metrics, self.bus, logger, err, "prefill", req.request_id, req.tenant_id
+        )
 
     async def _finish(
         self, req: prefill_pb2.PrefillRequest, refs: list[PageRef], first: int, n_tokens: int
@@ -571,6 +629,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _publish_pages(self) -> None:
         publish_pool(self.metrics, self.pool)
+
+
+def sent_whole(send: asyncio.Task[int] | None) -> bool:
+    """Whether a call's UCX send has ended having sent every page (decode holds all of it)."""
+    return send is not None and send.done() and not send.cancelled() and send.exception() is None
+
+
+def integrity_failure(job: Future[int]) -> IntegrityError | None:
+    """The integrity violation a forward pass ended with (this node's own check), or None: not
+    over yet, dropped before it ran, a result, or another failure."""
+    if not job.done() or job.cancelled():
+        return None
+    err = job.exception()
+    return err if isinstance(err, IntegrityError) else None
 
 
 def transfer_status(err: TransferError) -> KvfenceError:
