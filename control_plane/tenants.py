@@ -907,6 +907,9 @@ class Restored:
     identity: DatabaseIdentity | None = None
     replaced_identity: DatabaseIdentity | None = None
     identity_check: IdentityCheck = IdentityCheck.SAME
+    # The ids of the keys the backup had live and the replaced database had revoked: they stay
+    # revoked in the restored database.
+    kept_revoked: tuple[str, ...] = ()
 
     @property
     def newer(self) -> bool:
@@ -919,6 +922,8 @@ class _Replaced:
 
     tenants: int | None  # None: it could not be read
     identity: DatabaseIdentity | None
+    # Its revoked API keys, as (key_id, key_sha256): the restore keeps them revoked.
+    revoked: frozenset[tuple[str, str]] = frozenset()
 
 
 def _replaced(db_path: Path) -> _Replaced:
@@ -927,11 +932,40 @@ def _replaced(db_path: Path) -> _Replaced:
     try:
         with _read_only(db_path) as db:
             tenants = 0  # a file without the table (empty: a start that died) holds no tenant
-            if "tenants" in _table_names(db):
+            names = _table_names(db)
+            if "tenants" in names:
                 tenants = int(db.execute("SELECT count(*) FROM tenants").fetchone()[0])
-            return _Replaced(tenants, _identity(db))
+            revoked: frozenset[tuple[str, str]] = frozenset()
+            if "api_keys" in names:
+                rows = db.execute("SELECT key_id, key_sha256 FROM api_keys WHERE revoked != 0")
+                revoked = frozenset((str(k), str(h)) for k, h in rows)
+            return _Replaced(tenants, _identity(db), revoked)
     except sqlite3.Error:
         return _Replaced(None, None)
+
+
+def _keep_revoked(staged: Path, revoked: frozenset[tuple[str, str]]) -> tuple[str, ...]:
+    """Revoke in the staged backup every key the replaced database has revoked (the same key id
+    and hash) and the backup still has live; their ids, sorted. kvfence has no un-revoke: a
+    restore must not be one, bringing back a key revoked because it leaked."""
+    if not revoked:
+        return ()
+    db = sqlite3.connect(staged, isolation_level=None)
+    try:
+        live = {
+            (str(k), str(h))
+            for k, h in db.execute("SELECT key_id, key_sha256 FROM api_keys WHERE revoked = 0")
+        }
+        again = sorted(revoked & live)
+        if again:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany(
+                "UPDATE api_keys SET revoked = 1 WHERE key_id = ? AND key_sha256 = ?", again
+            )
+            db.execute("COMMIT")
+        return tuple(k for k, _ in again)
+    finally:
+        db.close()
 
 
 def _identity_check(
@@ -994,7 +1028,10 @@ def restore(
 
     The kill switch is state like the rest: a control plane started on the restored database has
     the model online or offline as it was at the backup (``Restored.access``), whatever the
-    replaced one had (``Restored.access_before``, for the operator to compare).
+    replaced one had (``Restored.access_before``, for the operator to compare). Revocations are
+    not: a key the replaced database has revoked stays revoked (``Restored.kept_revoked``), since
+    kvfence has no un-revoke and a key revoked because it leaked must not come back. That needs
+    the replaced database readable (``IdentityCheck.UNREADABLE``: nothing carried over).
     """
     if not state_dir.is_dir():
         raise FileNotFoundError(f"state directory {state_dir} does not exist")
@@ -1016,6 +1053,7 @@ def restore(
         checked = check_database(staged, name)
         replaced = _replaced(db_path) if db_path.exists() else None
         identity_check = _identity_check(name, checked.identity, replaced, from_another_database)
+        kept_revoked = _keep_revoked(staged, replaced.revoked) if replaced else ()
         access = read_model_access(staged) or ()
         with open(staged, "rb") as f:
             os.fsync(f.fileno())
@@ -1055,6 +1093,7 @@ def restore(
             checked.identity,
             None if replaced is None else replaced.identity,
             identity_check,
+            kept_revoked,
         )
     finally:
         for p in (staged, *(Path(f"{staged}{s}") for s in _SIDE_FILES)):

@@ -450,7 +450,7 @@ def tenants_restore(
     kvfence tenant database, and (unless --from-another-database) for a backup of another
     tenant database than the directory's when that one holds tenants. The database it replaces
     is kept beside it as tenants.sqlite3.bak-<time>. The model's kill switch comes back as it
-    was at the backup.
+    was at the backup; keys revoked since the backup stay revoked.
     """
     from control_plane.tenants import (
         IDENTITY_SCHEMA,
@@ -502,12 +502,24 @@ def tenants_restore(
         )
     elif done.identity_check is IdentityCheck.UNREADABLE:
         typer.echo(f"note: the database it replaced could not be read (damaged?), so {unchecked}")
+    if done.identity_check in (IdentityCheck.UNREADABLE, IdentityCheck.NO_DATABASE):
+        typer.echo(
+            "note: with no readable database to carry revocations over from, keys revoked since "
+            'the backup work again: revoke them anew (the control plane logged "api key revoked" '
+            "with each key_id)"
+        )
     elif done.identity_check is IdentityCheck.ANOTHER_DATABASE and done.replaced_identity:
         typer.echo(
             f"warning: --from-another-database: the database it replaced was another one "
             f"(database {done.replaced_identity.database_id}, created "
             f"{done.replaced_identity.created_at}): its tenants' keys are refused from now on, "
             "the restored database's work"
+        )
+    if done.kept_revoked:
+        n = len(done.kept_revoked)
+        typer.echo(
+            f"kept {n} API key{'s' if n != 1 else ''} revoked that the backup had live (revoked "
+            f"since it was taken): {', '.join(done.kept_revoked)}"
         )
     if done.newer:  # a backup a later release took, restored after a rollback
         typer.echo(

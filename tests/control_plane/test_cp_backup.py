@@ -347,6 +347,7 @@ async def test_round_trip_restores_the_backed_up_keys_and_not_later_ones(tmp_pat
     assert result.exit_code == 0, result.output
     assert "restored 2 tenants and 3 API keys" in result.output, result.output
     assert "there was none" in result.output
+    assert "keys revoked since the backup work again: revoke them anew" in result.output
     assert stat.S_IMODE((state / TENANTS_DB).stat().st_mode) == 0o600
 
     c = await start_on(state)  # ... and a control plane on the restored one
@@ -361,6 +362,55 @@ async def test_round_trip_restores_the_backed_up_keys_and_not_later_ones(tmp_pat
         assert [t.name for t in c.cp.tenants.list()] == ["acme", "initech"]
     finally:
         await c.close()
+
+
+def test_a_restore_keeps_the_keys_revoked_since_the_backup_revoked(tmp_path: Path) -> None:
+    """Over the same database, a key revoked after the backup stays revoked: restored as the
+    backup had it, a key revoked because it leaked authenticated again, silently (kvfence has no
+    un-revoke, and a restore must not be one). The restore names it. Controls: a key live in
+    both stays live, one revoked before the backup stays revoked (and is not named), and a
+    database that cannot be read carries nothing over and says to revoke anew."""
+    state = tmp_path / "state"
+    store = TenantStore(state / TENANTS_DB)
+    _, leaked, leaked_id = store.create_tenant("acme", TenantLimits())
+    kept, _ = store.create_key("acme")
+    old, old_id = store.create_key("acme")
+    store.revoke_key(old_id)
+    (tmp_path / "b").write_bytes(store.snapshot())
+    store.revoke_key(leaked_id)  # after the backup
+    store.close()
+
+    result = invoke("tenants", "restore", "--state-dir", str(state), str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    assert (
+        f"kept 1 API key revoked that the backup had live (revoked since it was taken): "
+        f"{leaked_id}\n" in result.output
+    )
+    assert old_id not in result.output
+    assert "revoke them anew" not in result.output
+    store = TenantStore(state / TENANTS_DB)
+    try:
+        assert store.authenticate(leaked) is None
+        assert store.authenticate(old) is None
+        authenticated = store.authenticate(kept)
+        assert authenticated is not None and authenticated.name == "acme"
+    finally:
+        store.close()
+
+    # A replaced database that cannot be read: nothing to carry over, and the restore says so.
+    for p in state.glob(f"{TENANTS_DB}*"):
+        p.unlink()
+    (state / TENANTS_DB).write_bytes(b"SQLite format 3\x00" + b"\xff" * 4080)
+    result = invoke("tenants", "restore", "--state-dir", str(state), str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    assert "could not be read" in result.output
+    assert "keys revoked since the backup work again: revoke them anew" in result.output
+    assert "kept 1 API key revoked" not in result.output
+    store = TenantStore(state / TENANTS_DB)
+    try:
+        assert store.authenticate(leaked) is not None  # as the backup had it
+    finally:
+        store.close()
 
 
 CRASHED_WRITER = """

@@ -91,6 +91,7 @@ def test_backup_restore_round_trip(tmp_path: Path) -> None:
     out = kvfence("tenants", "restore", "--state-dir", str(state), "-", stdin=backup.read_bytes())
     assert out.returncode == 0, out.stderr
     assert "restored 3 tenants" in out.stdout, out.stdout  # demo (from `up`), acme, beta
+    assert "keys revoked since the backup work again: revoke them anew" in out.stdout
 
     stack = Stack(state).start()
     try:
