@@ -19,6 +19,7 @@ Both directions send it as ``authorization: Bearer <token>`` metadata (:func:`wi
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hmac
 import os
@@ -61,6 +62,14 @@ def load_or_create_token(configured: Path | None, state_dir: Path, name: str, pr
         try:
             return read_token(path)
         except FileNotFoundError:
+            if path.is_symlink():
+                # A link to a file that is not there (a secret not mounted): creating the token
+                # fails on the link itself, and every round found the same, forever, silently.
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"token file {path} is a symbolic link to {os.readlink(path)}, which does "
+                    "not exist (a secret not mounted?): fix the link or remove it",
+                ) from None
             path.parent.mkdir(parents=True, exist_ok=True)
             token = prefix + secrets.token_urlsafe(32)
             if _create(path, token):

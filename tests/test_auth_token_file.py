@@ -235,3 +235,43 @@ def test_a_filesystem_without_hard_links_still_gets_a_token(tmp_path, monkeypatc
     assert load_or_create_token(None, tmp_path, "node_token", "kvfn_") == token
     assert [p.name for p in tmp_path.iterdir()] == ["node_token"]  # no temporary left
     assert linked == ([path] if links else [])
+
+
+LOAD_ADMIN_TOKEN = """
+import sys
+from pathlib import Path
+from kvfence.auth import load_or_create_token
+try:
+    print(load_or_create_token(None, Path(sys.argv[1]), "admin_token", "kvfa_"))
+except OSError as err:
+    print(err)
+    sys.exit(1)
+"""
+
+
+def test_a_link_to_a_missing_secret_is_an_error_not_a_loop(tmp_path):
+    """``<state_dir>/admin_token`` a symbolic link to a secret that is not mounted: reading it
+    finds no file, creating one finds the link in the way, and the control plane spun there at
+    full CPU forever, logging nothing (and holding its state directory's lock). Now an error that
+    names the link and its target, leaving no temporary file. Control: once the target exists,
+    its token is read through the link. (In a process of its own, which the timeout ends.)"""
+    secret = tmp_path / "secrets" / "admin_token"
+    link = tmp_path / "admin_token"
+    link.symlink_to(secret)
+
+    def load() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", LOAD_ADMIN_TOKEN, str(tmp_path)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+
+    failed = load()
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert f"token file {link} is a symbolic link to {secret}, which does not exist" in (
+        failed.stdout
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["admin_token"]  # no temp file left
+    secret.parent.mkdir()
+    secret.write_text("kvfa_mounted\n")
+    read = load()
+    assert (read.returncode, read.stdout) == (0, "kvfa_mounted\n"), read.stderr
