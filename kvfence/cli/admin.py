@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvfence import MAX_TIMEOUT_S
 
@@ -199,7 +200,9 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*(str(v) for v in row))
+        # As text, not rich markup: "[fd00::5]:50061", an IPv6 node's address, lost its host as
+        # a style tag, and nodes choose their ids and versions.
+        table.add_row(*(Text(str(v)) for v in row))
     # Piped output (grep, tests) gets full cell contents instead of an 80-column squeeze.
     Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
 

@@ -152,7 +152,7 @@ def render_report(report: CheckReport, console: Console) -> None:
         verdict = "[green]ok[/green]" if pool.ok else "[red]FAIL[/red]"
         table.add_row(
             pool.role,
-            pool.node_id or "(all)",
+            escape(pool.node_id or "(all)"),  # the node's own choice: not markup
             str(pool.pages),
             str(pool.tokens),
             verdict,
