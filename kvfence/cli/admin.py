@@ -14,6 +14,7 @@ one line on stderr with exit status 1; an out-of-range option, or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -345,7 +346,11 @@ def tenants_set_limits(
 
 
 def tenants_backup(
-    out_file: Path = typer.Argument(..., help="File to write (owner-only: it holds key hashes)."),
+    out_file: Path = typer.Argument(
+        ...,
+        help="File to write (owner-only: it holds key hashes); - writes it to stdout (to pipe it "
+        "into an encryption tool), never to a terminal.",
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT_FILE if it exists."),
     timeout: float = typer.Option(
         120.0, "--timeout", min=1.0, max=MAX_TIMEOUT_S, help="Seconds for the transfer."
@@ -367,6 +372,9 @@ def tenants_backup(
         newer_schema_note,
     )
 
+    if str(out_file) == "-":
+        _backup_to_stdout(timeout, target, admin_token, tls_ca, tls_server_name)
+        return
     if out_file.is_dir():
         raise _fail(f"{out_file} is a directory")
     if not out_file.parent.is_dir():
@@ -406,6 +414,57 @@ def tenants_backup(
     )
     if checked.newer:  # this CLI is older than the control plane's database (a rollback?)
         typer.echo(f"note: {newer_schema_note(checked.schema_version, 'the tenant database')}")
+
+
+def _backup_to_stdout(
+    timeout: float,
+    target: str,
+    admin_token: str | None,
+    tls_ca: str | None,
+    tls_server_name: str | None,
+) -> None:
+    """``tenants backup -``: the checked backup on stdout, what is said about it on stderr (the
+    pipe carries the backup alone). It was written to a file named "-" in the working directory,
+    unencrypted, with nothing sent down the pipe."""
+    import tempfile
+
+    from control_plane.tenants import NotATenantDatabase, check_database, newer_schema_note
+    from kvfence.cli.generate import _is_terminal
+
+    out = sys.stdout.buffer
+    if _is_terminal(out):
+        raise _fail(
+            "refusing to write the backup (binary, with API key hashes) to a terminal: "
+            "redirect or pipe it",
+            EXIT_USAGE,
+        )
+    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
+        data = admin.backup_tenants(timeout=timeout)
+    # Checked as a file (SQLite), in a directory only this user can enter, then sent as checked.
+    with tempfile.TemporaryDirectory(prefix="kvfence-backup-") as scratch:
+        copy = Path(scratch) / "tenants.backup"
+        copy.write_bytes(data)
+        try:
+            checked = check_database(copy, "the backup")
+        except NotATenantDatabase as err:
+            raise _fail(str(err)) from None
+        data = copy.read_bytes()
+    try:
+        out.write(data)
+        out.flush()
+    except OSError as err:  # the reader went (a broken pipe): it did not get the whole backup
+        with contextlib.suppress(OSError):  # and Python's own flush at exit must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        raise _fail(f"cannot write the backup to stdout: {_os_error(err)}") from None
+    typer.echo(
+        f"backed up {checked.tenants} tenants and {checked.keys} API keys to stdout "
+        f"({len(data)} bytes: it holds API key hashes)",
+        err=True,
+    )
+    if checked.newer:
+        typer.echo(
+            f"note: {newer_schema_note(checked.schema_version, 'the tenant database')}", err=True
+        )
 
 
 def _link_new(tmp: Path, out_file: Path) -> None:

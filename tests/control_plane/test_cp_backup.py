@@ -42,6 +42,7 @@ from control_plane.tenants import (
     restore,
 )
 from kvfence.cli import admin as admin_cli
+from kvfence.cli import generate as generate_cli
 from kvfence.client import AdminClient
 from kvfence.config import parse_config
 from kvfence.errors import IntegrityError, Unauthenticated
@@ -316,6 +317,37 @@ async def test_backup_command_writes_owner_only_and_never_over_a_file_unasked(
     )
     assert_refused(result, "admin token refused")
     assert not (tmp_path / "x").exists()
+
+
+async def test_backup_to_stdout_pipes_the_backup_alone(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tenants backup -` (to pipe it into an encryption tool, as the runbook says to store it)
+    wrote an unencrypted file named "-" in the working directory and sent nothing down the pipe.
+    Now stdout carries the checked backup alone, the summary goes to stderr, and no file is
+    written; a terminal is refused. Control: restored from stdin, it is the database backed up."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    auth = ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    result = await run_cli("tenants", "backup", "-", *auth)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout_bytes.startswith(b"SQLite format 3\x00")
+    assert "backed up 1 tenants and 1 API keys to stdout" in result.stderr
+    assert list(cwd.iterdir()) == []
+    assert names(open_backup(result.stdout_bytes, tmp_path / "copy.sqlite3")) == {"acme"}
+    state = cwd / "restored"
+    state.mkdir()
+    restored = invoke(
+        "tenants", "restore", "--state-dir", str(state), "-", stdin=result.stdout_bytes
+    )
+    assert restored.exit_code == 0, restored.output
+    assert "restored 1 tenants and 1 API keys" in restored.output
+
+    monkeypatch.setattr(generate_cli, "_is_terminal", lambda stream: True)
+    tty = await run_cli("tenants", "backup", "-", *auth)
+    assert tty.exit_code == 2 and "refusing to write the backup" in tty.stderr, tty.output
+    assert tty.stdout_bytes == b""
 
 
 async def test_round_trip_restores_the_backed_up_keys_and_not_later_ones(tmp_path: Path) -> None:
