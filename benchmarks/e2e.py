@@ -48,6 +48,7 @@ from benchlib.stack import (
     CpuMeter,
     RssSampler,
     StackMetrics,
+    started,
     workload,
 )
 
@@ -242,11 +243,6 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = bench_model(args.model)
     max_c = max(levels_c)
     decode_pool_tokens = 8192
-    colo = ColocatedEngine.from_path(
-        checkpoint, page_size=PAGE_SIZE, num_pages=decode_pool_tokens // 16
-    )
-    benchlib.log("loading the checkpoint into transformers")
-    hf = HfRunner(checkpoint)
     levels, rss = [], {}
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         benchlib.log("starting kvfence up")
@@ -255,15 +251,23 @@ def main(argv: list[str] | None = None) -> None:
             config=METRICS_CONFIG,
             args=["--model", str(checkpoint), "--decode-pool-tokens", str(decode_pool_tokens)],
         )
-        with stack, RssSampler(stack.services()) as sampler:
-            metrics = StackMetrics(stack)
-            rss["idle"] = sampler.peaks_mib()
-            for conc in levels_c:
-                n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
-                benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
-                sampler.reset()
-                levels.append(level(stack, metrics, colo, hf, conc, n, new, rounds))
-                rss[str(conc)] = sampler.peaks_mib()
+        with started([stack]) as ready:
+            # the in-process backends load while the stack starts
+            colo = ColocatedEngine.from_path(
+                checkpoint, page_size=PAGE_SIZE, num_pages=decode_pool_tokens // 16
+            )
+            benchlib.log("loading the checkpoint into transformers")
+            hf = HfRunner(checkpoint)
+            ready()
+            with RssSampler(stack.services()) as sampler:
+                metrics = StackMetrics(stack)
+                rss["idle"] = sampler.peaks_mib()
+                for conc in levels_c:
+                    n = max(2 * conc, 4) if args.quick else max(4 * conc, 16)
+                    benchlib.log(f"concurrency {conc}: {n} requests x {rounds} rounds")
+                    sampler.reset()
+                    levels.append(level(stack, metrics, colo, hf, conc, n, new, rounds))
+                    rss[str(conc)] = sampler.peaks_mib()
     lo, hi = rss[str(levels_c[0])], rss[str(max_c)]
     decode_growth = (hi["decode"] - lo["decode"]) / lo["decode"]
     ratio_levels = [lv for lv in levels if lv["concurrency"] >= GOAL_MIN_CONCURRENCY]

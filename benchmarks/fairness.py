@@ -8,7 +8,8 @@ the burst, against the burst's span (A's first request sent to its last finished
 latency on an idle stack; A's latencies. The control plane serves queued tenants in turn
 (``control_plane/admission.py``), so B's request should wait for about one of A's requests, not
 for the whole burst; first come first served would make it wait for nearly all of it. Prints one
-JSON object; ``--quick`` for a smoke run, ``--png PATH`` a chart.
+JSON object; ``--quick`` for a smoke run (a burst of 12, two rounds, requests of 64 new tokens on
+a decode pool that still holds three), ``--png PATH`` a chart.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from benchlib.stack import BenchStack
+from benchlib.stack import BenchStack, started
 
 from kvfence.client import AsyncClient
 
@@ -31,16 +32,20 @@ NEW_TOKENS = 256
 # 1024 tokens of decode pool with pages of 16: 64 pages; a request of 24 + 256 tokens takes 18,
 # so three run at once and the rest of a burst queues.
 DECODE_POOL_TOKENS = 1024
+# --quick: the same three at once with shorter requests: 24 + 64 tokens take 6 pages, and 320
+# tokens (20 pages) hold three of them, not four.
+QUICK_NEW_TOKENS = 64
+QUICK_DECODE_POOL_TOKENS = 320
 # B's wait during the burst, as a share of the burst's span: under first come first served it is
 # close to 1 (B waits behind the whole burst).
 GOAL_B_OVER_SPAN = 0.25
 
 
-async def one(client: AsyncClient, salt: int) -> float:
-    """Seconds one greedy request takes, sent to its last token."""
+async def one(client: AsyncClient, salt: int, new: int) -> float:
+    """Seconds one greedy request of ``new`` tokens takes, sent to its last token."""
     prompt = [3 + (salt * 7 + i) % 250 for i in range(PROMPT_TOKENS)]
     t0 = time.perf_counter()
-    await client.generate(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    await client.generate(prompt_ids=prompt, max_new_tokens=new, ignore_eos=True)
     return time.perf_counter() - t0
 
 
@@ -51,15 +56,15 @@ def queued(stack: BenchStack) -> int:
 
 
 async def round_once(
-    stack: BenchStack, a: AsyncClient, b: AsyncClient, burst: int, salt: int
+    stack: BenchStack, a: AsyncClient, b: AsyncClient, burst: int, salt: int, new: int
 ) -> dict:
     t0 = time.perf_counter()
-    a_tasks = [asyncio.create_task(one(a, salt + i)) for i in range(burst)]
+    a_tasks = [asyncio.create_task(one(a, salt + i, new)) for i in range(burst)]
     await asyncio.sleep(0.2)  # the burst is in: running and queued
     # Checked, not assumed: with none of A's requests queued when B comes, B has nobody to
     # overtake and the round says nothing about the queue's order.
     waiting = await asyncio.to_thread(queued, stack)
-    b_latency = await one(b, salt + burst)
+    b_latency = await one(b, salt + burst, new)
     a_latencies = await asyncio.gather(*a_tasks)
     return {
         "b": b_latency,
@@ -69,15 +74,17 @@ async def round_once(
     }
 
 
-async def measure(stack: BenchStack, burst: int, rounds: int) -> dict:
+async def measure(stack: BenchStack, burst: int, rounds: int, new: int, pool: int) -> dict:
     b_key = stack.create_tenant("tenant-b")
     async with (
         AsyncClient(stack.target, stack.api_key, timeout=300) as a,
         AsyncClient(stack.target, b_key, timeout=300) as b,
     ):
-        await asyncio.gather(*(one(a, i) for i in range(4)), one(b, 99))  # warm-up
-        idle = [await one(b, 1000 + i) for i in range(5)]
-        results = [await round_once(stack, a, b, burst, 10_000 * (r + 1)) for r in range(rounds)]
+        await asyncio.gather(*(one(a, i, new) for i in range(4)), one(b, 99, new))  # warm-up
+        idle = [await one(b, 1000 + i, new) for i in range(5)]
+        results = [
+            await round_once(stack, a, b, burst, 10_000 * (r + 1), new) for r in range(rounds)
+        ]
     b_during = [r["b"] for r in results]
     spans = [r["span"] for r in results]
     shares = [r["b"] / r["span"] for r in results]
@@ -85,8 +92,8 @@ async def measure(stack: BenchStack, burst: int, rounds: int) -> dict:
         "burst": burst,
         "rounds": rounds,
         "prompt_tokens": PROMPT_TOKENS,
-        "new_tokens": NEW_TOKENS,
-        "decode_pool_tokens": DECODE_POOL_TOKENS,
+        "new_tokens": new,
+        "decode_pool_tokens": pool,
         "b_idle": benchlib.summary_ms(idle),
         "b_during_burst": benchlib.summary_ms(b_during),
         "burst_span": benchlib.summary_ms(spans),
@@ -112,22 +119,30 @@ def draw_png(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small burst, two rounds (<1 min)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small burst, two rounds, {QUICK_NEW_TOKENS} new tokens a request (<1 min)",
+    )
     ap.add_argument("--png", type=Path, help="also draw the latencies here")
     ap.add_argument("--burst", type=int, help="tenant A's requests per burst (default 48)")
     ap.add_argument("--rounds", type=int, help="bursts (default 6)")
     args = ap.parse_args(argv)
     burst = args.burst or (12 if args.quick else 48)
     rounds = args.rounds or (2 if args.quick else 6)
+    new = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
+    pool = QUICK_DECODE_POOL_TOKENS if args.quick else DECODE_POOL_TOKENS
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         benchlib.log("starting kvfence up")
-        stack_args = ["--decode-pool-tokens", str(DECODE_POOL_TOKENS)]
-        with BenchStack(Path(tmp) / "stack", args=stack_args) as stack:
-            measured = asyncio.run(measure(stack, burst, rounds))
+        stack = BenchStack(Path(tmp) / "stack", args=["--decode-pool-tokens", str(pool)])
+        with started([stack]) as ready:
+            machine = benchlib.machine()  # imports torch (seconds) while the stack starts
+            ready()
+            measured = asyncio.run(measure(stack, burst, rounds, new, pool))
     result = {
         "benchmark": "fairness",
         "quick": args.quick,
-        "machine": benchlib.machine(),
+        "machine": machine,
         **measured,
         "goal": {
             "b_over_span_max": GOAL_B_OVER_SPAN,

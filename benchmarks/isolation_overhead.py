@@ -68,7 +68,14 @@ import benchlib
 import torch
 from benchlib.load import make_prompts, run_load
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import METRICS_CONFIG, BenchStack, CpuMeter, StackMetrics
+from benchlib.stack import (
+    METRICS_CONFIG,
+    BenchStack,
+    CpuMeter,
+    StackMetrics,
+    started,
+    warm_up,
+)
 from benchlib.unprotected import (
     DECODE_ROWS_EDITS,
     KERNELS_WITHOUT_CHECK,
@@ -486,17 +493,17 @@ def bench_stacks(
         }
         benchlib.log(f"starting two kvfence up stacks: on, and {second}")
         order = [second, "on"] if second_first else ["on", second]
-        with stacks[order[0]], stacks[order[1]]:
+        # one after the other, in that order (it is a knob); stopped at once
+        with started([stacks[k] for k in order], at_once=False):
             node_pids = {
                 k: {p.pid for role, p in st.services().items() if role != "control-plane"}
                 for k, st in stacks.items()
             }
-            for st in stacks.values():  # first use of each stack's code paths, not measured
-                run_load(st.target, st.api_key, make_prompts(4, w.prompt, w.prompt), w.new, 4)
+            warm_up(stacks.values(), make_prompts(4, w.prompt, w.prompt), w.new, 4)
             same = _same_tokens(stacks, make_prompts(2, w.prompt, w.prompt, seed=4), w.new)
             metrics = {k: StackMetrics(st) for k, st in stacks.items()}
             for conc in sorted({1, w.batch}):
-                n = (4 if quick else 6) * conc if conc > 1 else (4 if quick else 12)
+                n = (2 if quick else 6) * conc if conc > 1 else (4 if quick else 12)
                 prompts = make_prompts(n, w.prompt, w.prompt, seed=3)
                 benchlib.log(f"stacks: {n} requests at concurrency {conc} x {rounds} rounds")
                 runs: dict[str, list[Any]] = {k: [] for k in stacks}
@@ -712,7 +719,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--png", type=Path, help="also draw the cost breakdown here")
     ap.add_argument("--prompt", type=int, default=120, help="prompt tokens per request")
-    ap.add_argument("--new", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--new", type=int, help="new tokens per request (default 64, quick 32)")
     ap.add_argument(
         "--batch", type=int, default=8, help="decode batch (concurrency) for the throughput view"
     )
@@ -733,7 +740,9 @@ def main(argv: list[str] | None = None) -> None:
         help="start the off (or on_again) stack before the on stack (default: after it)",
     )
     args = ap.parse_args(argv)
-    reps = 20 if args.quick else 300
+    reps = 10 if args.quick else 300
+    if args.new is None:
+        args.new = 32 if args.quick else 64
     torch.manual_seed(0)
     model = bench_model(args.model)
     colo = ColocatedEngine.from_path(model, page_size=PAGE_SIZE, num_pages=512)
@@ -767,7 +776,7 @@ def main(argv: list[str] | None = None) -> None:
     per_req = bench_per_request(w, reps)
     benchlib.log("colocated end to end, engine checks on/off")
     colocated = bench_colocated(
-        w, 2 * args.batch if args.quick else 6 * args.batch, 2 if args.quick else 6
+        w, args.batch if args.quick else 6 * args.batch, 2 if args.quick else 6
     )
     stack = bench_stacks(w, model, args.quick, second_first=args.second_first)
 

@@ -15,7 +15,6 @@ share of the work; on the tiny model a token's gRPC messages outweigh its forwar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, compare_by_concurrency, workload
+from benchlib.stack import BenchStack, compare_by_concurrency, started, workload
 
 DECODE_POOL_TOKENS = 8192  # as e2e.py: room for every request at concurrency 64 at once
 
@@ -82,15 +81,15 @@ def main(argv: list[str] | None = None) -> None:
             for v in values
         }
         benchlib.log(f"starting {len(stacks)} kvfence up stacks")
-        with contextlib.ExitStack() as running:
-            for stack in stacks.values():
-                running.enter_context(stack)
+        with started(list(stacks.values())) as ready:
+            machine = benchlib.machine()  # imports torch (seconds) while the stacks start
+            ready()
             named = {key(v): s for v, s in stacks.items()}
             levels = compare_by_concurrency(named, levels_c, new, rounds, args.quick)
     result = {
         "benchmark": "prefill_batching",
         "quick": args.quick,
-        "machine": benchlib.machine(),
+        "machine": machine,
         "workload": workload(args.model, new),
         "values": values,
         "levels": [add_ratios(lv, values) for lv in levels],

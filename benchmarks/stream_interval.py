@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 from benchlib.models import MODELS, bench_model
-from benchlib.stack import BenchStack, compare_by_concurrency, workload
+from benchlib.stack import BenchStack, compare_by_concurrency, started, workload
 
 DECODE_POOL_TOKENS = 8192
 
@@ -71,13 +71,15 @@ def main(argv: list[str] | None = None) -> None:
             for k in (1, args.interval)
         }
         benchlib.log("starting two kvfence up stacks")
-        with stacks[1], stacks[args.interval]:
+        with started(list(stacks.values())) as ready:
+            machine = benchlib.machine()  # imports torch (seconds) while the stacks start
+            ready()
             named = {f"interval_{k}": s for k, s in stacks.items()}
             levels = compare_by_concurrency(named, levels_c, new, rounds, args.quick)
     result = {
         "benchmark": "stream_interval",
         "quick": args.quick,
-        "machine": benchlib.machine(),
+        "machine": machine,
         "workload": workload(args.model, new),
         "interval": args.interval,
         "levels": [add_ratio(lv, 1, args.interval) for lv in levels],

@@ -1,23 +1,100 @@
-"""The local stack benchmarks run (:class:`kvfence.localstack.LocalStack`), RSS sampling, the
-CPU time a load costs each process, and the same load on several stacks in turn."""
+"""The local stack benchmarks run (:class:`kvfence.localstack.LocalStack`), started and stopped
+several at once, RSS sampling, the CPU time a load costs each process, and the same load on
+several stacks in turn."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 import benchlib
-from benchlib.load import LoadResult, make_prompts, run_load
-from kvfence.localstack import LocalStack
+from benchlib.load import LoadResult, drive, make_prompts, run_load
+from kvfence.localstack import LocalStack, free_port_pair
 
-BenchStack = LocalStack  # start / stop / services / node_rpc_counts / api_key
+_PORTS_LOCK = threading.Lock()
+_PORTS_GIVEN: set[int] = set()  # every port of the pairs this process's stacks were given
+
+
+class BenchStack(LocalStack):
+    """:class:`LocalStack` (start / stop / services / node_rpc_counts / api_key) as the
+    benchmarks run it, with two differences that only shorten its start and stop:
+
+    * its public/admin port pair is never one that another stack of this process was given:
+      :func:`started` starts stacks at once, and each ``up`` binds its pair seconds after it
+      was picked (``--port``, after LocalStack's own, wins);
+    * its control plane stops as soon as nothing runs (``control_plane.shutdown_refuse_s`` 0,
+      unless the config sets it): the second it otherwise keeps refusing new requests is for
+      clients and load balancers still sending, and a benchmark stops its stack once its load
+      is done."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        config: dict[str, Any] | None = None,
+        args: list[str] | None = None,
+        **kwargs: Any,
+    ):
+        config = dict(config or {})
+        config["control_plane"] = {"shutdown_refuse_s": 0, **config.get("control_plane", {})}
+        super().__init__(state_dir, config=config, args=args, **kwargs)
+        self._args = list(self.args)
+
+    def start(self, timeout: float = 180.0) -> BenchStack:
+        with _PORTS_LOCK:
+            while True:
+                port = free_port_pair()
+                if not {port, port + 1} & _PORTS_GIVEN:
+                    break
+            _PORTS_GIVEN.update((port, port + 1))
+        self.args = [*self._args, "--port", str(port)]
+        super().start(timeout)
+        return self
+
+
+@contextmanager
+def started(stacks: Sequence[LocalStack], at_once: bool = True) -> Iterator[Callable[[], None]]:
+    """Start ``stacks`` and stop them all at once when the block ends, whatever ends it.
+
+    ``at_once``: each stack starts in a thread of its own (a stack's control plane starts alone
+    before its nodes do, leaving a core to another stack's processes: on 2 cores two stacks
+    started at once were up in about 70% of the time they took one after the other); the block
+    runs meanwhile, and the function it is given waits until every stack is up (raising the
+    first start's error): call it before using one. Otherwise the stacks start one after
+    another, in ``stacks``' order, before the block runs (for a benchmark where which stack
+    started first matters)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(stacks)), thread_name_prefix="bench-stack")
+    starts = []
+    try:
+        if at_once:
+            starts = [pool.submit(stack.start) for stack in stacks]
+        else:
+            for stack in stacks:
+                stack.start()
+
+        def ready() -> None:
+            for start in starts:
+                start.result()
+
+        yield ready
+        ready()  # a start's error, where the block did not ask
+    finally:
+        wait(starts)  # a stack still starting cannot be stopped; one that failed stopped itself
+        stops = [pool.submit(stack.stop) for stack in stacks]
+        wait(stops)
+        pool.shutdown()
+        for stop in stops:
+            stop.result()
 
 
 class _Meter:
@@ -175,13 +252,26 @@ def workload(model: str, new: int) -> dict[str, Any]:
     }
 
 
+def warm_up(
+    stacks: Iterable[LocalStack], prompts: list[list[int]], new: int, concurrency: int
+) -> None:
+    """The first use of each stack's code paths, not measured (a stack's first requests cost
+    more): ``prompts`` through every stack, the stacks at once."""
+
+    async def every() -> None:
+        await asyncio.gather(
+            *(drive(s.target, s.api_key, prompts, new, concurrency) for s in stacks)
+        )
+
+    asyncio.run(every())
+
+
 def compare_by_concurrency(
-    stacks: dict[str, LocalStack], levels_c: list[int], new: int, rounds: int, quick: bool
+    stacks: Mapping[str, LocalStack], levels_c: list[int], new: int, rounds: int, quick: bool
 ) -> list[dict[str, Any]]:
-    """Warm every stack up (not measured), then :func:`compare_stacks` at each concurrency:
+    """Warm the stacks up (:func:`warm_up`), then :func:`compare_stacks` at each concurrency:
     ``max(4 * c, 16)`` requests (``max(2 * c, 4)`` when ``quick``) per stack and round."""
-    for stack in stacks.values():  # first use of each stack's code paths
-        run_load(stack.target, stack.api_key, make_prompts(4, *PROMPT_TOKENS), new, 4)
+    warm_up(stacks.values(), make_prompts(4, *PROMPT_TOKENS), new, 4)
     levels = []
     for conc in levels_c:
         n = max(2 * conc, 4) if quick else max(4 * conc, 16)
@@ -192,7 +282,7 @@ def compare_by_concurrency(
 
 
 def compare_stacks(
-    stacks: dict[str, LocalStack], conc: int, n: int, new: int, rounds: int
+    stacks: Mapping[str, LocalStack], conc: int, n: int, new: int, rounds: int
 ) -> dict[str, Any]:
     """The same closed-loop load (``n`` prompts of 24-40 tokens, ``new`` tokens each,
     ``concurrency`` clients) on each stack, one at a time, in a new seeded order every round; per
