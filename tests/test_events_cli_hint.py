@@ -81,6 +81,10 @@ class Cli:
         return await self.exit_code()
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @asynccontextmanager
 async def run_cli(
     broker: Mosquitto, cluster: str, *args: str, env: dict[str, str] | None = None
@@ -100,6 +104,9 @@ async def run_cli(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=None if env is None else {**os.environ, **env},
+        # Ctrl-C as at a terminal: a suite started in the background by a shell without job
+        # control inherits SIGINT ignored, and so would the CLI (it never saw the interrupt).
+        preexec_fn=_sigint_default,
     )
     cli = Cli(proc)
     try:
