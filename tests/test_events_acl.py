@@ -89,15 +89,16 @@ def dropped_total(metrics: Metrics) -> float:
 # --- the PUBACK's reason code ----------------------------------------------------------------
 
 
-def publisher(broker: Any) -> _Client:
+def publisher(broker: Any, tls: MqttTls | None = None, timeout: float = 5) -> _Client:
     """The bus's own client class, logged in as the publishing account, over MQTT 5."""
     return _Client(
         broker.host,
         broker.port,
         username=PUBLISHER.username,
         password=PUBLISHER.password,
+        tls_context=None if tls is None else tls.context(),
         protocol=aiomqtt.ProtocolVersion.V5,
-        timeout=5,
+        timeout=timeout,
     )
 
 
@@ -579,25 +580,13 @@ async def test_the_alert_fails_the_attempt_without_waiting_for_a_connack(
     timeout far longer than the test's bound, the alert must be what ends it. Control: with the
     client certificate, the same client connects."""
     with start_mosquitto(users=ACCOUNTS, tls=broker_tls(pki, require_certificate=True)) as broker:
-
-        def client(tls: MqttTls) -> _Client:
-            return _Client(
-                broker.host,
-                broker.port,
-                username=PUBLISHER.username,
-                password=PUBLISHER.password,
-                tls_context=tls.context(),
-                protocol=aiomqtt.ProtocolVersion.V5,
-                timeout=600,
-            )
-
         with pytest.raises(events_mod.MqttTlsAlert) as refused:
             async with asyncio.timeout(60):
-                async with client(trust(pki)):
+                async with publisher(broker, trust(pki), timeout=600):
                     pass
         assert is_client_certificate_required(refused.value)
         async with asyncio.timeout(60):
-            async with client(trust(pki, client="client")) as good:
+            async with publisher(broker, trust(pki, client="client"), timeout=600) as good:
                 await good.publish(event_topic(CLUSTER, "node_joined"), b"{}", qos=1)
 
 
