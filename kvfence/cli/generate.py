@@ -37,8 +37,6 @@ from typing import Any
 
 import typer
 
-from kvfence import MAX_TIMEOUT_S
-
 # C0 controls but tab and newline, DEL and C1 controls (module docstring).
 _TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -115,7 +113,13 @@ def generate(
 
     from kvfence.auth import unsendable
     from kvfence.cli.admin import check_tls_server_name, tls_hint
-    from kvfence.client import Client, GenerationAccumulator, build_request, wrong_api
+    from kvfence.client import (
+        Client,
+        GenerationAccumulator,
+        build_request,
+        check_timeout,
+        wrong_api,
+    )
     from kvfence.errors import InvalidArgument, KvfenceError
     from kvfence.tls import TlsError
 
@@ -130,10 +134,10 @@ def generate(
     why = unsendable(api_key)
     if why is not None:
         raise usage(f"--api-key (or KVFENCE_API_KEY) cannot be sent: {why}")
-    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # past, or one gRPC cannot set
-        raise usage(
-            f"--timeout must be above 0 and at most {MAX_TIMEOUT_S} seconds, not {timeout:g}"
-        )
+    try:  # past, or one gRPC cannot set: the clients' own check, as a usage error
+        check_timeout(timeout)
+    except InvalidArgument as err:
+        raise usage(f"--{err.message}") from None
     bad_name = check_tls_server_name(tls_ca, tls_server_name, "KVFENCE_TLS_SERVER_NAME")
     if bad_name is not None:
         raise usage(bad_name)
