@@ -7,8 +7,8 @@ from typing import Any
 
 
 class FakeClientBase:
-    """Takes any constructor arguments (address, key, TLS) and is its own context manager, as
-    the real Client is."""
+    """Takes any constructor arguments (address, key, TLS) and is its own context manager with a
+    ``close``, as the real Client is."""
 
     def __init__(self, *_: Any, **__: Any) -> None:
         pass
@@ -17,4 +17,7 @@ class FakeClientBase:
         return self
 
     def __exit__(self, *_: Any) -> None:
+        pass
+
+    def close(self) -> None:
         pass

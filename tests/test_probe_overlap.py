@@ -22,6 +22,7 @@ from kvfence.cli.probe import _print_report
 from kvfence.client import ModelSummary
 from kvfence.errors import InvalidArgument, Unavailable
 from kvfence.probe import ProbeOptions, ProbeReport, run_isolation_probe
+from tests.fake_client import FakeClientBase
 
 LIMIT = 64
 WAIT_S = 10.0  # a bound on every wait below, so a broken choreography fails instead of hanging
@@ -78,7 +79,7 @@ class _Progress:
 
 
 def _fake_client(stage: _Stage) -> type:
-    class FakeClient:
+    class FakeClient(FakeClientBase):
         def __init__(self, target: str, key: str, **kw: object) -> None:
             self.key = key
 
@@ -93,9 +94,6 @@ def _fake_client(stage: _Stage) -> type:
                     page_size=1000,  # no page-boundary probe fits: one B probe per round
                 )
             ]
-
-        def close(self) -> None:
-            pass
 
         def stream(
             self,
