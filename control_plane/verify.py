@@ -29,7 +29,7 @@ from kvfence.errors import (
     from_rpc_error,
 )
 from kvfence.logging import get_logger
-from kvfence.model.sampling import find_stop, stream_safe_len
+from kvfence.model.stops import find_stop, stream_safe_len
 from kvfence.proto.kvfence.v1 import client_pb2, common_pb2, decode_pb2, prefill_pb2
 
 log = get_logger("verify")

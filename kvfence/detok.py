@@ -113,7 +113,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvfence.model.sampling import find_stop
+from kvfence.model.stops import find_stop
 
 REPLACEMENT = "\ufffd"
 # Ids pushed since the last cut past which a cut is forced where the text provably cannot change

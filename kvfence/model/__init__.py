@@ -11,8 +11,9 @@ cheap for static checks):
   prompts in one forward pass) and ``decode_step([DecodeItem]) -> (logits, error_flags)``;
   ``DecodeBatch(engine)`` keeps a decode loop's block tables as tensors between steps (``sync``,
   ``step``, ``step_and_sample``): the scheduler and the decode node's batcher step through it.
-* ``sampling``: ``SamplingParams``, ``sample``/``sample_one`` (seeded by request seed and step),
-  ``find_stop``.
+* ``sampling``: ``SamplingParams``, ``sample``/``sample_one`` (seeded by request seed and step);
+  it re-exports ``stops``' functions.
+* ``stops``: ``find_stop``, ``stream_safe_len`` (no torch: the control plane uses them).
 * ``scheduler``: ``Scheduler`` (continuous batching; ``add``, ``add_prefilled``, ``abort``,
   ``step``), ``SequenceStatus``, ``StepOutput``.
 * ``colocated``: ``ColocatedEngine.generate`` (the differential-test reference), ``logit_gaps``.
