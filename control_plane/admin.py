@@ -151,7 +151,10 @@ class AdminServicer(control_pb2_grpc.AdminServicer):
     async def ListTenants(
         self, request: control_pb2.ListTenantsRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.ListTenantsResponse:
-        return control_pb2.ListTenantsResponse(tenants=[tenant_pb(t) for t in self.tenants.list()])
+        # No names: every tenant, as before the field (the store's None; its empty list is none).
+        # Named: those that exist, each with its keys, and no other tenant's read.
+        tenants = self.tenants.list(list(request.names) or None)
+        return control_pb2.ListTenantsResponse(tenants=[tenant_pb(t) for t in tenants])
 
     @_admin_only
     async def CreateKey(
