@@ -360,95 +360,96 @@ def tenants_backup(
     tls_ca: str | None = TLS_CA,
     tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
-    """Back up the tenant database of a running control plane to a file.
+    """Back up the tenant database of a running control plane to a file (or stdout: -).
 
-    A consistent snapshot of tenants, limits, API key hashes and the model's kill switch, checked
-    and written owner-only (0600); `kvfence tenants restore` puts it back.
+    A consistent snapshot of tenants, limits, API key hashes and the model's kill switch, checked,
+    then written owner-only (0600) or piped (never to a terminal); `kvfence tenants restore` puts
+    it back.
     """
+    import tempfile
+
     from control_plane.tenants import (
         NotATenantDatabase,
         check_database,
         create_private,
         newer_schema_note,
     )
-
-    if str(out_file) == "-":
-        _backup_to_stdout(timeout, target, admin_token, tls_ca, tls_server_name)
-        return
-    if out_file.is_dir():
-        raise _fail(f"{out_file} is a directory")
-    if not out_file.parent.is_dir():
-        raise _fail(f"cannot write {out_file}: no directory {out_file.parent}")
-    if out_file.exists() and not force:
-        raise _fail(f"{out_file} exists; pass --force to overwrite it")
-    with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
-        data = admin.backup_tenants(timeout=timeout)
-    # Written beside OUT_FILE and moved into place: never a half-written backup under its name,
-    # never readable by others, not even for a moment.
-    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
-    try:
-        f = create_private(tmp)
-    except OSError as err:
-        raise _fail(f"cannot write {out_file}: {_os_error(err)}") from None
-    try:
-        with f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        checked = check_database(tmp, "the backup")
-        if force:
-            os.replace(tmp, out_file)
-        else:
-            _link_new(tmp, out_file)
-    except FileExistsError:
-        raise _fail(f"{out_file} exists; pass --force to overwrite it") from None
-    except NotATenantDatabase as err:
-        raise _fail(str(err)) from None
-    except OSError as err:
-        raise _fail(f"cannot write {out_file}: {_os_error(err)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    typer.echo(
-        f"backed up {checked.tenants} tenants and {checked.keys} API keys to {out_file} "
-        f"({len(data)} bytes, owner-only: it holds API key hashes)"
-    )
-    if checked.newer:  # this CLI is older than the control plane's database (a rollback?)
-        typer.echo(f"note: {newer_schema_note(checked.schema_version, 'the tenant database')}")
-
-
-def _backup_to_stdout(
-    timeout: float,
-    target: str,
-    admin_token: str | None,
-    tls_ca: str | None,
-    tls_server_name: str | None,
-) -> None:
-    """``tenants backup -``: the checked backup on stdout, what is said about it on stderr (the
-    pipe carries the backup alone). It was written to a file named "-" in the working directory,
-    unencrypted, with nothing sent down the pipe."""
-    import tempfile
-
-    from control_plane.tenants import NotATenantDatabase, check_database, newer_schema_note
     from kvfence.cli.generate import _is_terminal
 
-    out = sys.stdout.buffer
-    if _is_terminal(out):
-        raise _fail(
-            "refusing to write the backup (binary, with API key hashes) to a terminal: "
-            "redirect or pipe it",
-            EXIT_USAGE,
-        )
+    # "-": the backup alone on stdout (the pipe carries nothing else), what is said about it on
+    # stderr. It was once written to a file named "-" in the working directory, unencrypted,
+    # with nothing sent down the pipe.
+    to_stdout = str(out_file) == "-"
+    if to_stdout:
+        if _is_terminal(sys.stdout.buffer):
+            raise _fail(
+                "refusing to write the backup (binary, with API key hashes) to a terminal: "
+                "redirect or pipe it",
+                EXIT_USAGE,
+            )
+    elif out_file.is_dir():
+        raise _fail(f"{out_file} is a directory")
+    elif not out_file.parent.is_dir():
+        raise _fail(f"cannot write {out_file}: no directory {out_file.parent}")
+    elif out_file.exists() and not force:
+        raise _fail(f"{out_file} exists; pass --force to overwrite it")
+    where = "the backup to stdout" if to_stdout else str(out_file)
     with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         data = admin.backup_tenants(timeout=timeout)
-    # Checked as a file (SQLite), in a directory only this user can enter, then sent as checked.
-    with tempfile.TemporaryDirectory(prefix="kvfence-backup-") as scratch:
-        copy = Path(scratch) / "tenants.backup"
-        copy.write_bytes(data)
+    # Written to a private file and checked there (SQLite checks a file), then sent as checked:
+    # moved into place beside OUT_FILE (never a half-written backup under its name, never
+    # readable by others, not even for a moment), or for stdout copied from a directory only
+    # this user can enter.
+    with contextlib.ExitStack() as cleanup:
         try:
-            checked = check_database(copy, "the backup")
+            if to_stdout:
+                scratch = cleanup.enter_context(
+                    tempfile.TemporaryDirectory(prefix="kvfence-backup-")
+                )
+                tmp = Path(scratch) / "tenants.backup"
+            else:
+                tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
+            f = create_private(tmp)
+        except OSError as err:
+            raise _fail(f"cannot write {where}: {_os_error(err)}") from None
+        cleanup.callback(tmp.unlink, missing_ok=True)  # only once made here: never another's
+        try:
+            with f:
+                f.write(data)
+                # On disk before it takes OUT_FILE's name; a plain copy only checked need not be.
+                if not to_stdout:
+                    f.flush()
+                    os.fsync(f.fileno())
+            checked = check_database(tmp, "the backup")
+            size = tmp.stat().st_size
+            if to_stdout:
+                _write_stdout(tmp.read_bytes())
+            elif force:
+                os.replace(tmp, out_file)
+            else:
+                _link_new(tmp, out_file)
+        except FileExistsError:
+            raise _fail(f"{out_file} exists; pass --force to overwrite it") from None
         except NotATenantDatabase as err:
             raise _fail(str(err)) from None
-        data = copy.read_bytes()
+        except OSError as err:
+            raise _fail(f"cannot write {where}: {_os_error(err)}") from None
+    owner_only = "" if to_stdout else ", owner-only"
+    typer.echo(
+        f"backed up {checked.tenants} tenants and {checked.keys} API keys to "
+        f"{'stdout' if to_stdout else out_file} ({size} bytes{owner_only}: it holds API key "
+        "hashes)",
+        err=to_stdout,
+    )
+    if checked.newer:  # this CLI is older than the control plane's database (a rollback?)
+        typer.echo(
+            f"note: {newer_schema_note(checked.schema_version, 'the tenant database')}",
+            err=to_stdout,
+        )
+
+
+def _write_stdout(data: bytes) -> None:
+    out = sys.stdout.buffer
     try:
         out.write(data)
         out.flush()
@@ -456,15 +457,6 @@ def _backup_to_stdout(
         with contextlib.suppress(OSError):  # and Python's own flush at exit must not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         raise _fail(f"cannot write the backup to stdout: {_os_error(err)}") from None
-    typer.echo(
-        f"backed up {checked.tenants} tenants and {checked.keys} API keys to stdout "
-        f"({len(data)} bytes: it holds API key hashes)",
-        err=True,
-    )
-    if checked.newer:
-        typer.echo(
-            f"note: {newer_schema_note(checked.schema_version, 'the tenant database')}", err=True
-        )
 
 
 def _link_new(tmp: Path, out_file: Path) -> None:

@@ -350,6 +350,67 @@ async def test_backup_to_stdout_pipes_the_backup_alone(
     assert tty.stdout_bytes == b""
 
 
+@pytest.mark.parametrize("to", ["file", "stdout"])
+async def test_backup_to_a_file_or_stdout_is_checked_alike_and_leaves_no_copy(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    """Both destinations take one path: the backup is written to a private file and checked
+    there before any of it reaches the destination. What is not a tenant database is refused
+    for either, with nothing written and no copy left, in the temporary directory (where the
+    stdout path checks it) or beside the file. Control: a real backup goes through."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    dest = "-" if to == "stdout" else str(out_dir / "tenants.backup")
+    auth = ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    with monkeypatch.context() as m:
+        m.setattr(AdminClient, "backup_tenants", lambda self, timeout: b"not a database")
+        result = await run_cli("tenants", "backup", dest, *auth)
+    assert_refused(result, "the backup is not a SQLite database")
+    assert result.stdout_bytes == b""
+    assert list(out_dir.iterdir()) == [] and list(scratch.iterdir()) == []
+
+    result = await run_cli("tenants", "backup", dest, *auth)
+    assert result.exit_code == 0, result.output
+    summary = result.stderr if to == "stdout" else result.stdout
+    assert "backed up 1 tenants and 1 API keys to " in summary, result.output
+    backup = result.stdout_bytes if to == "stdout" else (out_dir / "tenants.backup").read_bytes()
+    assert names(open_backup(backup, tmp_path / "copy.sqlite3")) == {"acme"}
+    assert [p.name for p in out_dir.iterdir()] == ([] if to == "stdout" else ["tenants.backup"])
+    assert list(scratch.iterdir()) == []
+
+
+async def test_backup_to_a_pipe_its_reader_closed_fails_in_one_line(cluster: Cluster) -> None:
+    """A reader that went (an encryption tool that failed) did not get the whole backup: exit 1
+    with one line on stderr, not a traceback nor a success. Control: the same command with the
+    pipe read sends the backup whole."""
+    cmd = [sys.executable, "-m", "kvfence", "tenants", "backup", "-"]
+    cmd += ["--target", cluster.admin_target, "--admin-token", cluster.cp.admin_token]
+    # The read end is closed before the command starts: its first write fails.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        gone = await asyncio.create_subprocess_exec(*cmd, stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    _, err_bytes = await gone.communicate()
+    err = err_bytes.decode()
+    assert gone.returncode == 1, err
+    assert err.strip() == "cannot write the backup to stdout: Broken pipe", err
+
+    read = await asyncio.create_subprocess_exec(
+        *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err_bytes = await read.communicate()
+    assert read.returncode == 0, err_bytes.decode()
+    assert out.startswith(b"SQLite format 3\x00")
+    assert "backed up 1 tenants and 1 API keys to stdout" in err_bytes.decode()
+
+
 async def test_round_trip_restores_the_backed_up_keys_and_not_later_ones(tmp_path: Path) -> None:
     state = tmp_path / "state"
     c = await make_cluster(state)
