@@ -46,7 +46,18 @@ reservation no stream verified, the reaper (``transfer.reservation_timeout_s`` a
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Reserve`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, taking nothing (the control plane tries another node); the transfers,
 ``Decode`` streams and ``Release`` calls of the reservations already made go on, and the node is
-drained once it holds no reservation.
+drained once it holds no reservation. A drain that times out (``node.drain_timeout_s``) ends the
+``Decode`` calls still running, before the server stops (``end_in_flight``; cut by the stop, they
+reached the control plane as a lost connection, NODE_UNREACHABLE, "became unreachable"), each
+UNAVAILABLE, reason ``NODE_DRAINING``: a stream decoding, whose end gives its pages back; and a
+call still waiting for its transfer (up to ``transfer.batch_timeout_s``), whose reservation is
+released then, as for a ``Decode`` cancelled while it waits: its transfer cancelled (its endpoint
+aborted), the pages of receives still posted QUARANTINED until those have settled, the others
+free at once; a transfer still arriving finds the reservation released (``RESERVATION_RELEASED``)
+or the node gone. A duplicate waiting beside that call ends the same way. The control plane passes
+``NODE_DRAINING`` on to the tenant ("the decode node serving this request is shutting down"),
+retries nothing (the request's KV was on this node), and counts no failure against the node.
+A reservation no ``Decode`` call waits for yet is left to the stop, which releases it.
 
 Events about UCX hellos (``stage: ucx_hello``: a connection that said no hello, or a wrong one)
 are what whoever reaches the UCX port can cause at will, so they are bounded: at most
@@ -172,6 +183,8 @@ class DecodeReservation:
     # A Decode call is waiting for the transfer and owns the reservation: a duplicate that waits
     # beside it and is cancelled must not release it (module docstring).
     awaited: bool = False
+    # What a timed-out drain ended the Decode call waiting for its transfer with (end_in_flight).
+    ended: KvfenceError | None = None
     created: float = field(default_factory=time.monotonic)
 
 
@@ -241,11 +254,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         server is about to stop (``RunningNode.drain``, which calls prefill's servicer by the
         same name). Ended by the server's stop instead, a stream reached its client as a cut
         connection (NODE_UNREACHABLE, "became unreachable"), though the node had stopped on
-        purpose. Each stream's own end gives its pages back. How many were ended."""
+        purpose. Each stream's own end gives its pages back. A Decode call still waiting for its
+        transfer is ended too: its reservation is released now (module docstring). How many
+        reservations had their calls ended."""
         ended = 0
         for res in list(self.reservations.values()):
             if res.state == ResState.DECODING and res.emit is not None:
                 res.emit(("error", err))
+                ended += 1
+            elif res.state == ResState.RESERVED and res.awaited:
+                # Released here, not by the call once it wakes: that would be on a later turn,
+                # after the server's stop may have begun. The release cancels the transfer,
+                # which wakes the call (its transfer's done event), and leaves the pages of
+                # receives still posted quarantined until they settle.
+                res.ended = err
+                with kvlog.request_context(res.request_id, res.tenant_id):
+                    self._release(res.reservation_id, "drain timed out")
                 ended += 1
         return ended
 
@@ -469,6 +493,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if owner:
                     res.awaited = False
             if self.reservations.get(res.reservation_id) is not res:
+                if res.ended is not None:
+                    raise res.ended  # released by a timed-out drain (end_in_flight)
                 # Reaped or released meanwhile: its transfer was cancelled, not forged.
                 raise self._released_before_decode(res.reservation_id)
         exp = None
