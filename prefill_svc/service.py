@@ -41,7 +41,14 @@ down"), counted against neither node. Such a call answers at once, without waiti
 to wind down (an opening handshake is never cut short: up to ``transfer.batch_timeout_s``); its
 pages stay in use until every UCX operation of the send has settled, and ``close`` waits for it
 (up to ``WINDING_STOP_S``). A send that ended failing, or cut by a ``Release``, before its call
-resumed, is ended the same way. One that ended having sent every page is not: decode holds the
+resumed, is ended the same way, unless it failed an integrity check (decode refused the transfer
+for one of its checks, or this node's check of decode's answers failed: ``transfer_status``):
+that one was reported already (its ``transfer_failed`` event, counted where the check ran), and
+the call answers it, DATA_LOSS with its reason, as it would without the drain, not a "shutting
+down" that hides it from the tenant. What the send had done when the drain ended the call
+decides: a send still in progress then is cancelled by the drain, and its call answers CANCELLED
+``NODE_DRAINING`` whatever the send ends with later (a failure it ends with is still reported, as
+any failed send is). One that ended having sent every page is not ended: decode holds the
 whole transfer, and the call, with no await left before its answer, returns its manifest on its
 next turn of the event loop, well within the grace the server's stop then gives in-flight calls
 (``node_main.STOP_GRACE_S``).
@@ -112,7 +119,7 @@ class Call:
     task: asyncio.Task[Any] | None  # its handler's
     # Its UCX send, once begun (kept after it ended): from then on decode may hold part of it.
     send: asyncio.Task[int] | None = None
-    # What a timed-out drain ended it with (``end_in_flight``), or None.
+    # What a timed-out drain ended it with, the status it answers (``end_in_flight``), or None.
     ended: KvfenceError | None = None
     # Its forward pass failed this node's integrity check, and that was reported: once, by
     # whichever sees it first (the pass's end, or the call), as the call may no longer wait.
@@ -200,9 +207,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """End every Prefill call in flight with ``err`` (UNAVAILABLE, NODE_DRAINING): the node's
         drain timed out, and its server is about to stop (``RunningNode.drain``). A call whose
         UCX send began gets the same reason as CANCELLED instead, which the control plane does
-        not retry elsewhere (module docstring). A call whose send already ended having sent
-        every page is not ended: it answers its manifest. Each call's own end gives its pages
-        back; a send winds down on its own (``close`` waits for it). How many were ended."""
+        not retry elsewhere (module docstring), and one whose send has just failed an integrity
+        check answers that failure (DATA_LOSS, its reason). A call whose send already ended
+        having sent every page is not ended: it answers its manifest. Each call's own end gives
+        its pages back; a send winds down on its own (``close`` waits for it). How many were
+        ended."""
         ended = 0
         for call in list(self.calls):
             if call.ended is not None or call.task is None or call.task.done():
@@ -215,7 +224,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # fault hook's ``replay`` sends once more: that test-only send the stop may cut.)
                 continue
             call.ended = err
-            if call.send is not None:
+            failed = send_integrity_failure(call.send)
+            if failed is not None:
+                # Its send has just failed an integrity check, reported already (its
+                # transfer_failed event, counted where the check ran), and the call has not
+                # resumed yet. It answers that, DATA_LOSS, as without the drain: NODE_DRAINING
+                # would tell the tenant "shutting down" of a failed integrity check. Decided
+                # here, from what the send had done by the drain, not when the call resumes.
+                call.ended = failed
+            elif call.send is not None:
                 call.ended = Cancelled(err.message, reason=err.reason, metadata=err.metadata)
                 if not call.send.done():
                     call.send.cancel()
@@ -634,6 +651,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 def sent_whole(send: asyncio.Task[int] | None) -> bool:
     """Whether a call's UCX send has ended having sent every page (decode holds all of it)."""
     return send is not None and send.done() and not send.cancelled() and send.exception() is None
+
+
+def send_integrity_failure(send: asyncio.Task[int] | None) -> IntegrityError | None:
+    """The integrity failure a call's UCX send has ended with (decode refused the transfer for
+    one of its checks, or this node's check of decode's answers failed: ``transfer_status``), or
+    None: not begun, not over, cancelled, sent, or another failure."""
+    if send is None or not send.done() or send.cancelled():
+        return None
+    err = send.exception()
+    return err if isinstance(err, IntegrityError) else None
 
 
 def integrity_failure(job: Future[int]) -> IntegrityError | None:

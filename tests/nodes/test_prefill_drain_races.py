@@ -15,6 +15,12 @@ no sleep decides which comes first.
    pass that gave its first token is ended UNAVAILABLE ``NODE_DRAINING`` (nothing left the node).
    A pass that fails only after the drain ended its call (still running then) is reported when it
    ends; its call had answered ``NODE_DRAINING`` already.
+3. The UCX send has just failed an integrity check: decode refused the transfer (a wrong
+   authenticator), or prefill's own check of decode's answers failed (PROTOCOL). Both were
+   reported already (``transfer_failed``), yet the drain ended the call CANCELLED
+   ``NODE_DRAINING``: the tenant read "shutting down". Now the call answers DATA_LOSS with the
+   check's reason, as without the drain. Control: the same refused send, still in progress when
+   the drain times out, is ended CANCELLED ``NODE_DRAINING``.
 
 Every page of the prefill node is free once it stopped.
 """
@@ -47,6 +53,7 @@ from test_prefill_decode import (  # noqa: F401  (tiny_dir: a fixture)
 from kvfence.errors import NODE_DRAINING, error_info
 from kvfence.kv.pool import PageRef
 from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2
+from kvfence.transfer import TransferError
 from prefill_svc.service import PrefillServicer
 
 # reserve_and_prefill's default
@@ -278,3 +285,74 @@ async def test_a_pass_that_fails_after_the_drain_ended_its_call_is_still_reporte
         assert [p["request_id"] for kind, p in events if kind == "integrity_violation"] == ["r"]
         await pair.dstub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
     assert_prefill_node_clean(pair.pre)
+
+
+def sample(pair: Pair, name: str, **labels: str) -> float:
+    value = pair.pre.metrics.registry.get_sample_value(name, {"service": "prefill", **labels})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("failure", ["decode-refused", "own-check", "in-progress"])
+async def test_a_prefill_whose_send_just_failed_an_integrity_check_answers_it_at_a_drain(
+    tiny_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: str,
+) -> None:
+    """The drain times out as the call's send has just failed an integrity check (the send's
+    task ended, the call not woken yet): decode refused its wrong authenticator
+    (BAD_AUTHENTICATOR, decode's check), or prefill's check of decode's answer failed (PROTOCOL,
+    counted here, once). The call answers DATA_LOSS with that reason, not CANCELLED
+    NODE_DRAINING; the failure was reported once (``transfer_failed``). Control (in-progress): the
+    same refused send, the drain timing out as it has just begun, is ended CANCELLED
+    NODE_DRAINING."""
+    async with node_pair(tiny_dir, tmp_path) as pair:
+        servicer = pair.pre.servicer
+        events = record_events(pair, monkeypatch)
+        ends = watch_ends(servicer)
+        real_raw, real_send = servicer._send_raw, servicer._send
+        loop = asyncio.get_running_loop()
+
+        async def send_raw(
+            req: Any, outbound: Any, page_bytes: int, *, auth: Any, stall: float
+        ) -> float:
+            if failure == "own-check":
+                raise TransferError("decode answered outside the protocol", "PROTOCOL")
+            # What the fault hook's bad_auth sends: decode refuses the hello.
+            return await real_raw(req, outbound, page_bytes, auth="0" * 64, stall=stall)
+
+        async def send(req: Any, outbound: Any, fault: Any) -> int:
+            if failure == "in-progress":
+                loop.call_soon(drain_times_out, pair)
+                return await real_send(req, outbound, fault)
+            try:
+                return await real_send(req, outbound, fault)
+            finally:
+                # Queued before this task's end (its exception set) wakes the call.
+                loop.call_soon(drain_times_out, pair)
+
+        monkeypatch.setattr(servicer, "_send_raw", send_raw)
+        monkeypatch.setattr(servicer, "_send", send)
+        _, call = await reserve_and_prefill(pair.dstub, pair.pstub, "r", PROMPT)
+        answer = await asyncio.wait_for(outcome(call), 30)
+        assert pair.stopping is not None
+        await asyncio.wait_for(pair.stopping, 30)
+        failed = [p["reason"] for kind, p in events if kind == "transfer_failed"]
+        counted = sample(pair, "kvfence_integrity_failures_total", check="PROTOCOL")
+        if failure == "in-progress":
+            assert ends == [([("sending", False)], 1)]
+            assert answer == (grpc.StatusCode.CANCELLED, NODE_DRAINING)
+            assert sample(pair, "kvfence_requests_total", status="CANCELLED") == 1
+        else:
+            reason = "PROTOCOL" if failure == "own-check" else "BAD_AUTHENTICATOR"
+            assert ends == [([("failed", False)], 1)]
+            assert answer == (grpc.StatusCode.DATA_LOSS, reason)
+            assert failed == [reason]
+            # This node counts its own check only, once: decode counted its refusal.
+            assert counted == (1 if failure == "own-check" else 0)
+            assert sample(pair, "kvfence_requests_total", status="DATA_LOSS") == 1
+        assert sample(pair, "kvfence_requests_total", status="OK") == 0
+        await pair.dstub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+    assert_prefill_node_clean(pair.pre)
+    pool = pair.dec.rt.pool
+    assert pool.num_free == pool.num_pages
