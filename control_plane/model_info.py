@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvfence.config import ClusterConfig
+from kvfence.model.args import ModelArgs
+from kvfence.model.checkpoint import fingerprint, generation_eos, read_config, text_fingerprint
+from kvfence.model.served import kv_layout, model_dir
 from kvfence.proto.kvfence.v1 import common_pb2
+from kvfence.tokenizer import load_tokenizer
 
 
 class Tokenizer(Protocol):
@@ -51,7 +55,8 @@ class ModelInfo:
     vocab_size: int
     tokenizer: Tokenizer
     eos_ids: frozenset[int] = frozenset()
-    # kvfence.model.loader.text_fingerprint of the EOS ids and tokenizer above ("": not compared)
+    # kvfence.model.checkpoint.text_fingerprint of the EOS ids and tokenizer above ("": not
+    # compared)
     text_fingerprint: str = ""
 
     @property
@@ -70,15 +75,12 @@ def layout_text(layout: common_pb2.KvLayout) -> str:
 def load_model_info(cfg: ClusterConfig) -> ModelInfo:
     """The served model as the nodes see it: same folder, fingerprint, layout and tokenizer.
 
-    Reads the checkpoint the nodes load (``kvfence.node.model_dir``: the configured path or the
-    embedded tiny model), so a node serving other weights is refused at registration.
+    Reads the checkpoint the nodes load (``kvfence.model.served.model_dir``: the configured path
+    or the embedded tiny model), so a node serving other weights is refused at registration. The
+    weights are read as bytes for the fingerprint, never loaded, so torch is not imported
+    (``tests/control_plane/test_cp_no_torch.py``); only the first start on a state directory
+    without the embedded model's files imports it, to write them (``ensure_tiny_model``).
     """
-    # Imported here: they pull in torch, which tests that inject a ModelInfo never need.
-    from kvfence.model.llama import ModelArgs
-    from kvfence.model.loader import fingerprint, generation_eos, read_config, text_fingerprint
-    from kvfence.node import kv_layout, model_dir
-    from kvfence.tokenizer import load_tokenizer
-
     path = model_dir(cfg)
     hf = read_config(path)
     args = ModelArgs.from_hf_config(hf)

@@ -36,10 +36,14 @@ import grpc
 from kvfence import PROTOCOL_VERSION, __version__
 from kvfence import logging as kvlog
 from kvfence.auth import bearer_metadata, read_token, token_matches
-from kvfence.config import NAME_CHARS, ClusterConfig, ModelShape, Role
+from kvfence.config import NAME_CHARS, ClusterConfig, Role
 from kvfence.errors import IntegrityError, Unauthenticated
 from kvfence.kv.pool import PagePool
 from kvfence.metrics import Metrics
+
+# Torch-free (the control plane resolves the same folder and layout); still importable from here.
+from kvfence.model.served import kv_layout as kv_layout
+from kvfence.model.served import model_dir as model_dir
 from kvfence.proto.kvfence.v1 import common_pb2, control_pb2, control_pb2_grpc
 from kvfence.server import CHANNEL_OPTIONS, abort, bearer_token
 
@@ -48,26 +52,6 @@ if TYPE_CHECKING:
     from kvfence.model.engine import Engine
 
 log = kvlog.get_logger("node")
-
-
-def model_dir(cfg: ClusterConfig) -> Path:
-    """The checkpoint folder: the configured one, or the embedded tiny model under state_dir."""
-    if cfg.model.path is not None:
-        return cfg.model.path
-    from kvfence.model.tiny import ensure_tiny_model
-
-    return ensure_tiny_model(cfg.control_plane.state_dir / "models" / "tiny-llama")
-
-
-def kv_layout(cfg: ClusterConfig, shape: ModelShape) -> common_pb2.KvLayout:
-    """The KV layout every node of the cluster must share (manifest check 6, registration)."""
-    return common_pb2.KvLayout(
-        page_size=cfg.kv.page_size,
-        dtype=cfg.model.dtype,
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-    )
 
 
 @dataclass

@@ -64,7 +64,6 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 
     def _serve(role: Role, config: Path | None) -> None:
         from kvfence import logging as kvlog
-        from kvfence.transfer import service_ucx_defaults, stop_ucx_notifier
 
         _exit_on_stop_signals()
         kvlog.configure("json", os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
@@ -74,8 +73,13 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         except ConfigError as err:
             typer.echo(str(err), err=True)
             raise typer.Exit(2) from None
-        # One event loop per service process: ucxx's notifier thread can complete UCX futures.
-        service_ucx_defaults()
+        if role != Role.CONTROL_PLANE:
+            # Only the nodes move KV over UCX. kvfence.transfer imports torch, which the control
+            # plane never needs (seconds of its start and hundreds of MiB).
+            from kvfence.transfer import service_ucx_defaults
+
+            # One event loop per service process: ucxx's notifier thread can complete UCX futures.
+            service_ucx_defaults()
         try:
             asyncio.run(_run_service(cfg, role))
         except KeyboardInterrupt:
@@ -89,7 +93,12 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             # a clean stop into a killed process (exit 143 or 130).
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
-            stop_ucx_notifier()
+            # ucxx starts only through kvfence.transfer: where that was never imported (the
+            # control plane) there is no notifier thread to stop.
+            if "kvfence.transfer" in sys.modules:
+                from kvfence.transfer import stop_ucx_notifier
+
+                stop_ucx_notifier()
 
     config_opt = typer.Option(None, "--config", "-c", help="Cluster config YAML.")
 

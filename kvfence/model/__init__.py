@@ -7,6 +7,12 @@ cheap for static checks):
   ``.shape``, ``.fingerprint``, ``.eos_token_ids``), ``read_model_shape(path)``,
   ``fingerprint(path)``.
 * ``llama``: ``ModelArgs``, ``Transformer`` (flat tokens + an ``attend`` callback per layer).
+* ``args``: ``ModelArgs``, ``RopeSpec`` (no torch: the control plane reads a checkpoint's
+  architecture; ``llama`` and ``rope`` re-export them).
+* ``checkpoint``: ``read_config``, ``read_model_shape``, ``fingerprint``, ``text_fingerprint``,
+  ``generation_eos`` (no torch; ``loader`` re-exports them).
+* ``served``: ``model_dir(cfg)``, ``kv_layout(cfg, shape)``: the folder and KV layout a cluster
+  serves (no torch; ``kvfence.node`` re-exports them).
 * ``engine``: ``Engine(model, pool)`` with ``prefill(token_ids, pages)``, ``prefill_many`` (several
   prompts in one forward pass) and ``decode_step([DecodeItem]) -> (logits, error_flags)``;
   ``DecodeBatch(engine)`` keeps a decode loop's block tables as tensors between steps (``sync``,

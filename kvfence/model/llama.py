@@ -11,130 +11,24 @@ checkpoint's state dict loads without renaming.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfence.config import ModelShape
-from kvfence.config_check import mistral_sliding_window
+# Torch-free (the control plane reads a checkpoint's architecture); still importable from here.
+from kvfence.model.args import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from kvfence.model.args import ModelArgs as ModelArgs
 from kvfence.model.rope import (
-    RopeSpec,
     apply_rope_factors,
     inv_freq_and_scale,
     rope_cos_sin,
     rope_factors,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
 # attend(layer, q (T, H, hd), k (T, KVH, hd), v (T, KVH, hd)) -> (T, H, hd)
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """The architecture of one checkpoint, read from its Hugging Face ``config.json``."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope: RopeSpec
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    model_type: str = "llama"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    # Mistral's sliding-window attention (None: none, or a window not below the context). kvfence
-    # attends over the whole context, which is the same thing only up to the window: the usable
-    # context window is capped there (``shape``).
-    sliding_window: int | None = None
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        """Validate and convert a ``config.json`` mapping; ValueError names what is unsupported."""
-        model_type = str(cfg.get("model_type", "llama"))
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only silu / SwiGLU)")
-        try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or hidden // heads)
-            args = cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=RopeSpec.from_config(cfg),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers
-                # all four projections.
-                qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                model_type=model_type,
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-            )
-        except KeyError as err:
-            raise ValueError(f"config.json lacks {err.args[0]!r}") from None
-        if args.head_dim % 2:
-            # rope rotates pairs of dimensions (rotate_half): an odd head loaded fine and failed
-            # on the first request; transformers refuses it when it builds the model.
-            raise ValueError(f"head_dim {args.head_dim} is odd; rotary embeddings need it even")
-        if args.num_heads % args.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-            )
-        if cfg.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        window = mistral_sliding_window(cfg)
-        if window is not None:
-            args = dataclasses.replace(args, sliding_window=window)
-        return args
-
-    @property
-    def shape(self) -> ModelShape:
-        """The KV shape a page pool for this model needs."""
-        return ModelShape(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            context_window=min(
-                self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
-            ),
-        )
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -7,70 +7,12 @@ queries and keys by bit-identical angles (the differential tests compare greedy 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rope parameters as read from a checkpoint config (either HF v4 or v5 spelling)."""
-
-    theta: float
-    rope_type: str = "default"
-    params: tuple[tuple[str, Any], ...] = ()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return dict(self.params).get(key, default)
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> RopeSpec:
-        # transformers >= 5 writes "rope_parameters" (theta inside); older checkpoints write
-        # "rope_theta" plus an optional "rope_scaling" dict whose type key was once "type".
-        new, old = cfg.get("rope_parameters"), cfg.get("rope_scaling")
-        if new and old and _normalised(new, cfg) != _normalised(old, cfg):
-            # transformers 5 lets rope_scaling win (an operator pasting a model card's
-            # long-context snippet into a v5-saved config); a file that says two things is
-            # ambiguous, so neither is guessed.
-            raise ValueError(
-                f"config.json has both 'rope_parameters' {new} and 'rope_scaling' {old}, "
-                "which disagree; keep one"
-            )
-        theta, rope_type, params = _normalised(new or old or {}, cfg)
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
-            raise ValueError(f"rope type {rope_type!r} needs a 'factor'")
-        if rope_type in ("llama3", "yarn"):
-            # As transformers (standardize_rope_params): a top-level
-            # original_max_position_embeddings wins over the rope dict's, and without either
-            # the pretraining length is max_position_embeddings.
-            if "original_max_position_embeddings" in cfg:
-                params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
-            params.setdefault(
-                "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)
-            )
-        if rope_type == "llama3":
-            missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
-            if missing:  # transformers has no default for them either: never guess a rotation
-                raise ValueError(f"rope type 'llama3' needs {' and '.join(map(repr, missing))}")
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported")
-        return cls(theta, rope_type, tuple(sorted(params.items())))
-
-
-def _normalised(raw: Any, cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
-    """(theta, rope type, other keys) of one rope dict: theta from the dict or the top-level
-    rope_theta, the type under either spelling."""
-    params = dict(raw)
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = str(params.pop("rope_type", params.pop("type", "default")))
-    return theta, rope_type, params
+# Torch-free (the control plane reads a checkpoint's rope settings); still importable from here.
+from kvfence.model.args import SUPPORTED_ROPE_TYPES as SUPPORTED_ROPE_TYPES
+from kvfence.model.args import RopeSpec as RopeSpec
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
