@@ -61,17 +61,26 @@ lives. It receives at most as many as the reservation decode itself issued holds
 sender's count of indices): for a reservation it knows, its prompt pages; for one it released,
 the count it remembers with the id; for an id it does not know, ``UNKNOWN_RESERVATION_STRAYS``.
 Pages beyond that stay in UCX. After a verified hello, a batch header that is malformed (a length
-no control message may have, not JSON, not a JSON object, no list of indices) fails the transfer
-``PROTOCOL`` and is answered so, like any refused batch (it names no pages, so none are drained).
-A malformed hello is answered nothing: nothing is verified yet, so decode reports ``BAD_HELLO``
-and aborts the endpoint. A connection that ends before its first hello (the peer closed it, or
-its process died) is reported ``PEER_GONE`` instead: no hello was malformed.
+no control message may have, a message on the length tag longer than ``FRAME_BYTES``, which is
+received no further than a frame holds, not JSON, not a JSON object, no list of indices) fails
+the transfer ``PROTOCOL`` and is answered so, like any refused batch (it names no pages, so none
+are drained). A hello with a ``batch`` is a warm one whatever the ``batch`` holds: one that is no
+header object, ``null`` included, is such a malformed header, never taken for a cold hello
+(kvfence's sender leaves the key out of a cold hello). A malformed hello is answered nothing:
+nothing is verified yet, so decode reports ``BAD_HELLO`` and aborts the endpoint. A connection
+that ends before its first hello (the peer closed it, or its process died) is reported
+``PEER_GONE`` instead: no hello was malformed.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
 not answer the hello (nothing of this transfer was sent but the hello), on a warm one only when
 the hello itself never left (its send failed), since pages went out right behind it. A refusal,
 a timeout or any later failure is final.
+A cancelled send (a Release, a timed-out drain) ends at once, wherever it is, its endpoint
+discarded as after a failure, its posted operations settled first (the abort completes them).
+Only UCX's own connect of a new endpoint is never cut short, by a cancellation or by its timeout
+(cut short mid-way it crashed the process): it goes on without the send, and the pool discards
+its endpoint unused, without a hello, when it ends (``EndpointPool.connect``).
 
 Reservation ids and a restarted decode. Decode issues ids ``<node>.<instance>.<uuid4 hex>``
 (``KvReceiver.new_reservation_id``; :func:`reservation_origin` reads the first two parts): the node
@@ -232,6 +241,10 @@ REFUSED_SENDS_S = 1.0
 # How long a stopping receiver waits for its connections' handlers (aborted, so they end at
 # once unless ucxx hangs) before it cancels them.
 HANDLERS_STOP_S = 1.5
+# How long closing prefill's endpoint pool waits for connects no transfer waits for any more
+# (``EndpointPool.connect``): on a live decode one takes milliseconds; only a peer whose UCX
+# does not answer (a frozen process) holds one up to ucxx's handshake timeout.
+ABANDONED_CONNECTS_STOP_S = 2.0
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 # Reasons that mean the bytes or the protocol were wrong (not merely slow or lost): DATA_LOSS.
@@ -447,13 +460,22 @@ async def _recv_json(ep: Any, *, reply: bool = False) -> dict[str, Any]:
 
 async def _recv_control(ep: Any, *, reply: bool = False) -> bytes | TransferError:
     """The body of one control message in either form (a shorter message fills the start of the
-    buffer), or the PROTOCOL error of a length no control message may have.
+    buffer), or the PROTOCOL error of a length no control message may have (a message on the
+    length tag longer than a frame included).
 
     That error is returned, not raised: every receive posted for the message completed, so the
     endpoint is sound, while one raised inside ``_within`` aborts it before decode can answer
     the reason (``KvReceiver._receive_batches`` answers a malformed batch header)."""
     head = np.zeros(FRAME_BYTES, dtype=np.uint8)  # never parse stale heap bytes
-    await _recv(ep, head, tag=REPLY_LEN_TAG if reply else LEN_TAG)
+    try:
+        await _recv(ep, head, tag=REPLY_LEN_TAG if reply else LEN_TAG)
+    except Exception as err:
+        if not _truncated(err):
+            raise
+        # A message longer than a frame: UCX matched it whole and delivered only its first
+        # FRAME_BYTES (nothing larger is allocated), failing the receive alone; the endpoint is
+        # sound, so this is a length no control message may have, like the ones below.
+        return TransferError("control message longer than a frame", reason="PROTOCOL")
     n = int(head[:8].view(np.int64)[0])
     if -(FRAME_BYTES - 8) <= n < 0:  # one frame: the body follows its length
         body = head[8 : 8 - n]
@@ -463,6 +485,12 @@ async def _recv_control(ep: Any, *, reply: bool = False) -> bytes | TransferErro
     else:
         return TransferError(f"control message of {n} bytes", reason="PROTOCOL")
     return body.tobytes()
+
+
+def _truncated(err: Exception) -> bool:
+    """Whether a receive failed because the message was longer than its buffer."""
+    exceptions = sys.modules.get("ucxx.exceptions")  # loaded with ucxx, which made the receive
+    return exceptions is not None and isinstance(err, exceptions.UCXMessageTruncatedError)
 
 
 def _control_object(body: bytes | TransferError) -> dict[str, Any]:
@@ -880,7 +908,11 @@ class KvReceiver:
         self._unverified.discard(ep)  # it said a verified hello: no longer under the cap
         # Only now, with the hello verified, may anything be received into the reserved pages:
         # the pages of a warm hello's batch have been waiting in UCX, unmatched, until here.
-        first = hello.get("batch") if PROTOCOL_VERSION >= WARM_VERSION else None
+        # The key makes a hello warm, whatever it holds: kvfence's sender leaves it out of a
+        # cold hello, so a "batch" of null is a malformed header (PROTOCOL below), not a cold
+        # opening to answer on its own while the sender waits for batch 0's answer.
+        warm = PROTOCOL_VERSION >= WARM_VERSION and "batch" in hello
+        first = hello["batch"] if warm else None
         t.state = InboundState.RECEIVING
         t.ep = ep
         self.transfers_served += 1
@@ -890,7 +922,7 @@ class KvReceiver:
             # marked ``last`` is answered by the final answer (no separate ``done``); v3: page
             # tags scoped to the transfer (``page_tag``); v4: a hello may carry the first batch,
             # then one answer acknowledges both (a hello without one is answered on its own).
-            if first is None:
+            if not warm:
                 await self._answer(ep, {"ok": True}, frame)
             else:
                 self.warm_hellos += 1
@@ -1093,6 +1125,11 @@ class EndpointPool:
     The pool remembers, per endpoint, the protocol version decode said on it (given to
     :meth:`give_back`, read with :meth:`peer_version` while leased; 0 = unknown, as for a new
     endpoint): it decides whether the next transfer may send its first batch with the hello.
+
+    A connect (:meth:`connect`) that timed out or whose transfer was cancelled is never cut
+    short: the pool keeps it until it ends, by itself, bounded by ucxx's own handshake timeouts,
+    and discards its endpoint unused, without a hello. :meth:`close` waits for those up to
+    ``ABANDONED_CONNECTS_STOP_S``.
     """
 
     def __init__(self, *, max_idle_per_peer: int = 32, idle_timeout_s: float = 30.0):
@@ -1105,6 +1142,7 @@ class EndpointPool:
         self._leased: dict[Any, int] = {}  # leased endpoint -> decode's protocol version
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        self._abandoned: set[asyncio.Future[Any]] = set()  # connects no one waits for
         # counters (tests, metrics, benchmarks)
         self.opened = 0  # endpoints created
         self.reused = 0  # transfers that started on an idle endpoint
@@ -1115,6 +1153,11 @@ class EndpointPool:
     def open_endpoints(self) -> int:
         """Endpoints this pool holds now: idle plus leased to a running transfer."""
         return len(self._leased) + sum(len(v) for v in self._idle.values())
+
+    @property
+    def abandoned_connects(self) -> int:
+        """Connects still running that timed out or whose transfer was cancelled."""
+        return len(self._abandoned)
 
     def idle(self, host: str, port: int) -> int:
         return len(self._idle.get((host, port), []))
@@ -1145,13 +1188,33 @@ class EndpointPool:
         return self._leased.get(ep, 0)
 
     async def connect(self, host: str, port: int, timeout: float) -> Any:
-        """Lease a new endpoint (UCX's handshake only; the caller says hello)."""
+        """Lease a new endpoint (UCX's handshake only; the caller says hello).
+
+        Neither ``timeout`` nor a cancellation cuts ucxx's connect short: it goes on without the
+        caller, who gets UNREACHABLE (or its CancelledError) at once, and the pool discards the
+        endpoint unused when it ends (``_abandon``), bounded by ucxx's own handshake timeouts.
+        Cut short while ucxx exchanged its peer information, a connect crashed the process (a
+        segfault in each of 3 runs here of up to 300 cancels, the listener in the same process);
+        aborting the endpoint of a connect that had returned did not (2 runs of 300 aborts
+        right after it)."""
         import ucxx
 
         if self._closed:
             raise TransferError("endpoint pool is closed", "UNREACHABLE")
+        connecting = asyncio.ensure_future(ucxx.create_endpoint(host, port))
         try:
-            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
+            await asyncio.wait({connecting}, timeout=timeout)
+        except BaseException:
+            self._abandon(connecting)
+            raise
+        if not connecting.done():
+            self._abandon(connecting)
+            raise TransferError(
+                f"cannot reach decode at {host}:{port}: no connection within {timeout} s",
+                "UNREACHABLE",
+            )
+        try:
+            ep = connecting.result()
         except Exception as err:
             raise TransferError(
                 f"cannot reach decode at {host}:{port}: {err!r}", "UNREACHABLE"
@@ -1183,6 +1246,19 @@ class EndpointPool:
         self.discarded += 1
         _abort(ep)
 
+    def _abandon(self, connecting: asyncio.Future[Any]) -> None:
+        """A ucxx connect that :meth:`connect` no longer waits for (timed out, or cancelled): it
+        runs to its end, and the endpoint it makes, if any, is aborted then, unused."""
+        self._abandoned.add(connecting)
+        connecting.add_done_callback(self._abandoned_done)
+
+    def _abandoned_done(self, connecting: asyncio.Future[Any]) -> None:
+        self._abandoned.discard(connecting)
+        if not connecting.cancelled() and connecting.exception() is None:
+            self.opened += 1
+            self.discarded += 1
+            _abort(connecting.result())
+
     def expire(self, now: float | None = None) -> None:
         """Close idle endpoints unused for ``idle_timeout_s``."""
         now = time.monotonic() if now is None else now
@@ -1208,8 +1284,12 @@ class EndpointPool:
 
     async def close(self) -> None:
         """Close every idle endpoint and stop the reaper; endpoints still leased are closed when
-        their transfer gives them back or discards them."""
+        their transfer gives them back or discards them. Abandoned connects are waited for up
+        to ``ABANDONED_CONNECTS_STOP_S`` (each discards its endpoint as it ends): one the event
+        loop's end cancels would be cut short."""
         self._closed = True
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned), timeout=ABANDONED_CONNECTS_STOP_S)
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -1245,6 +1325,8 @@ async def send_pages(
     With ``endpoints`` the transfer runs on an idle endpoint of that pool when there is one (and
     gives it back when the transfer completed); without, on a new endpoint closed at the end. On a
     warm endpoint (decode said v >= 4 on it) the hello carries the first batch (module docstring).
+    Cancelled, it ends at once, every posted operation settled; a connect it was waiting for goes
+    on in the pool (:meth:`EndpointPool.connect`).
     """
 
     host, _, port_s = address.rpartition(":")
@@ -1264,8 +1346,7 @@ async def send_pages(
     warm = False  # the hello carried batch 0 and decode acknowledged both
     pooled = pool.take(host, port)
     if pooled is not None and pool.peer_version(pooled) >= WARM_VERSION:
-        # One round trip: no handshake is in progress on a pooled endpoint, so unlike the cold
-        # opening below this may be cut short by a cancellation (every operation is settled).
+        # One round trip, cut short by a cancellation like any step (every operation is settled).
         try:
             version = await _warm_hello(
                 pooled, hello, batches, reservation_id, batch_timeout_s, stall_after_hello_s
@@ -1281,19 +1362,7 @@ async def send_pages(
             raise
         pooled = None
     if ep is None:
-        # The handshake (UCX's own peer-info exchange, then our hello and decode's answer) is
-        # never cut short, even when we are cancelled: tearing an endpoint down mid-handshake
-        # crashed ucxx on the listening side. A cancellation takes effect once decode has
-        # answered the hello.
-        opening = asyncio.ensure_future(_open(pool, host, port, hello, batch_timeout_s, pooled))
-        try:
-            ep, version = await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            # Whenever the opening ends (even after we stopped waiting), its endpoint is discarded.
-            opening.add_done_callback(lambda f: _discard_opened(pool, f))
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(opening), 2 * batch_timeout_s)
-            raise
+        ep, version = await _open(pool, host, port, hello, batch_timeout_s, pooled)
     ok = False
     try:
         if stall_after_hello_s and not warm:  # fault hook only: a sender that stalls mid-transfer
@@ -1397,11 +1466,6 @@ def _succeeded(op: asyncio.Future[Any]) -> bool:
     return op.done() and not op.cancelled() and op.exception() is None
 
 
-def _discard_opened(pool: EndpointPool, opening: asyncio.Future[tuple[Any, int]]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        pool.discard(opening.result()[0])
-
-
 async def _open(
     pool: EndpointPool, host: str, port: int, hello: dict[str, Any], timeout: float, pooled: Any
 ) -> tuple[Any, int]:
@@ -1412,6 +1476,9 @@ async def _open(
     before decode answered (the peer restarted or closed it meanwhile; nothing of this transfer
     was sent but the hello), it is discarded and the hello is said once more on a new endpoint.
     A refusal or a timeout is final.
+
+    A cancellation ends it at once: a hello's operations are settled (the endpoint aborted) and
+    the endpoint discarded; a connect in progress goes on without it (``EndpointPool.connect``).
     """
     if pooled is not None:
         try:

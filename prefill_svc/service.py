@@ -38,7 +38,8 @@ a reservation takes one transfer only (a second is refused REPLAY, an integrity 
 call ends CANCELLED, ``NODE_DRAINING``, which the control plane does not retry and passes on to
 the tenant as UNAVAILABLE, ``NODE_DRAINING`` ("the prefill node serving this request is shutting
 down"), counted against neither node. Such a call answers at once, without waiting for its send
-to wind down (an opening handshake is never cut short: up to ``transfer.batch_timeout_s``); its
+to wind down (a cancelled send settles its UCX operations at once; only UCX's own connect of a
+new endpoint goes on, in the endpoint pool, ``kvfence.transfer.EndpointPool.connect``); its
 pages stay in use until every UCX operation of the send has settled, and ``close`` waits for it
 (up to ``WINDING_STOP_S``). A send that ended failing, or cut by a ``Release``, before its call
 resumed, is ended the same way, unless it failed an integrity check (decode refused the transfer
@@ -183,10 +184,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await self._reaper
         if self.winding:
             # Sends of calls ended by a timed-out drain: each settles its UCX operations (and
-            # its call's pages come back) before the endpoints close under it, if it can within
-            # WINDING_STOP_S: an opening hello decode never answers waits out
-            # transfer.batch_timeout_s, longer than the pod's grace period leaves the stop
-            # (node_main.STOP_TAIL_S). What still winds then is cancelled when the event loop ends.
+            # its call's pages come back) before the endpoints close under it. Cancelled, a send
+            # aborts its endpoint, which completes them at once; WINDING_STOP_S bounds the wait
+            # should ucxx not (node_main.STOP_TAIL_S's budget). What still winds then is
+            # cancelled when the event loop ends.
             await asyncio.wait(self.winding, timeout=WINDING_STOP_S)
         await self.endpoints.close()
         for request_id in list(self.held):

@@ -64,12 +64,9 @@ def sender_cases() -> list[Any]:
     for opening in ("warm", "fresh"):
         for batch in (0, 1):
             for name in [*MALFORMED, WELL_FORMED]:
-                # A warm hello's "batch": null is no malformed header but a hello without a
-                # batch (the cold opening), which decode answers on its own.
-                if (opening, batch, name) != ("warm", 0, "null"):
-                    cases.append(
-                        pytest.param(opening, batch, name, id=f"{opening}-b{batch}-{name}")
-                    )
+                # warm-b0-null is a warm hello whose "batch" is null: malformed like the others,
+                # not a cold hello (decode took it for one, and answered it on its own).
+                cases.append(pytest.param(opening, batch, name, id=f"{opening}-b{batch}-{name}"))
     return cases
 
 
@@ -151,6 +148,9 @@ UNPARSABLE = {
     "length-zero": struct.pack("=q", 0),
     "frame-longer-than-a-frame": frame(b"{}".ljust(FRAME_BYTES - 8), FRAME_BYTES - 7),
     "length-over-bound": struct.pack("=q", MAX_CONTROL_BYTES + 1),
+    # one message longer than a frame: UCX fills decode's frame and fails the receive truncated
+    "message-longer-than-a-frame": frame(b"{}".ljust(FRAME_BYTES - 7)),
+    "message-of-4-MiB": frame(b"{}".ljust(4 << 20)),
 }
 GOOD_BYTES = frame(b'{"indices": [1], "last": true}')  # the control
 
@@ -209,12 +209,83 @@ async def test_a_batch_header_that_cannot_be_parsed_is_answered_protocol(opening
         await rx.stop()
 
 
+@pytest.mark.parametrize("name", ["message-of-4-MiB", WELL_FORMED])
+async def test_a_header_longer_than_a_frame_is_answered_without_reading_it(monkeypatch, name):
+    """A verified transfer's next header is one message of 4 MiB on the length tag: decode
+    answers PROTOCOL having posted one receive of a frame for it, nothing larger. Control: a
+    well-formed header on the same path takes the same one receive, and is answered ok."""
+    posted: list[int] = []
+    recv = transfer._recv
+
+    def recording(ep: Any, buffer: Any, *, tag: int) -> Any:
+        if tag in (LEN_TAG, transfer.BODY_TAG):  # decode's side (the test's own are replies)
+            posted.append(buffer.size)
+        return recv(ep, buffer, tag=tag)
+
+    monkeypatch.setattr(transfer, "_recv", recording)
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    ep = None
+    try:
+        _, ep = await verified_transfer(rx, pool, "cold")
+        posted.clear()
+        if name == WELL_FORMED:
+            await ep.send(np.frombuffer(GOOD_BYTES, np.uint8), tag=LEN_TAG)
+            await ep.send(page_buffer(torch.full(pool.kv.shape[1:], 3.0)),
+                          tag=page_tag("res-1", 1, 0))  # fmt: skip
+            assert await answer(ep) == {"ok": True, "received": 2, "v": 4}
+            assert events == []
+        else:
+            await ep.send(np.frombuffer(UNPARSABLE[name], np.uint8), tag=LEN_TAG)
+            assert await answer(ep) == PROTOCOL_ANSWER
+            assert events == [PROTOCOL_EVENT] and rx.handler_errors == 0
+        # the header's one frame; then, after the answer, at most decode's wait for a next hello
+        assert posted[0] == FRAME_BYTES and max(posted) == FRAME_BYTES, posted
+    finally:
+        if ep is not None:
+            ep.abort()
+        await rx.stop()
+
+
+@pytest.mark.parametrize("batch", ["null", "control-cold", "control-warm"])
+async def test_a_warm_hello_whose_batch_is_null_is_answered_protocol(batch: str) -> None:
+    """A hello with "batch": null (kvfence's sender never sends one: a cold hello has no such
+    key, a warm one a header object) is a warm hello whose header is malformed: verified, then
+    refused PROTOCOL with the fate of a header without indices. Decode took it for a cold hello
+    and answered {ok}, while a sender that sent it waits for batch 0's answer. Controls: the same
+    hello without the key is answered on its own; with a header object its batch is received."""
+    import ucxx
+
+    pool = make_pool()
+    rx, events = await make_receiver(pool)
+    ep = None
+    try:
+        if batch != "null":
+            t, ep = await verified_transfer(rx, pool, batch.removeprefix("control-"))
+            assert t.state == InboundState.RECEIVING and t.received == [0]
+            assert rx.warm_hellos == (1 if batch == "control-warm" else 0) and events == []
+            return
+        t = rx.expect("res-1", "req-1", b"k" * 32, pool.allocate(2, "res-1"))
+        ep = await ucxx.create_endpoint("127.0.0.1", rx.port)
+        await say(ep, {**hello("res-1"), "batch": None})
+        assert await answer(ep) == PROTOCOL_ANSWER
+        await asyncio.wait_for(t.done.wait(), 5)
+        assert fate(pool, t) == expected_fate(0)
+        assert events == [PROTOCOL_EVENT] and rx.handler_errors == 0 and rx.warm_hellos == 1
+    finally:
+        if ep is not None:
+            ep.abort()
+        await rx.stop()
+
+
 # ---- an unverified peer gets no more answers than before ----------------------------------------
 
 BAD_HELLOS = {
     "not-json": frame(b"{reservation_id: res-1}"),
     "not-an-object": frame(b'["res-1"]'),
     "length-zero": struct.pack("=q", 0),
+    # was reported PEER_GONE (the truncated receive read as a lost peer), though the peer is there
+    "longer-than-a-frame": frame(b"{}".ljust(FRAME_BYTES - 7)),
 }
 
 

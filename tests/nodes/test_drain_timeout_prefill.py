@@ -200,11 +200,11 @@ async def test_a_prefill_in_its_send_at_a_timed_out_drain_ends_cancelled_node_dr
     drain_timeout_s: float,
 ) -> None:
     """A Prefill whose KV send waits for decode's answer to its hello when its node stops: the
-    drain of 0.3 s times out, the call ends CANCELLED NODE_DRAINING saying so at once (its send
-    still winding down: decode never answers, the opening gives up after batch_timeout_s), and
-    the node's stop waits for the send, after which every page is free. Control: with a drain of
-    20 s, decode answering, the same call returns its manifest."""
-    async with node_pair(tiny_dir, tmp_path, transfer={"batch_timeout_s": 2}) as pair:
+    drain of 0.3 s times out, the call ends CANCELLED NODE_DRAINING saying so at once, and its
+    send, cancelled in its hello, ends at once too (it waited out batch_timeout_s for an answer
+    decode never gives), after which every page is free. Control: with a drain of 20 s, decode
+    answering, the same call returns its manifest."""
+    async with node_pair(tiny_dir, tmp_path, transfer={"batch_timeout_s": 10}) as pair:
         _, call = await reserve_and_prefill(pair.dstub, pair.pstub, "r", PROMPT)
         await asyncio.wait_for(held_hello.entered.wait(), 30)
         stop = pair.stop_prefill(drain_timeout_s)
@@ -214,8 +214,9 @@ async def test_a_prefill_in_its_send_at_a_timed_out_drain_ends_cancelled_node_dr
             assert err.value.code() == grpc.StatusCode.CANCELLED, err.value
             assert refused_reason(err.value) == NODE_DRAINING, err.value
             assert "drain timed out" in (err.value.details() or "")
-            # Its pages wait for the send (decode may still read them), not for the call.
-            assert pair.pre.servicer.winding
+            # Its pages wait for the send (decode may still read them), not for the call; the
+            # send settles its operations and ends in milliseconds, not batch_timeout_s.
+            assert await eventually(lambda: not pair.pre.servicer.winding, 2.0)
         else:
             held_hello.gate.set()
             resp = await asyncio.wait_for(call, 30)
