@@ -684,6 +684,12 @@ class KvReceiver:
             if stuck:
                 await asyncio.wait(stuck, timeout=0.5)
         if self._listener is not None:
+            # ucxx counts a connection's handler as alive one more turn of the loop after it
+            # ended, and warns ("Listener ... destroyed, but 1 client handler(s) is(are) still
+            # alive") of a listener dropped before: a few turns, bounded like the handlers.
+            deadline = time.monotonic() + 0.5
+            while self._listener.active_clients and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
             self._listener.close()
             self._listener = None
 
