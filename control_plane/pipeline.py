@@ -73,7 +73,12 @@ from control_plane.routing import (
     refused_draining,
 )
 from control_plane.tenants import Tenant
-from control_plane.verify import DecodeStream, check_manifest, check_reservation
+from control_plane.verify import (
+    DecodeStream,
+    check_manifest,
+    check_reservation,
+    check_reservation_node,
+)
 from kvfence.config import pages_needed
 from kvfence.errors import (
     Cancelled,
@@ -482,7 +487,11 @@ class Pipeline:
             held = await run.guard(
                 self.d.clients.release(node, rec.request_id, "reserve retried after no answer")
             )
-            if held is None:
+            # The node may have been lost, registered again by a new process or begun draining
+            # while it answered: nothing of this request's is held there now, so the request
+            # tries the next node. Calling a lost node's stub raised NODE_LOST, which failed a
+            # request that holds nothing anywhere.
+            if held is None or not self.d.registry.registered(node) or node.draining:
                 return None
         # Recorded before the call: a call cut short may still have reserved on the node.
         first_contact = node.node_id not in rec.contacted
@@ -554,6 +563,7 @@ class Pipeline:
         rec.decode_node, rec.reservation_id = node.node_id, res.reservation_id
         rec.reserved = CountedPages(node, pages, node.heartbeats)
         check_reservation(node.node_id, res, prompt, pages)
+        check_reservation_node(node, res)
         return res
 
     async def _prefill(

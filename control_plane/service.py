@@ -236,9 +236,10 @@ class ControlPlane:
         return Ports(self._public.port, self._admin.port)
 
     async def stop(self, grace: float = 5.0, refuse_s: float = 0.0) -> None:
-        """Drain: stop taking requests, fail queued ones, give running ones ``grace`` seconds
-        (answers still being written to their clients included), then fail the rest; every
-        request releases what it holds before the listeners close.
+        """Drain: stop taking requests, fail queued ones (and those waiting for prefill room),
+        give running ones ``grace`` seconds (answers still being written to their clients
+        included), then fail the rest; every request releases what it holds before the listeners
+        close.
 
         The listeners close no sooner than ``refuse_s`` after draining began (serve passes
         control_plane.shutdown_refuse_s), however soon the running requests end: meanwhile new
@@ -260,6 +261,10 @@ class ControlPlane:
             for name in ["", *server.service_names]:
                 await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._interrupt_queued("the control plane is shutting down")
+        # Requests waiting for prefill room (PREFILLING, holding decode pages) are not among
+        # those: woken, they see the drain (pipeline's _check_serving) and end SHUTTING_DOWN now,
+        # not at their next poll, up to a heartbeat interval later.
+        self.queue.notify()
         # The grace covers a request until its answer is written, not only until its pipeline
         # ends: a finished answer its client is still reading has no task left, and was cut at
         # once (below) however long the grace.

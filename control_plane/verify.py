@@ -2,9 +2,10 @@
 
 Decode verifies the KV itself (DESIGN.md "Transfer manifest"); these checks make sure the control
 plane never relays an answer that is not about the request it asked for: a reservation of the wrong
-size, a manifest of another request, tokens before verification, a first token that does not
-continue prefill's, more tokens than asked for, a stream that ends without a finish reason or
-with one its tokens do not bear out.
+size or of another node than the one called, a manifest of another request, tokens before
+verification, a first token that does not continue prefill's, more tokens than asked for, tokens
+after the one that ended the run (an EOS, a stop string), a stream that ends without a finish
+reason or with another than its tokens call for.
 
 A node's failed call reaches the client with its code and reason and a message of those alone
 (``node_error``): the node's own text and its id go to the control plane's log, not to tenants.
@@ -57,6 +58,32 @@ def check_reservation(
             f"{len(prompt.token_ids)}+{prompt.sampling.max_new_tokens}",
             reason="RESERVATION_MISMATCH",
         )
+
+
+def check_reservation_node(node: Node, res: prefill_pb2.Reservation) -> None:
+    """The reservation must name the decode node the control plane called, and the UCX address
+    that node registered: prefill sends the request's KV where it says. A decode node fills both
+    from what it registered (its node id, its receiver's address), so they differ only when the
+    answer is not the registered node's: a faulty or forged one, or a new process answering at
+    the node's gRPC address in the moment before it registers (a restart in place; the request
+    would fail NODE_LOST when the old registration goes). So not an integrity failure, whose
+    alert is a security event: refused as a reservation of the wrong size is, the request
+    failing and its Release reaching the node."""
+    if res.decode_node_id == node.node_id and res.decode_ucx_address == node.ucx_address:
+        return
+    # Node ids and addresses are the cluster's topology: the operator's log, not the tenant's.
+    log.warning(
+        "reservation does not name the node that made it",
+        node_id=node.node_id,
+        reservation_node_id=res.decode_node_id,
+        reservation_ucx_address=res.decode_ucx_address,
+        registered_ucx_address=node.ucx_address,
+    )
+    raise KvfenceError(
+        "the decode node returned a reservation for another node or transfer address than the "
+        "one it registered",
+        reason="RESERVATION_MISMATCH",
+    )
 
 
 def check_manifest(rec: RequestRecord, m: common_pb2.KvManifest, prompt_tokens: int) -> None:
@@ -161,8 +188,20 @@ class DecodeStream:
     before that stop string. So text that could still grow into a stop string is held back until
     the next message shows it does not, and text from a complete stop string on is never sent.
     Token ids are relayed as they come (the stop string's tokens and the EOS included, as the
-    colocated engine returns them); the EOS that ends a run is not rendered as text. The finish
-    reason must be one the tokens bear out.
+    colocated engine returns them); the EOS that ends a run is not rendered as text.
+
+    Decode ends a run at its first end, checked after each token in the colocated engine's order
+    (``decode_svc.batcher``): an EOS that counts (not ``ignore_eos``) "eos", else a stop string in
+    the text "stop", else max_new_tokens "length". It streams the tokens in messages of one or
+    more, the finish reason last, and none after the token that ended the run. So a token after a
+    counting EOS, or after the text already holds a stop string, is STREAM_ORDER, and the finish
+    reason must be the one the tokens call for (FINISH_REASON): an answer run on past its end
+    (text after the EOS, completion_tokens too high) is never relayed as complete. The stop string
+    is looked for as decode looks for it: with an exact detokenizer (``kvfence.detok``: the byte,
+    byte-level and SentencePiece byte-fallback tokenizers) the detokenizer's text, final or not
+    yet, is the text decode searched after the same tokens. Another tokenizer's text here may
+    differ from decode's: then only the tokens' own ends are checked (an EOS, the count), and
+    "length" is taken with a stop string in the text as well as "stop".
 
     The text is kept as a :class:`~kvfence.detok.GrowingText` and read from its end: one string
     rebuilt per token cost the control plane time per token that grew with the answer.
@@ -188,6 +227,10 @@ class DecodeStream:
         self._final = GrowingText()  # every character the detokenizer has made final
         self.sent = 0  # of which this many went to the client
         self._stops = tuple(prompt.sampling.stop)
+        self._counts_eos = not prompt.sampling.ignore_eos
+        # A stop string found in the final text ended decode's run by then (class docstring).
+        # getattr: a test's stand-in detokenizer may not say; it is then not taken as exact.
+        self._stop_ends_run = bool(self._stops) and bool(getattr(detok, "exact", False))
         self._longest = max((len(s) for s in self._stops), default=0)
         self._hold_reads = 2 * (self._longest + 4)  # characters _hold reads at least (or all)
         # The text only grows: the stop strings in it are looked for in what is new (plus the
@@ -221,6 +264,11 @@ class DecodeStream:
                 f"decode's first token {ids[0]} differs from prefill's {self.first_token}",
                 reason="FIRST_TOKEN_MISMATCH",
             )
+        ended = self._run_ended()
+        if ended or (self._counts_eos and not self.eos_ids.isdisjoint(ids[:-1])):
+            raise IntegrityError(
+                f"decode sent tokens after {ended or 'an EOS'} ended the run", reason="STREAM_ORDER"
+            )
         self.completion_tokens += len(ids)
         self.last_token = ids[-1]
         limit = self.prompt.sampling.max_new_tokens
@@ -231,10 +279,17 @@ class DecodeStream:
             )
         # As the colocated engine renders text: the EOS that ends the run is never text (a
         # checkpoint may not mark it special, and its tokenizer would render "</s>"); an ignored
-        # EOS is an ordinary token.
-        text_ids = ids
-        if not self.prompt.sampling.ignore_eos:
-            text_ids = [i for i in ids if i not in self.eos_ids]
+        # EOS is an ordinary token. Only the last id can be one that counts (above).
+        text_ids = ids[:-1] if self._ends(ids[-1]) else ids
+        if self._stop_ends_run and len(ids) > 1:
+            # Decode ends the run at the token that completes a stop string, and batches tokens
+            # into messages: the text of all but the last may hold none.
+            self._final.append(self.detok.push(ids[:-1]))
+            if self._stopped():
+                raise IntegrityError(
+                    "decode sent tokens after a stop string ended the run", reason="STREAM_ORDER"
+                )
+            text_ids = text_ids[len(ids) - 1 :]
         self._final.append(self.detok.push(text_ids))
         return client_pb2.GenerateResponse(
             request_id=self.rec.request_id, token_ids=ids, text=self._text(final=False)
@@ -308,22 +363,53 @@ class DecodeStream:
         out, self.sent = text[self.sent - base : end - base], end
         return out
 
+    def _ends(self, token: int) -> bool:
+        """Whether ``token`` is an EOS that ends the run (not ignore_eos)."""
+        return self._counts_eos and token in self.eos_ids
+
+    def _run_ended(self) -> str:
+        """What ended decode's run in the tokens accepted so far, as it would end it ("" while
+        it runs on; max_new_tokens is TOO_MANY_TOKENS' to tell)."""
+        if self.last_token is not None and self._ends(self.last_token):
+            return "an EOS"
+        # The last accept ended with _text, which searched the final text (_stop_at).
+        if self._stop_ends_run and self._stopped(searched=True):
+            return "a stop string"
+        return ""
+
+    def _stopped(self, searched: bool = False) -> bool:
+        """Whether decode's text of the ids pushed so far holds a stop string (an exact
+        detokenizer's only): the final text (``_stop``; ``searched``: it is up to date), or the
+        text past it that is not final yet (a character still open), which decode's text has all
+        the same (``IncrementalDetokenizer.text_from``: a window's worth)."""
+        if (self._stop_at if searched else self._stop()) is not None:
+            return True
+        size = len(self._final)
+        if not self.detok.text_from(size):
+            return False
+        # A stop string not in the final text ends past it.
+        base = max(0, size - self._longest)
+        return find_stop(self.detok.text_from(base), self._stops) is not None
+
+    def _finishes(self) -> frozenset[str]:
+        """The finish reasons the whole stream's tokens bear out: the first end of the run, in
+        the colocated engine's order (class docstring)."""
+        if self.completion_tokens == 0:
+            return frozenset()  # decode always sends prefill's first token
+        if self.last_token is not None and self._ends(self.last_token):
+            return frozenset({"eos"})
+        stop = bool(self._stops) and self._stop() is not None
+        if stop and self._stop_ends_run:
+            return frozenset({"stop"})
+        length = self.completion_tokens == self.prompt.sampling.max_new_tokens
+        return frozenset({"stop"} if stop else ()) | frozenset({"length"} if length else ())
+
     def _check_finish_reason(self) -> None:
         """A finish that the tokens do not bear out would end a request OK with wrong data (a
-        truncated answer passed off as complete)."""
+        truncated answer passed off as complete, or one run on past its end)."""
         sampling = self.prompt.sampling
         reason = self.finish_reason
-        if self.completion_tokens == 0:
-            ok = False  # decode always sends prefill's first token
-        elif reason == "length":
-            ok = self.completion_tokens == sampling.max_new_tokens
-        elif reason == "eos":
-            ok = not sampling.ignore_eos and self.last_token in self.eos_ids
-        elif reason == "stop":
-            ok = bool(sampling.stop) and self._stop() is not None
-        else:
-            ok = False
-        if not ok:
+        if reason not in self._finishes():
             raise IntegrityError(
                 f"decode finished with {reason!r} after {self.completion_tokens} of "
                 f"{sampling.max_new_tokens} tokens, which its tokens do not bear out",

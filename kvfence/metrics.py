@@ -115,7 +115,8 @@ class Metrics:
         )
         self.integrity_failures_total = Counter(
             "integrity_failures_total",
-            "KV integrity checks that failed (manifest, tag, checksum, count, MAC).",
+            "KV integrity checks that failed (manifest, tag, checksum, count, MAC; on the control "
+            "plane its checks of prefill's answer and of decode's stream).",
             ["check"],
             namespace=NAMESPACE,
             registry=r,
@@ -154,7 +155,10 @@ class Metrics:
         )
         self.ttft_seconds = Histogram(
             "ttft_seconds",
-            "Time to first token.",
+            "Control plane: seconds from a request's Decode call to decode's first tokens (its "
+            "check of the transferred KV, then prefill's first token). Not a tenant's time to "
+            "first token: the admission queue, Reserve, prefill and the KV transfer come before "
+            "it (request_state_seconds shows them).",
             buckets=LATENCY_BUCKETS,
             namespace=NAMESPACE,
             registry=r,
