@@ -128,6 +128,14 @@ class PagePool:
         self._free: deque[int] = deque(range(num_pages))
         self._by_owner: dict[str, list[int]] = {}
         self._want_scrub: set[int] = set()  # released pages whose owner asked for a scrub
+        # On a GPU a scrub is a kernel queued on a stream, but a freed page's next owner may
+        # receive into it over UCX (RDMA, CUDA copies), which no stream orders: a zeroing still
+        # queued could land after the new KV and wipe it (a CHECKSUM failure for an innocent
+        # request). Scrubs run on a stream of their own, waited for before the page is free:
+        # a page's memset, not whatever the decode stream has queued.
+        self._scrub_stream: Any = (
+            torch.cuda.Stream(device=self.kv.device) if self.kv.device.type == "cuda" else None
+        )
         self._lock = threading.RLock()
 
     @classmethod
@@ -252,7 +260,12 @@ class PagePool:
         owner = self._owner[pid]
         assert owner is not None, f"page {pid} freed twice"
         if self.scrub_on_free or pid in self._want_scrub:
-            self.kv[pid].zero_()
+            if self._scrub_stream is None:
+                self.kv[pid].zero_()
+            else:
+                with torch.cuda.stream(self._scrub_stream):
+                    self.kv[pid].zero_()
+                self._scrub_stream.synchronize()
             self._want_scrub.discard(pid)
         self._bump(pid)
         self._state[pid] = PageState.FREE
