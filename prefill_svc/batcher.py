@@ -75,7 +75,16 @@ class PrefillBatcher:
     def submit(
         self, tokens: list[int], refs: list[PageRef], sampling: SamplingParams
     ) -> Future[int]:
-        """Queue one prompt; the future resolves to its first token (sampling draw 0)."""
+        """Queue one prompt; the future resolves to its first token (sampling draw 0).
+
+        ``refs`` are exactly the pages the prompt fills: the pass zeroes the unused tail of the
+        last of them, and with a page more it would zero that one, leaving the tail of the page
+        actually written as the page's previous owner left it."""
+        needed = -(-len(tokens) // self.pool.page_size)
+        if len(refs) != needed:
+            raise ValueError(
+                f"a prompt of {len(tokens)} tokens fills {needed} pages, not {len(refs)}"
+            )
         prompt = _Prompt(tokens, refs, sampling)
         with self._lock:
             if self._closed:

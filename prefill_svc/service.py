@@ -138,6 +138,7 @@ class Held:
     job: Future[int] | None = None
     # Its UCX send, once started: a release cancels it (the call then fails RESERVATION_RELEASED).
     send: asyncio.Task[int] | None = None
+    tenant_id: str = ""  # for the reaper's line, which no call's request context covers
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -279,6 +280,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # Ended by a timed-out drain (end_in_flight), and by nothing else (grpc's own
                 # cancel, the client gone or the server stopping, stays a cancel): its answer.
                 if call.ended is None or call.task is None or call.task.uncancel() > 0:
+                    # Finished all the same, as decode counts its cancelled streams.
+                    self.metrics.requests_total.labels(status="CANCELLED").inc()
                     raise
                 self.metrics.requests_total.labels(status=call.ended.code.name).inc()
                 await abort(context, call.ended)
@@ -327,6 +330,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         if req.request_id in self.held:
             raise InvalidArgument("request already prefilled on this node")
+        if not _host_port(res.decode_ucx_address):
+            # Refused before the forward pass: send_pages would fail on it only after the pass,
+            # as an INTERNAL ValueError with a traceback and no transfer_failed event.
+            raise InvalidArgument(
+                f"the reservation's decode UCX address {res.decode_ucx_address!r} is not HOST:PORT"
+            )
         try:
             self.rt.engine.check_tokens(tokens)  # type: ignore[attr-defined]
             sampling = sampling_from_proto(req.sampling)
@@ -346,7 +355,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # the control plane reopens the node once a heartbeat shows more than this
                 metadata={"free_pages": str(free)},
             )
-        self.held[req.request_id] = Held(refs, time.monotonic(), call, req.scrub_on_free)
+        self.held[req.request_id] = Held(
+            refs, time.monotonic(), call, req.scrub_on_free, tenant_id=req.tenant_id
+        )
         self.pool.set_state(req.request_id, PageState.IN_USE)
         self._publish_pages()
         ids = [r.page_id for r in refs]
@@ -642,11 +653,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             now = time.monotonic()
             for request_id, held in list(self.held.items()):
                 if now - held.since > timeout:
-                    log.warning("releasing source pages never released", request_id=request_id)
+                    log.warning(
+                        "releasing source pages never released",
+                        request_id=request_id,
+                        tenant_id=held.tenant_id,
+                    )
                     self._release(request_id)
 
     def _publish_pages(self) -> None:
         publish_pool(self.metrics, self.pool)
+
+
+def _host_port(address: str) -> bool:
+    """Whether ``address`` is a host and a port number, what ``send_pages`` dials."""
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def sent_whole(send: asyncio.Task[int] | None) -> bool:
