@@ -103,7 +103,13 @@ class DecodeBatcher:
         self._wake.set()
 
     def remove(self, seq_id: str) -> bool:
-        """Take a sequence out (cancel/release). After this returns no step will touch its pages."""
+        """Take a sequence out (cancel/release): no step claimed after this returns includes it.
+
+        A step already running goes on with it: that step still writes the sequence's current
+        page, counted as an operation in the pool since ``_claim`` (a release that follows leaves
+        it QUARANTINED until the step's end), and still reads its other pages, which a release
+        may free meanwhile: the tag-checking kernel refuses a page whose generation changed (every
+        free bumps it). What that step produces for the sequence is not emitted as tokens."""
         with self._lock:
             return self._active.pop(seq_id, None) is not None
 
@@ -151,24 +157,26 @@ class DecodeBatcher:
         return seq.watch.push(seq.generated[seq.watch.token_count :]) is not None
 
     def _run(self) -> None:
-        # Nothing may end this loop but stop(): were the thread to die, every request on the node
-        # would wait for tokens that never come. A failure fails the rows it concerns.
+        # Nothing may end this loop but stop() (or the event loop it serves closing): were the
+        # thread to die, every request on the node would wait for tokens that never come. A
+        # failure fails the rows it concerns.
         while not self._stop:
-            batch, writes = self._claim()
-            if not batch:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
+            # The rows _claim refuses are told through the outbox too: events reach the loop only
+            # in the finally below, after end_ops, so a failing handoff cannot leave the step's
+            # page writes counted (their pages would never be freed).
             self._outbox = []
+            batch: list[ActiveSeq] = []
+            writes: list[int] = []
             try:
-                self._step(batch)
+                batch, writes = self._claim()
+                if batch:
+                    self._step(batch)
             except Exception:
                 # The step is every row's: its error may name one row's data (a token id), which
                 # another tenant's request must not read. The detail goes to the node's log.
                 log.exception("decode step failed", rows=len(batch))
                 for seq in batch:
-                    failed = KvfenceError("decode step failed on this node (its log has the cause)")
-                    self._finish(seq, ("error", failed))
+                    self._finish(seq, ("error", _step_failed()))
             finally:
                 try:
                     self.pool.end_ops(writes)
@@ -176,7 +184,19 @@ class DecodeBatcher:
                     log.exception("settling a decode step's page writes failed")
                 outbox, self._outbox = self._outbox, None
                 if outbox:
-                    self.loop.call_soon_threadsafe(_deliver, outbox)
+                    try:
+                        self.loop.call_soon_threadsafe(_deliver, outbox)
+                    except Exception:
+                        if self.loop.is_closed():
+                            # The node stopped without stop(): no stream is left to tell and
+                            # nothing can add a row. Ending here says so once, not every step.
+                            log.warning("decode engine stops: its event loop is closed")
+                            self._stop = True
+                        else:
+                            log.exception("handing decode events to the event loop failed")
+            if not batch:
+                self._wake.wait(0.05)
+                self._wake.clear()
 
     def _claim(self) -> tuple[list[ActiveSeq], list[int]]:
         """The next step's rows, and the page each writes into, counted as an operation in the
@@ -184,32 +204,42 @@ class DecodeBatcher:
         these pages busy and quarantines them until the step's end_ops.
 
         A row that cannot step leaves the batch with an error instead: one whose next position
-        lies past its pages (more tokens than it reserved), or whose page is no longer held by
-        it (released before it was added)."""
+        lies past its pages (more tokens than it reserved), whose page is no longer held by it
+        (released before it was added), or whose check itself raised (logged; that row only, told
+        what a failed step tells)."""
         batch, writes = [], []
         with self._lock:
             for seq in list(self._active.values())[: self.max_batch]:
-                index = self._position(seq) // self.pool.page_size
-                failure: KvfenceError | None = None
-                if index >= len(seq.pages):
-                    failure = KvfenceError(
-                        f"position {self._position(seq)} is past the sequence's "
-                        f"{len(seq.pages)} reserved pages"
-                    )
-                elif not self.pool.owns(seq.seq_id, [seq.pages[index]]):
-                    failure = Cancelled("the sequence's pages were released")
-                else:
-                    try:
-                        self.pool.begin_ops([seq.pages[index].page_id])
-                    except ValueError as err:
-                        failure = KvfenceError(f"cannot write the sequence's page: {err}")
-                if failure is not None:
+                try:
+                    joined = self._join(seq)
+                except Exception:
+                    log.exception("a decode row could not join the step", reservation_id=seq.seq_id)
+                    joined = _step_failed()
+                if isinstance(joined, KvfenceError):
                     self._active.pop(seq.seq_id, None)
-                    self._post(seq, ("error", failure))
+                    self._post(seq, ("error", joined))
                     continue
                 batch.append(seq)
-                writes.append(seq.pages[index].page_id)
+                writes.append(joined)
         return batch, writes
+
+    def _join(self, seq: ActiveSeq) -> int | KvfenceError:
+        """The page ``seq``'s step writes into, counted as an operation in the pool (the last
+        thing done: a row that fails before it counted nothing), or why it cannot step."""
+        index = self._position(seq) // self.pool.page_size
+        if index >= len(seq.pages):
+            return KvfenceError(
+                f"position {self._position(seq)} is past the sequence's "
+                f"{len(seq.pages)} reserved pages"
+            )
+        if not self.pool.owns(seq.seq_id, [seq.pages[index]]):
+            return Cancelled("the sequence's pages were released")
+        page_id = seq.pages[index].page_id
+        try:
+            self.pool.begin_ops([page_id])
+        except ValueError as err:
+            return KvfenceError(f"cannot write the sequence's page: {err}")
+        return page_id
 
     @staticmethod
     def _position(seq: ActiveSeq) -> int:
@@ -249,6 +279,12 @@ class DecodeBatcher:
                 still = seq.seq_id in self._active
             if still:
                 self._accept(seq, token)
+
+
+def _step_failed() -> KvfenceError:
+    """What a row's stream is told when its step, or its check for the step, failed on this node:
+    not the cause (logged), which may name another tenant's data."""
+    return KvfenceError("decode step failed on this node (its log has the cause)")
 
 
 def _deliver(events: list[tuple[Callable[[tuple[str, Any]], None], tuple[str, Any]]]) -> None:

@@ -268,8 +268,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 # which wakes the call (its transfer's done event), and leaves the pages of
                 # receives still posted quarantined until they settle.
                 res.ended = err
-                with kvlog.request_context(res.request_id, res.tenant_id):
-                    self._release(res.reservation_id, "drain timed out")
+                self._release(res.reservation_id, "drain timed out")
                 ended += 1
         return ended
 
@@ -470,10 +469,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             owner = not res.awaited  # the first call to wait; a second is a duplicate
             res.awaited = True
             try:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands in
+                # the turn the transfer completes, and this call, gone, went on to decode.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        res.transfer.done.wait(), self.cfg.transfer.batch_timeout_s
-                    )
+                    async with asyncio.timeout(self.cfg.transfer.batch_timeout_s):
+                        await res.transfer.done.wait()
             except asyncio.CancelledError:
                 if not owner:
                     # A duplicate that went before verifying anything: the pages are the
@@ -637,19 +637,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         res = self.reservations.pop(rid, None)
         if res is None:
             return False
-        self.by_request.pop(res.request_id, None)
-        self.receiver.cancel(rid)
-        if self.batcher is not None:
-            self.batcher.remove(rid)
-        if res.emit is not None:
-            # Its Decode stream, if still open, must end now rather than wait for tokens that
-            # will never come (a duplicate Decode failing verification also releases it). A
-            # stream that is itself what ended reads no more events: then this is a no-op.
-            res.emit(("error", Cancelled(f"reservation released: {reason}")))
-        self.pool.release(rid, scrub=res.scrub)
-        self.receiver.forget(rid)
-        res.state = ResState.RELEASED
-        log.info("reservation released", reservation_id=rid, reason=reason)
+        # The reservation's own ids: Release, the reaper and shutdown reach here bound to none,
+        # and a Decode call is bound to the ids it claims (a caller that bound the claims as
+        # claimed_* keeps them: only request_id and tenant_id are rebound here).
+        with kvlog.request_context(res.request_id, res.tenant_id):
+            self.by_request.pop(res.request_id, None)
+            self.receiver.cancel(rid)
+            if self.batcher is not None:
+                self.batcher.remove(rid)
+            if res.emit is not None:
+                # Its Decode stream, if still open, must end now rather than wait for tokens
+                # that will never come (a duplicate Decode failing verification also releases
+                # it). A stream that is itself what ended reads no more events: then a no-op.
+                res.emit(("error", Cancelled(f"reservation released: {reason}")))
+            self.pool.release(rid, scrub=res.scrub)
+            self.receiver.forget(rid)
+            res.state = ResState.RELEASED
+            log.info("reservation released", reservation_id=rid, reason=reason)
         self._publish_pages()
         return True
 
