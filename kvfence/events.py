@@ -1045,7 +1045,10 @@ class EventBus:
         if self._idle is None:  # not started: nothing will drain
             return self._is_drained()
         try:
-            await asyncio.wait_for(self._wait_drained(), timeout)
+            # asyncio.timeout: wait_for (3.11) swallows a cancel of stop() that lands in the
+            # turn the buffer drains, and a cancel aimed at stop() must stand.
+            async with asyncio.timeout(timeout):
+                await self._wait_drained()
             return True
         except TimeoutError:
             return False
@@ -1322,8 +1325,11 @@ class EventBus:
             if retry_in is None:
                 await self._wake.wait()
             else:  # a refused topic's next try is due then (or something new comes first)
+                # asyncio.timeout: wait_for (3.11) swallows the cancel that ends this loop when
+                # it lands in the turn something wakes it, and the loop then runs on.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), retry_in)
+                    async with asyncio.timeout(retry_in):
+                        await self._wake.wait()
 
     async def _watch(self, client: aiomqtt.Client) -> None:
         """Read the connection's messages until it drops (the iterator raises MqttError: the
@@ -2063,7 +2069,10 @@ async def clusters_seen(
         messages = c.messages
         while (left := min(settle_s, deadline - loop.time())) > 0:
             try:
-                message = await asyncio.wait_for(messages.__anext__(), left)
+                # asyncio.timeout: wait_for (3.11) swallows a cancel (the live view's end) that
+                # lands in the turn a message comes, and this read would go on to max_s.
+                async with asyncio.timeout(left):
+                    message = await messages.__anext__()
             except TimeoutError:
                 break
             levels = str(message.topic).split("/")
