@@ -26,6 +26,8 @@ import grpc
 import pytest
 from asyncwait import eventually
 from test_decode_restart_and_prefill_release import outcome
+from test_drain_timeout_prefill import Pair
+from test_drain_timeout_prefill import node_pair as shared_node_pair
 from test_prefill_decode import (  # noqa: F401  (tiny_dir: a fixture)
     _decode_request,
     make_cfg,
@@ -36,26 +38,20 @@ from test_prefill_decode import (  # noqa: F401  (tiny_dir: a fixture)
 from decode_svc.batcher import DecodeBatcher
 from decode_svc.service import DecodeServicer
 from kvfence import transfer as transfer_module
-from kvfence.auth import with_token
-from kvfence.config import Role
 from kvfence.errors import NODE_DRAINING, error_info
-from kvfence.node_main import RunningNode, start_node
-from kvfence.proto.kvfence.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvfence.node_main import RunningNode
+from kvfence.proto.kvfence.v1 import common_pb2, prefill_pb2
 
 PROMPT = [(5 * i + 3) % 300 + 3 for i in range(20)]  # two pages of 16
 MAX_NEW = 40  # four pages reserved in all: two the transfer writes, two it never touches
 SAMPLING = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 
 
-class Pair:
-    """An unregistered decode and prefill node and stubs that call them as the control plane
-    does. The test stops the decode node (``drain_times_out``); the rest is stopped at the end."""
+class DrainPair(Pair):
+    """The nodes of ``node_pair``; the test stops the decode node (``drain_times_out``)."""
 
     def __init__(self, dec: RunningNode, pre: RunningNode) -> None:
-        self.dec, self.pre = dec, pre
-        self.dstub: Any = None
-        self.pstub: Any = None
-        self.stopping: asyncio.Future[None] | None = None
+        super().__init__(dec, pre)
         # What end_in_flight saw (each reservation's state, its transfer's, whether a call
         # waited for it) and how many calls it ended; the decode pool right after it.
         self.ends: list[tuple[list[tuple[str, str, bool]], int]] = []
@@ -63,29 +59,13 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def node_pair(tiny: Path, tmp_path: Path) -> AsyncIterator[Pair]:
-    cfg = make_cfg(tiny, tmp_path)
-    dec = await start_node(cfg, Role.DECODE, register=False)
-    pre = await start_node(cfg, Role.PREFILL, register=False)
-    pair = Pair(dec, pre)
-    try:
-        async with (
-            grpc.aio.insecure_channel(dec.address) as dch,
-            grpc.aio.insecure_channel(pre.address) as pch,
-        ):
-            pair.dstub = with_token(decode_pb2_grpc.DecodeStub(dch), dec.node_token)
-            pair.pstub = with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token)
-            watch_ends(pair)
-            yield pair
-    finally:
-        await pre.stop(grace=1)
-        if pair.stopping is None:
-            await dec.stop(grace=1)
-        else:
-            await asyncio.wait_for(pair.stopping, 30)
+async def node_pair(tiny: Path, tmp_path: Path) -> AsyncIterator[DrainPair]:
+    async with shared_node_pair(tiny, tmp_path, DrainPair) as pair:
+        watch_ends(pair)
+        yield pair
 
 
-def watch_ends(pair: Pair) -> None:
+def watch_ends(pair: DrainPair) -> None:
     servicer: DecodeServicer = pair.dec.servicer
     real = servicer.end_in_flight
 
@@ -101,22 +81,12 @@ def watch_ends(pair: Pair) -> None:
     servicer.end_in_flight = end_in_flight  # type: ignore[method-assign]
 
 
-def drain_times_out(pair: Pair) -> None:
-    """The decode node's stop with its drain timing out now, in this turn of the event loop: the
-    real ``RunningNode.drain`` of 0 s (timed out at its first look; a node not registered awaits
-    nothing before it) ends the calls in flight here; the pool is looked at in the same turn;
-    then the rest of the stop runs as a task, ``pair.stopping``."""
-    drain = pair.dec.drain(0)
-    try:
-        drain.send(None)
-    except StopIteration as done:
-        timed_out = done.value is False
-    else:
-        drain.close()
-        timed_out = False  # it awaited: not run in this turn
+def drain_times_out(pair: DrainPair) -> None:
+    """The decode node's stop with its drain timing out in this turn of the event loop
+    (``Pair.stop_after_drain``); the pool is looked at in the same turn."""
+    timed_out = pair.stop_after_drain(pair.dec)
     pool = pair.dec.rt.pool
     pair.after = (pool.stats().quarantined, pool.num_free)
-    pair.stopping = asyncio.ensure_future(pair.dec.stop())
     assert timed_out
 
 

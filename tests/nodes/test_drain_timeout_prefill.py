@@ -110,26 +110,47 @@ def held_hello(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 class Pair:
     """An unregistered decode and prefill node, and stubs that call them as the control plane
-    does. The test stops the prefill node (``stop_prefill``); whatever is not stopped by the end
-    is stopped then."""
+    does. A test stops one of them itself (``stop_prefill``, ``stop_after_drain``); whatever is
+    not stopped by the end is stopped then."""
 
     def __init__(self, dec: RunningNode, pre: RunningNode) -> None:
         self.dec, self.pre = dec, pre
         self.dstub: Any = None
         self.pstub: Any = None
-        self.stopping: asyncio.Task[None] | None = None
+        self.stopping: asyncio.Future[None] | None = None
+        self.stopping_node: RunningNode | None = None  # the node ``stopping`` stops
 
     def stop_prefill(self, drain_timeout_s: float) -> asyncio.Task[None]:
+        self.stopping_node = self.pre
         self.stopping = asyncio.create_task(self.pre.stop(drain_timeout_s=drain_timeout_s))
         return self.stopping
 
+    def stop_after_drain(self, node: RunningNode) -> bool:
+        """``node``'s stop with its drain timing out now, in this turn of the event loop: the
+        real ``RunningNode.drain`` of 0 s (timed out at its first look; a node not registered
+        awaits nothing before it) ends the calls in flight here, then the rest of the stop runs
+        as a task, ``stopping``. Whether the drain did time out in this turn."""
+        drain = node.drain(0)
+        try:
+            drain.send(None)
+        except StopIteration as done:
+            timed_out = done.value is False
+        else:
+            drain.close()
+            timed_out = False  # it awaited: not run in this turn
+        self.stopping_node = node
+        self.stopping = asyncio.ensure_future(node.stop())
+        return timed_out
+
 
 @contextlib.asynccontextmanager
-async def node_pair(tiny: Path, tmp_path: Path, **over: Any) -> AsyncIterator[Pair]:
+async def node_pair(
+    tiny: Path, tmp_path: Path, pair_type: type[Pair] = Pair, **over: Any
+) -> AsyncIterator[Any]:
     cfg = make_cfg(tiny, tmp_path, **over)
     dec = await start_node(cfg, Role.DECODE, register=False)
     pre = await start_node(cfg, Role.PREFILL, register=False)
-    pair = Pair(dec, pre)
+    pair = pair_type(dec, pre)
     try:
         async with (
             grpc.aio.insecure_channel(dec.address) as dch,
@@ -139,11 +160,11 @@ async def node_pair(tiny: Path, tmp_path: Path, **over: Any) -> AsyncIterator[Pa
             pair.pstub = with_token(prefill_pb2_grpc.PrefillStub(pch), pre.node_token)
             yield pair
     finally:
-        if pair.stopping is None:
-            await pre.stop(grace=1)
-        else:
-            await asyncio.wait_for(pair.stopping, 30)
-        await dec.stop(grace=1)
+        for node in (pre, dec):
+            if node is pair.stopping_node and pair.stopping is not None:
+                await asyncio.wait_for(pair.stopping, 30)
+            else:
+                await node.stop(grace=1)
 
 
 def assert_prefill_node_clean(pre: RunningNode) -> None:

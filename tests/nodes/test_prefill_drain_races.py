@@ -61,20 +61,9 @@ SAMPLING = common_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
 def drain_times_out(pair: Pair) -> None:
-    """The prefill node's stop with its drain timing out now, in this turn of the event loop: the
-    real ``RunningNode.drain`` of 0 s (timed out at its first look; a node not registered awaits
-    nothing before it) ends the calls in flight here, then the rest of the stop runs as a task,
-    ``pair.stopping``: the server's stop with its grace, the servicer's close."""
-    drain = pair.pre.drain(0)
-    try:
-        drain.send(None)
-    except StopIteration as done:
-        timed_out = done.value is False
-    else:
-        drain.close()
-        timed_out = False  # it awaited: not run in this turn, the test fails on ``ends`` below
-    pair.stopping = asyncio.ensure_future(pair.pre.stop())
-    assert timed_out
+    """The prefill node's stop with its drain timing out in this turn of the event loop
+    (``Pair.stop_after_drain``), then the server's stop with its grace, the servicer's close."""
+    assert pair.stop_after_drain(pair.pre)
 
 
 def send_state(send: asyncio.Task[int] | None) -> str:
