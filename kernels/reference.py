@@ -206,10 +206,15 @@ def _gather(
     """K and V of ``layer`` for the pages in ``table`` (B, n): fresh (B, n * page_size, kvh, D)."""
     batch, n = table.shape
     _, _, _, page_size, num_kv_heads, head_dim = kv_pages.shape
-    layer_kv = kv_pages[:, layer]  # (P, 2, page_size, kvh, D) view
-    k = layer_kv[table, 0].reshape(batch, n * page_size, num_kv_heads, head_dim)
-    v = layer_kv[table, 1].reshape(batch, n * page_size, num_kv_heads, head_dim)
-    return k, v
+    ids = table.reshape(-1)
+    # index_select, not ``layer_kv[table, 0]``: the same bytes, 5-6x faster on the CPU (about
+    # 60 against 340 us for 64 rows of 5 tiny-model pages), which was an eighth of a decode step
+    # at batch 64. It also refuses an id outside [0, num_pages) where indexing wraps a negative
+    # one around (callers pass checked ids either way).
+    k = kv_pages[:, layer, 0].index_select(0, ids)  # (B * n, page_size, kvh, D), fresh
+    v = kv_pages[:, layer, 1].index_select(0, ids)
+    shape = (batch, n * page_size, num_kv_heads, head_dim)
+    return k.reshape(shape), v.reshape(shape)
 
 
 def _attend(
