@@ -57,7 +57,14 @@ free at once; a transfer still arriving finds the reservation released (``RESERV
 or the node gone. A duplicate waiting beside that call ends the same way. The control plane passes
 ``NODE_DRAINING`` on to the tenant ("the decode node serving this request is shutting down"),
 retries nothing (the request's KV was on this node), and counts no failure against the node.
-A reservation no ``Decode`` call waits for yet is left to the stop, which releases it.
+A reservation no ``Decode`` call waits for yet is kept (its transfer may still arrive and
+complete, a ``Release`` still releases it) until its ``Decode`` comes or the stop releases it.
+From the timed-out drain until the server stops accepting calls, every new ``Decode`` is refused
+at once with the same UNAVAILABLE ``NODE_DRAINING`` error (let wait for its transfer or decode,
+it was cut by the stop: NODE_UNREACHABLE again). No manifest is checked then, since nothing will
+be read (so a forged one goes unreported), and the reservation the call names, if it is that
+request's and no stream's, is released at once, as by a ``Release``: its pages back, a transfer
+still to come refused ``RESERVATION_RELEASED``.
 
 Events about UCX hellos (``stage: ucx_hello``: a connection that said no hello, or a wrong one)
 are what whoever reaches the UCX port can cause at will, so they are bounded: at most
@@ -222,6 +229,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._hello_events = EventLimiter(HELLO_EVENTS_BURST, HELLO_EVENTS_INTERVAL_S)
         # Set once the node shuts down: new reservations are refused (module docstring).
         self.draining = False
+        # What a timed-out drain ended the node's Decode calls with (end_in_flight), or None: a
+        # Decode call arriving after it, before the server stops accepting, is refused with it.
+        self.drain_ended: KvfenceError | None = None
 
     def start(self) -> None:
         loaded: Any = self.rt.loaded
@@ -256,7 +266,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         connection (NODE_UNREACHABLE, "became unreachable"), though the node had stopped on
         purpose. Each stream's own end gives its pages back. A Decode call still waiting for its
         transfer is ended too: its reservation is released now (module docstring). How many
-        reservations had their calls ended."""
+        reservations had their calls ended. A Decode call that arrives after this, before the
+        server stops accepting, is refused with ``err`` too (``_refuse_after_drain``)."""
+        self.drain_ended = err
         ended = 0
         for res in list(self.reservations.values()):
             if res.state == ResState.DECODING and res.emit is not None:
@@ -322,6 +334,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         res = self.reservations.get(request.reservation_id)
+        if self.drain_ended is not None:
+            # Before any wait: a call let wait for its transfer or decode now would be cut by
+            # the server's stop, which the control plane reads as a lost node.
+            self._refuse_after_drain(request, res)
+            await _end(context, self.drain_ended)
         try:
             params = await self._verify(request, res)
         except KvfenceError as err:
@@ -558,6 +575,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 f"{res.max_new_tokens} this reservation was made for"
             )
         return params
+
+    def _refuse_after_drain(
+        self, request: decode_pb2.DecodeRequest, res: DecodeReservation | None
+    ) -> None:
+        """A Decode arriving after the drain timed out: no manifest is checked (nothing will be
+        read); the reservation is released now if it is this request's and no stream holds it,
+        as its Release would (a transfer still to come finds it released), instead of at the
+        stop. A stream decoding is ended by ``end_in_flight`` and gives its pages back itself."""
+        if res is None or res.request_id != request.request_id:
+            return  # never act on another request's reservation
+        if res.state == ResState.RESERVED and not res.awaited:
+            self._release(res.reservation_id, "Decode after the drain timed out")
 
     def _released_before_decode(self, reservation_id: str) -> Unavailable:
         """A Decode for a reservation this node has released: nothing was read and nothing was
