@@ -173,8 +173,9 @@ class Metrics:
         )
         self.prefill_pass_prompts = Histogram(
             "prefill_pass_prompts",
-            "Prompts run in one prefill forward pass (prefill.max_batch_tokens bounds their "
-            "tokens).",
+            "Prompts in each prefill forward pass that gave them their results (a batched pass "
+            "that failed is not counted; its prompts are, in their one-prompt reruns). "
+            "prefill.max_batch_tokens bounds their tokens.",
             buckets=PASS_BUCKETS,
             namespace=NAMESPACE,
             registry=r,

@@ -16,7 +16,14 @@ future's done callbacks fire when the pass is over, so a caller can hold its pag
 
 Each prompt fails alone: a page found at the wrong generation fails that prompt (IntegrityError)
 and the others of the pass go on; if a whole pass raises, each of its prompts is run again by
-itself so that only the one at fault fails.
+itself so that only the one at fault fails (a warning names them: ``request_ids`` and
+``tenant_ids``, in the same order).
+
+``on_pass`` (the ``prefill_pass_prompts`` metric) sees each pass that gave its prompts their
+results, first tokens or failures, with its number of prompts; so every prompt taken from the
+queue is counted exactly once, and the histogram's sum is the number of prompts prefilled. A
+batched pass that raised gave none: it is not counted, and its prompts are, once each, in the
+passes of one they are run again in (counting both counted them twice).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ class _Prompt:
     tokens: list[int]
     refs: list[PageRef]
     sampling: SamplingParams
+    request_id: str = ""  # for the lines about its pass (the engine thread has no request context)
+    tenant_id: str = ""
     future: Future[int] = field(default_factory=Future)
 
 
@@ -62,30 +71,39 @@ class PrefillBatcher:
         self.engine = engine
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
-        self.on_pass = on_pass  # called on the engine thread with each pass's prompt count
+        # Called on the engine thread with the prompt count of each pass that gave its prompts
+        # their results (module docstring).
+        self.on_pass = on_pass
         # One engine thread: the model never runs on the event loop, and passes do not interleave.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-engine")
         self._lock = threading.Lock()
         self._waiting: deque[_Prompt] = deque()
         self._draining = False  # a drain is queued on, or running on, the engine thread
         self._closed = False
-        self.passes = 0  # forward passes run (the tests read these two; operators, on_pass)
-        self.prompts = 0  # prompts run in them
+        self.passes = 0  # passes counted as on_pass counts them (the tests read these two)
+        self.prompts = 0  # prompts in them: each prompt run, once
 
     def submit(
-        self, tokens: list[int], refs: list[PageRef], sampling: SamplingParams
+        self,
+        tokens: list[int],
+        refs: list[PageRef],
+        sampling: SamplingParams,
+        *,
+        request_id: str = "",
+        tenant_id: str = "",
     ) -> Future[int]:
         """Queue one prompt; the future resolves to its first token (sampling draw 0).
 
         ``refs`` are exactly the pages the prompt fills: the pass zeroes the unused tail of the
         last of them, and with a page more it would zero that one, leaving the tail of the page
-        actually written as the page's previous owner left it."""
+        actually written as the page's previous owner left it. ``request_id`` and ``tenant_id``
+        name the prompt in the lines logged about its pass."""
         needed = -(-len(tokens) // self.pool.page_size)
         if len(refs) != needed:
             raise ValueError(
                 f"a prompt of {len(tokens)} tokens fills {needed} pages, not {len(refs)}"
             )
-        prompt = _Prompt(tokens, refs, sampling)
+        prompt = _Prompt(tokens, refs, sampling, request_id, tenant_id)
         with self._lock:
             if self._closed:
                 raise RuntimeError("prefill batcher is closed")
@@ -133,21 +151,30 @@ class PrefillBatcher:
 
     def _drain(self) -> None:
         while batch := self._take():
-            self._count_pass(len(batch))
             try:
                 firsts = self._run(batch)
             except Exception as err:  # every future must resolve, whatever the pass raised
                 if len(batch) == 1:
+                    self._count_pass(1)  # its prompt's result: this failure
                     batch[0].future.set_exception(err)
                     continue
-                log.warning("prefill pass failed; running its prompts one by one", error=repr(err))
+                # Off the event loop, outside any request's log context: the line names them.
+                log.warning(
+                    "prefill pass failed; running its prompts one by one",
+                    error=repr(err),
+                    request_ids=[p.request_id for p in batch],
+                    tenant_ids=[p.tenant_id for p in batch],
+                )
+                # This pass gave no result: not counted; each rerun is, as a pass of one.
                 firsts = []
                 for prompt in batch:
-                    self._count_pass(1)  # a pass of its own, as the metric must show
                     try:
                         firsts.extend(self._run([prompt]))
                     except Exception as one_err:
                         firsts.append(one_err)
+                    self._count_pass(1)
+            else:
+                self._count_pass(len(batch))
             for prompt, first in zip(batch, firsts, strict=True):
                 if isinstance(first, BaseException):
                     prompt.future.set_exception(first)

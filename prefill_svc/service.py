@@ -25,6 +25,17 @@ sampled request without a seed) is INVALID_ARGUMENT, found before any page is ta
 needs the cluster node token (``NodeTokenCheck``): a call without it is UNAUTHENTICATED and runs
 or releases nothing.
 
+A send that fails is reported (a ``transfer_failed`` event, a "transfer failed" warning), but not
+when its request has ended on this node by the time the failure is handled (its call cancelled, or
+its pages released): on a client cancel the control plane cancels the call, then releases decode,
+which refuses a hello it reads after that (``RESERVATION_RELEASED``) or aborts the transfer it was
+receiving. The call's cancel normally stops the send before decode's answer is back; one that lands
+in the turn the answer is read is logged at info ("transfer ended: request cancelled"), with no
+event. A refusal while the call is live (decode reaped the reservation: the system was slow) is
+reported, and so is a failed integrity check whatever became of the request. A refusal that overtook
+the call's cancel on the way (decode's Release delivered first) is, on this node, such a live
+refusal, and is reported too.
+
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Prefill`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, before any page is taken (the control plane tries another prefill node);
 the calls in flight finish, and ``Release`` goes on, so the node is drained once no call is in
@@ -368,7 +379,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             self.pool.begin_ops(ids)
             try:
-                job = self.batcher.submit(tokens, refs, sampling)  # type: ignore[arg-type]
+                job = self.batcher.submit(
+                    tokens,
+                    refs,
+                    sampling,  # type: ignore[arg-type]
+                    request_id=req.request_id,
+                    tenant_id=req.tenant_id,
+                )
             except BaseException:
                 self.pool.end_ops(ids)  # never queued: no pass will end the pass's operation
                 raise
@@ -572,6 +589,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # The reason code alone ("TRANSFER_FAILED") left an operator nothing to go on; the
             # message is the transfer's own (UCX's error, decode's refusal), never request data.
             detail = str(err)[:300]
+            ended = self._request_ended(req)
+            if ended is not None and err.reason not in INTEGRITY_REASONS:
+                # The request ended here as the failure came back: on a client cancel the
+                # control plane cancels this call and then releases decode, which refuses a
+                # hello it reads after that (RESERVATION_RELEASED) or aborts the transfer it was
+                # receiving. Not a failed transfer: no event for an operator to chase. A failed
+                # integrity check is reported below whatever became of the request.
+                log.info(
+                    "transfer ended: request cancelled",
+                    ended=ended,
+                    reason=err.reason,
+                    detail=detail,
+                    decode_node=res.decode_node_id,
+                )
+                if ended == "released":
+                    raise Unavailable(
+                        "released during the KV transfer", reason=RESERVATION_RELEASED
+                    ) from None
+                raise transfer_status(err) from None
             log.warning(
                 "transfer failed", reason=err.reason, detail=detail, decode_node=res.decode_node_id
             )
@@ -592,6 +628,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.transfer_bytes_total.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
         return nbytes
+
+    def _request_ended(self, req: prefill_pb2.PrefillRequest) -> str | None:
+        """Whether the request of a send has ended on this node: "released" (a Release, or the
+        reaper, took its pages), "cancelled" (its call was cancelled: its client went, or the
+        control plane cancelled it), or None while its call is live. A call a timed-out drain
+        ended is live here: its send's failures are reported as before (module docstring). Run
+        in the send's task (``_send_unless_released``)."""
+        held = self.held.get(req.request_id)
+        if held is None or held.send is not asyncio.current_task():
+            return "released"  # (or held again, by a later call of the request)
+        task = held.call.task
+        if held.call.ended is None and task is not None and (task.done() or task.cancelling()):
+            return "cancelled"
+        return None
 
     async def _send_raw(
         self,
