@@ -78,8 +78,10 @@ def load_model_info(cfg: ClusterConfig) -> ModelInfo:
     Reads the checkpoint the nodes load (``kvfence.model.served.model_dir``: the configured path
     or the embedded tiny model), so a node serving other weights is refused at registration. The
     weights are read as bytes for the fingerprint, never loaded, so torch is not imported
-    (``tests/control_plane/test_cp_no_torch.py``); only the first start on a state directory
-    without the embedded model's files imports it, to write them (``ensure_tiny_model``).
+    (``tests/control_plane/test_cp_no_torch.py``). Under ``kvfence up`` the embedded model's files
+    are in place before the control plane starts (``up`` writes them first), so it never imports
+    torch; a ``kvfence serve control-plane`` started alone on a state directory without them
+    imports it once, to write them (``ensure_tiny_model``).
     """
     path = model_dir(cfg)
     hf = read_config(path)

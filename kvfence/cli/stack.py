@@ -13,6 +13,12 @@ them exiting, and ``up`` then exits 1 naming it and its exit status (during star
 last line it logged: the cause, where "nodes did not register" would name only the stage; a
 stage that times out is still named as the stage).
 
+When the config names no checkpoint and the state directory does not hold the embedded model
+whole, ``up`` first writes it there (``models/tiny-llama``) in a process of its own, ``python -m
+kvfence.model.tiny``, whose lines lead the control plane's log: writing needs torch, which the
+control plane, started once the files are there, then never loads. (``kvfence serve
+control-plane`` started alone on such a directory writes them itself, importing torch.)
+
 One ``up`` per state directory: ``up`` holds an exclusive ``flock`` on ``<state-dir>/up.lock``
 (naming its pid) for as long as it runs, taken before it writes anything there. A second ``up``
 on the same state directory is refused (exit 2) and leaves the running stack, its logs and its
@@ -210,7 +216,14 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
             )
             raise typer.Exit(2)
         token_file = resolved.control_plane.admin_token_file
-        raise typer.Exit(run_stack(cfg_path, cfg, state_dir, prefill, decode, token_file))
+        from kvfence.model.served import embedded_model_dir
+
+        # Where the services will look for the embedded model (None: the config names a
+        # checkpoint, written by whoever made it).
+        model_dir = embedded_model_dir(resolved)
+        raise typer.Exit(
+            run_stack(cfg_path, cfg, state_dir, prefill, decode, token_file, model_dir)
+        )
 
 
 def _exit_on_stop_signals() -> None:
@@ -345,6 +358,23 @@ def _spawn(
     )
 
 
+MODEL_WRITER = "model-writer"  # the process that writes the embedded model before the services
+MODEL_WRITE_S = 120.0  # torch's import and the weights' draw: seconds, a cold machine's more
+
+
+def _spawn_model_writer(
+    directory: Path, env: dict[str, str], log_path: Path
+) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvfence.model.tiny", str(directory)],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # as the services': `up` stops it, on Ctrl-C too
+        )
+
+
 def local_threads(n_nodes: int) -> int:
     """Torch threads per node process when ``n_nodes`` share this machine's cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -358,14 +388,18 @@ def run_stack(
     n_prefill: int,
     n_decode: int,
     admin_token_file: Path | None = None,
+    embedded_model: Path | None = None,
 ) -> int:
     """Start every process, wait for registration, serve until a signal; returns the exit code.
     ``admin_token_file``: the config's ``control_plane.admin_token_file`` (overrides included).
+    ``embedded_model``: the folder the services take the embedded model from (None when the
+    config names a checkpoint), written first when it is not there whole.
     The caller holds the state directory's ``up.lock`` (:func:`hold_up_lock`)."""
     from control_plane.tenants import TENANTS_DB, lock_path
     from kvfence.auth import read_token
     from kvfence.client import AdminClient
     from kvfence.errors import KvfenceError
+    from kvfence.model.tiny import tiny_model_complete
 
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     stopping = False
@@ -396,6 +430,21 @@ def run_stack(
     try:
         if stopping:
             return _stopped()
+        if embedded_model is not None and not tiny_model_complete(embedded_model):
+            # The control plane reads the model's files but never runs it. Left to it, the first
+            # start on a state directory imported torch to write them (seconds, and ~400 MiB it
+            # then kept for its whole life); a process that writes them and exits keeps torch
+            # where it is needed, the nodes. (Checked here, without torch: a later start on the
+            # same state directory starts no writer.) Its lines lead the control plane's log,
+            # of whose start it is the first step.
+            writer = _spawn_model_writer(embedded_model, env, logs / "cp.log")
+            procs.append((MODEL_WRITER, writer))  # stopped with the rest on a stop or a failure
+            why = _wait(lambda: writer.poll() is not None, MODEL_WRITE_S, lambda: stopping, [])
+            if why == READY and writer.returncode != 0:
+                why = (MODEL_WRITER, writer)
+            if why != READY:
+                return _not_ready(why, "the embedded model was not written", logs)
+            procs.remove((MODEL_WRITER, writer))  # done: its exit is no service's failure
         control_plane = _spawn("control-plane", cfg_path, env, logs / "cp.log")
         procs.append(("control-plane", control_plane))
         # Where the control plane keeps its admin token: the base config's file when it names
@@ -601,7 +650,7 @@ def _stopped() -> int:
 
 
 def _log_name(service: str) -> str:
-    return "cp.log" if service == "control-plane" else f"{service}.log"
+    return "cp.log" if service in ("control-plane", MODEL_WRITER) else f"{service}.log"
 
 
 def last_log_line(path: Path) -> str:

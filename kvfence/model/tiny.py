@@ -2,6 +2,11 @@
 
 ``TINY_CONFIG`` is its Hugging Face ``config.json``; static checks (``check-config --static``) read
 the KV shape from it when the config names no checkpoint.
+
+``python -m kvfence.model.tiny DIR`` runs :func:`ensure_tiny_model` on ``DIR`` and exits (0; 1 with
+one line on stderr when it cannot write there): ``kvfence up`` writes a fresh state directory's
+model that way before it starts the control plane, so that torch, which writing needs, is loaded
+and let go of in a process of its own rather than in the long-lived control plane.
 """
 
 from __future__ import annotations
@@ -123,7 +128,9 @@ def default_tiny_dir(config: dict[str, Any] = TINY_CONFIG, seed: int = TINY_SEED
     return cache / "kvfence" / f"{'tiny' if embedded else 'random'}-llama-{tag}"
 
 
-def _is_complete(directory: Path, config: dict[str, Any]) -> bool:
+def tiny_model_complete(directory: Path, config: dict[str, Any] = TINY_CONFIG) -> bool:
+    """Whether ``directory`` holds the model of ``config`` whole (file names and config.json
+    only: no torch), as :func:`ensure_tiny_model` then finds it and writes nothing."""
     cfg = directory / "config.json"
     names = ("generation_config.json", "tokenizer.json", _WEIGHTS)
     if not cfg.exists() or not all((directory / n).exists() for n in names):
@@ -146,19 +153,50 @@ def ensure_tiny_model(
     renames it into place; a loser of the race discards its copy (the bytes are identical anyway).
     """
     target = Path(directory) if directory is not None else default_tiny_dir(config, seed)
-    if _is_complete(target, config):
+    if tiny_model_complete(target, config):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         write_tiny_model(tmp, config, seed)
-        if target.exists() and not _is_complete(target, config):
+        if target.exists() and not tiny_model_complete(target, config):
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(tmp, target)
         except OSError:
-            if not _is_complete(target, config):  # not a lost race but a real failure
+            if not tiny_model_complete(target, config):  # not a lost race but a real failure
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def main(argv: list[str]) -> int:
+    """``python -m kvfence.model.tiny DIR`` (module docstring)."""
+    import signal
+    import sys
+
+    if len(argv) != 1:
+        print("usage: python -m kvfence.model.tiny DIR", file=sys.stderr)
+        return 2
+
+    def stop(signum: int, frame: object) -> None:
+        # An exit, not death by the signal: ensure_tiny_model's cleanup then removes the
+        # half-written temporary folder that `up`, stopped during the write, would leave behind.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        out = ensure_tiny_model(Path(argv[0]))
+    except OSError as err:
+        why = err.strerror or err
+        print(f"cannot write the embedded model to {argv[0]}: {why}", file=sys.stderr)
+        return 1
+    print(f"embedded model in {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
