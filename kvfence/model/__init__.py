@@ -12,7 +12,8 @@ cheap for static checks):
 * ``checkpoint``: ``read_config``, ``read_model_shape``, ``fingerprint``, ``text_fingerprint``,
   ``generation_eos`` (no torch; ``loader`` re-exports them).
 * ``served``: ``model_dir(cfg)``, ``kv_layout(cfg, shape)``: the folder and KV layout a cluster
-  serves (no torch; ``kvfence.node`` re-exports them).
+  serves (no torch; ``kvfence.node`` re-exports them); ``embedded_model_dir(cfg)``, where the
+  embedded model goes, resolved without writing it.
 * ``engine``: ``Engine(model, pool)`` with ``prefill(token_ids, pages)``, ``prefill_many`` (several
   prompts in one forward pass) and ``decode_step([DecodeItem]) -> (logits, error_flags)``;
   ``DecodeBatch(engine)`` keeps a decode loop's block tables as tensors between steps (``sync``,
@@ -23,5 +24,6 @@ cheap for static checks):
 * ``scheduler``: ``Scheduler`` (continuous batching; ``add``, ``add_prefilled``, ``abort``,
   ``step``), ``SequenceStatus``, ``StepOutput``.
 * ``colocated``: ``ColocatedEngine.generate`` (the differential-test reference), ``logit_gaps``.
-* ``tiny``: ``TINY_CONFIG``, ``write_tiny_model(dir)``, ``ensure_tiny_model(dir=None)``.
+* ``tiny``: ``TINY_CONFIG``, ``write_tiny_model(dir)``, ``ensure_tiny_model(dir=None)``,
+  ``tiny_model_complete(dir)`` (no torch); ``python -m kvfence.model.tiny DIR`` writes it.
 """
