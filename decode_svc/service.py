@@ -72,8 +72,10 @@ are what whoever reaches the UCX port can cause at will, so they are bounded: at
 has closed, one more event of that kind says how many were held back (``suppressed``, with
 ``window_s``). ``kvfence_integrity_failures_total`` counts every integrity violation among them;
 a ``transfer_failed`` one only the events count. A late hello (``RESERVATION_RELEASED``: for a
-reservation this node issued and has released) is not bounded: it needs a real reservation id,
-and says the system is slow.
+reservation this node issued and has released) is not bounded when it carries that reservation's
+authenticator, which only its prefill has: each says the system is slow. One without it
+(``authenticated: false`` in the event) is bounded like the others: a reservation id is no
+secret (it travels in cleartext hellos, events and logs), so anyone can send it.
 
 Reservation ids are ``<node>.<instance>.<uuid4 hex>``: the node part a hash of this node's id
 (8 hex digits, the same in every process of the node; this servicer gives its receiver the id),
@@ -216,7 +218,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics = metrics
         self.receiver = receiver
         # Prefill closes an idle endpoint after endpoint_idle_timeout_s; decode waits longer for
-        # its next hello, so that decode never closes first.
+        # its next hello, so that decode does not close first. Prefill's reaper can still come
+        # round later than that (a short batch_timeout_s): decode then closes the idle endpoint
+        # quietly, and prefill never leases one idle past its timeout (KvReceiver._serve).
         receiver.idle_timeout_s = (
             cfg.transfer.endpoint_idle_timeout_s + cfg.transfer.batch_timeout_s
         )
@@ -635,8 +639,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # protocol): its check, so its count; prefill and the control plane count none.
             self.metrics.integrity_failures_total.labels(check=payload["reason"]).inc()
         what = payload.get("check", payload.get("reason", ""))
-        bounded = payload.get("stage") == "ucx_hello" and what != "RESERVATION_RELEASED"
-        if bounded and not self._hello_events.allow((kind, what)):
+        # A late hello is bounded only without its reservation's authenticator (anyone can send
+        # a released id); its held-back count gets a key, and so a summary event, of its own.
+        forged = payload.get("authenticated") is False
+        bounded = payload.get("stage") == "ucx_hello" and (what != RESERVATION_RELEASED or forged)
+        key = (kind, what, False) if forged else (kind, what)
+        if bounded and not self._hello_events.allow(key):
             return  # anyone can cause these: bounded (module docstring)
         self.bus.emit(kind, **payload)
 
@@ -646,10 +654,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         for key, held in self._hello_events.flush(force):
             kind, what = str(key[0]), str(key[1])  # type: ignore[index]
             field = "check" if kind == "integrity_violation" else "reason"
+            extra = {"authenticated": False} if len(key) > 2 else {}  # type: ignore[arg-type]
             self.bus.emit(
                 kind,
                 **{field: what},
                 stage="ucx_hello",
+                **extra,
                 suppressed=held,
                 window_s=HELLO_EVENTS_INTERVAL_S,
             )

@@ -50,26 +50,33 @@ next batch only after this one was acknowledged, so a transfer never has more th
 
 After the final answer the endpoint is idle: decode waits for the next HELLO on it (up to its
 ``idle_timeout_s``, longer than prefill keeps an idle endpoint) or for prefill to close it; decode
-never closes first right after a completed transfer, which could cancel its final answer in
-flight. Prefill gives the endpoint back to its pool (at most ``max_idle_per_peer`` idle per
-decode, closed after ``idle_timeout_s`` unused, all closed on shutdown). A refused hello or a
-failed transfer ends the endpoint on both sides: prefill aborts it (after every posted operation
-completed) and never reuses it; decode answers with the reason and waits for prefill to close it,
-meanwhile receiving into a scratch page (never the pool) the pages the refused hello or batch
-header had right behind it: UCX would otherwise keep them, unmatched, for as long as the process
-lives. It receives at most as many as the reservation decode itself issued holds (not the
-sender's count of indices): for a reservation it knows, its prompt pages; for one it released,
-the count it remembers with the id; for an id it does not know, ``UNKNOWN_RESERVATION_STRAYS``.
-Pages beyond that stay in UCX. After a verified hello, a batch header that is malformed (a length
-no control message may have, a message on the length tag longer than ``FRAME_BYTES``, which is
-received no further than a frame holds, not JSON, not a JSON object, no list of indices) fails
-the transfer ``PROTOCOL`` and is answered so, like any refused batch (it names no pages, so none
-are drained). A hello with a ``batch`` is a warm one whatever the ``batch`` holds: one that is no
-header object, ``null`` included, is such a malformed header, never taken for a cold hello
-(kvfence's sender leaves the key out of a cold hello). A malformed hello is answered nothing:
-nothing is verified yet, so decode reports ``BAD_HELLO`` and aborts the endpoint. A connection
-that ends before its first hello (the peer closed it, or its process died) is reported
-``PEER_GONE`` instead: no hello was malformed.
+never closes first right after a completed transfer, which could cancel its final answer in flight.
+Prefill's reaper can come round to an idle endpoint later than decode's wait ends (it ticks every
+``min(idle_timeout_s / 4, 5 s)``), and a prefill host can vanish without a reset: then decode
+closes the endpoint, reporting nothing (an idle endpoint said no bad hello; prefill never leases
+one idle longer than its own ``idle_timeout_s``, ``EndpointPool.take``). Prefill gives the endpoint
+back to its pool (at most ``max_idle_per_peer`` idle per decode, closed after ``idle_timeout_s``
+unused, all closed on shutdown). A refused hello or a failed transfer ends the endpoint on both
+sides: prefill aborts it (after every posted operation completed) and never reuses it; decode
+answers with the reason and waits for prefill to close it, meanwhile receiving into a scratch page
+(never the pool) the pages the refused hello or batch header had right behind it: UCX would
+otherwise keep them, unmatched, for as long as the process lives. It receives at most as many as
+the reservation decode itself issued holds (not the sender's count of indices): for a reservation
+it knows, its prompt pages; for one it released, the count it remembers with the id; for an id it
+does not know, ``UNKNOWN_RESERVATION_STRAYS``. Only a hello that carries the reservation's
+authenticator (a late one, for a reservation decode released, or a REPLAY) has that many drained:
+for a known or released id without it, at most ``UNKNOWN_RESERVATION_STRAYS`` too, since an id
+alone is no secret. Pages beyond that stay in UCX. After a verified hello, a batch header that is
+malformed (a length no control message may have, a message on the length tag longer than
+``FRAME_BYTES``, which is received no further than a frame holds, not JSON, not a JSON object, no
+list of indices) fails the transfer ``PROTOCOL`` and is answered so, like any refused batch (it
+names no pages, so none are drained). A hello with a ``batch`` is a warm one whatever the ``batch``
+holds: one that is no header object, ``null`` included, is such a malformed header, never taken for
+a cold hello (kvfence's sender leaves the key out of a cold hello). A malformed hello (a bad
+length, not JSON, nested too deep to parse, not an object) is answered nothing: nothing is verified
+yet, so decode reports ``BAD_HELLO`` and aborts the endpoint, on a new connection as on a pooled
+one. A connection that ends before its first hello (the peer closed it, or its process died) is
+reported ``PEER_GONE`` instead: no hello was malformed.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
@@ -126,8 +133,8 @@ last one). A connection whose hello was verified no longer counts (nor the later
 it), so prefill's pooled endpoints keep working through a flood; a prefill that opens a new
 connection meanwhile has its transfer fail at once (the endpoint is closed under its hello), not
 hang. A refused hello's lingering connection drains at most ``UNKNOWN_RESERVATION_STRAYS``
-stray pages when it named an id decode does not know (above). A handler that raises all the same
-(a case no check foresaw) ends its connection there: aborted, counted
+stray pages unless it carried the authenticator of the reservation it named (above). A handler
+that raises all the same (a case no check foresaw) ends its connection there: aborted, counted
 (``KvReceiver.handler_errors``) and logged at error at most once per ``REJECT_LOG_INTERVAL_S``,
 never left to ucxx. Before decode sees a connection at all, ucxx exchanges its own peer
 information on it (a send and a receive, up to ``create_listener``'s ``connect_timeout``, 5 s,
@@ -197,16 +204,19 @@ log = kvlog.get_logger("transfer")
 
 
 # How many released reservation ids decode remembers (KvReceiver._released, with their page
-# counts): about 175 bytes each (measured with tracemalloc), so about 1.4 MiB once full; a decode
-# process's memory grows by that over its first 8192 transfers, then stays.
+# counts and authenticators): about 325 bytes each (measured with tracemalloc), so about 2.6 MiB
+# once full; a decode process's memory grows by that over its first 8192 transfers, then stays.
 RELEASED_REMEMBERED = 8192
-# How many stray pages decode drains behind a refused hello that names a reservation it does not
-# know (``KvReceiver._linger``). Any hello can say that, unauthenticated, with as many indices as
-# fit in a control message, and each drained page costs a posted receive and a task for up to
-# batch_timeout_s (measured here: a 100 KB hello of 16000 indices cost decode about 13 MiB and
-# stalled its event loop for over half a second). So the number is a small constant: at most
-# this many times ``max_unverified_connections`` receives are ever posted for unknown ids (4096
-# at the default 256, a few MiB). It is not 0 because a legitimate sender can name an id decode
+# How many stray pages decode drains behind a refused hello that does not carry the authenticator
+# of a reservation decode issued: one that names a reservation it does not know, or a known or
+# released one with a wrong authenticator (``KvReceiver._linger``; reservation ids are no secret:
+# they travel in cleartext hellos, events and logs). Any hello can say that, unauthenticated,
+# with as many indices as fit in a control message, and each drained page costs a posted receive
+# and a task for up to batch_timeout_s (measured here: a 100 KB hello of 16000 indices cost
+# decode about 13 MiB and stalled its event loop for over half a second). So the number is a
+# small constant: at most this many times ``max_unverified_connections`` receives are ever
+# posted for unauthenticated hellos (4096 at the default 256, a few MiB). It is not 0 because a
+# legitimate sender can name an id decode
 # no longer knows: one so late that its reservation fell out of the last RELEASED_REMEMBERED
 # released ids, its warm hello's batch 0 already sent. A batch that small (a short prompt) is
 # drained whole; of a longer one the rest stays in UCX, a leak bounded by how rare such a
@@ -504,12 +514,18 @@ def _control_object(body: bytes | TransferError) -> dict[str, Any]:
     return obj
 
 
+# What json raises on a body it cannot parse: not JSON or not UTF-8 (ValueError), or nested
+# deeper than the interpreter's recursion limit (RecursionError, which is no ValueError). Decode
+# takes both as a malformed control message, a hello's (BAD_HELLO) as a batch header's (PROTOCOL).
+_UNPARSABLE = (ValueError, RecursionError)
+
+
 def _batch_header_object(body: bytes | TransferError) -> dict[str, Any]:
     """A received batch header as a JSON object; anything else is PROTOCOL, not JSON included
     (a transfer failure's reason is one of decode's, never a parser's exception name)."""
     try:
         return _control_object(body)
-    except (ValueError, RecursionError) as err:  # not JSON or UTF-8, or nested too deep to parse
+    except _UNPARSABLE as err:
         raise TransferError(
             f"batch header is not JSON ({type(err).__name__})", reason="PROTOCOL"
         ) from None
@@ -591,8 +607,10 @@ class KvReceiver:
         # request was aborted), not a forged reservation id, and must not raise a security
         # alarm. An id never issued here is still UNKNOWN_RESERVATION (one of this node's
         # previous process: NODE_RESTARTED, ``restarted``). Each id maps to how many prompt pages
-        # the reservation had: a late hello's stray pages are drained up to that.
-        self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # the reservation had and the authenticator its hello carries (not the secret, which
+        # also signs manifests): a late hello that carries it has its stray pages drained up to
+        # that count, one that does not only as many as a hello for an unknown id (``_serve_one``).
+        self._released: collections.OrderedDict[str, tuple[int, bytes]] = collections.OrderedDict()
         # This node's and this process's parts of every reservation id it issues
         # (``new_reservation_id``): an unknown id with this node's part and another instance's is
         # a restart's lost reservation, not a forgery; one with another node's part is neither.
@@ -742,7 +760,8 @@ class KvReceiver:
     def forget(self, reservation_id: str) -> None:
         t = self.transfers.pop(reservation_id, None)
         if t is not None:
-            self._released[reservation_id] = len(t.pages)
+            expected = authenticator(t.secret, reservation_id).encode()
+            self._released[reservation_id] = (len(t.pages), expected)
             while len(self._released) > RELEASED_REMEMBERED:
                 self._released.popitem(last=False)
 
@@ -833,24 +852,36 @@ class KvReceiver:
             try:
                 [hello] = await _within(ep, [_recv_json(ep)], wait)
             except Exception as err:
-                # After a completed transfer, the sender closing its idle endpoint is normal; so
-                # is our own stop() aborting an endpoint that had said nothing yet.
+                # Our own stop() aborting an endpoint that had said nothing yet is no failure.
                 if self._stopped:
                     return
-                if served == 0 or isinstance(err, TransferError | ValueError):
-                    # A hello that came malformed, or none within batch_timeout_s (TIMEOUT, a
-                    # TransferError), is BAD_HELLO; a connection whose receive failed before any
-                    # hello (UCX saw the peer close or crash) is PEER_GONE, so that a prefill
-                    # process killed mid-connection does not read as a forged hello.
-                    malformed = isinstance(err, TransferError | ValueError)
-                    self.report(
-                        "transfer_failed",
-                        {
-                            "reason": "BAD_HELLO" if malformed else "PEER_GONE",
-                            "error": type(err).__name__,
-                            "stage": "ucx_hello",
-                        },
-                    )
+                timed_out = isinstance(err, TransferError) and err.timeout
+                # A bad length or JSON that is no object (PROTOCOL), or no JSON at all.
+                malformed = isinstance(err, _UNPARSABLE) or (
+                    isinstance(err, TransferError) and not timed_out
+                )
+                if malformed or (timed_out and served == 0):
+                    # A hello that came malformed, or none within batch_timeout_s on a new
+                    # connection, is BAD_HELLO.
+                    reason = "BAD_HELLO"
+                elif served == 0:
+                    # A connection whose receive failed before any hello (UCX saw the peer close
+                    # or crash) is PEER_GONE, so that a prefill process killed mid-connection
+                    # does not read as a forged hello.
+                    reason = "PEER_GONE"
+                else:
+                    # After a completed transfer, the sender closing its idle endpoint is normal;
+                    # so is no next hello within idle_timeout_s: prefill's reaper may come round
+                    # to an idle endpoint later than that (EndpointPool._reap), or its host went
+                    # away without a reset. Prefill never leases an endpoint idle for longer
+                    # than its own idle timeout (EndpointPool.take), so nothing was lost.
+                    if timed_out:
+                        log.debug("idle UCX endpoint closed: no next hello", wait_s=wait)
+                    return
+                self.report(
+                    "transfer_failed",
+                    {"reason": reason, "error": type(err).__name__, "stage": "ucx_hello"},
+                )
                 return
             strays: list[int] = []
             if not await self._serve_one(ep, hello, strays):
@@ -864,10 +895,19 @@ class KvReceiver:
         decode never received (``_linger`` drains them)."""
         rid = str(hello.get("reservation_id", ""))
         t = self.transfers.get(rid)
-        auth = str(hello.get("auth", ""))
+        # As bytes: compare_digest raises on a non-ASCII str, which skipped the report below.
+        auth = str(hello.get("auth", "")).encode("utf-8", "surrogatepass")
+        # The reservation decode issued under this id, if it knows one: its prompt pages and the
+        # authenticator its hello must carry (a released one's, remembered; ``forget``).
+        issued: tuple[int, bytes] | None = (
+            (len(t.pages), authenticator(t.secret, rid).encode())
+            if t is not None
+            else self._released.get(rid)
+        )
+        authentic = issued is not None and hmac.compare_digest(issued[1], auth)
         problem = None
         if t is None:
-            if self.released(rid):
+            if issued is not None:
                 problem = RESERVATION_RELEASED
             elif self.restarted(rid):
                 # Reserved on this node's previous process (a container restarted in place, same
@@ -877,11 +917,7 @@ class KvReceiver:
                 problem = NODE_RESTARTED
             else:
                 problem = "UNKNOWN_RESERVATION"
-        elif not hmac.compare_digest(
-            # As bytes: compare_digest raises on a non-ASCII str, which skipped the report below.
-            authenticator(t.secret, rid).encode(),
-            auth.encode("utf-8", "surrogatepass"),
-        ):
+        elif not authentic:
             problem = "BAD_AUTHENTICATOR"
         elif t.state != InboundState.EXPECTING:
             problem = "REPLAY"  # a reservation accepts exactly one transfer
@@ -895,15 +931,29 @@ class KvReceiver:
                 if problem in (RESERVATION_RELEASED, NODE_RESTARTED)
                 else ("integrity_violation", "check")
             )
-            self.report(kind, {field: problem, "reservation_id": rid[:64], "stage": "ucx_hello"})
+            payload: dict[str, Any] = {
+                field: problem,
+                "reservation_id": rid[:64],
+                "stage": "ucx_hello",
+            }
+            if problem == RESERVATION_RELEASED and not authentic:
+                # Not its prefill's (ids are no secret): decode bounds these events like any
+                # other hello anyone can send (decode_svc), unlike a genuine late one.
+                payload["authenticated"] = False
+            self.report(kind, payload)
             if PROTOCOL_VERSION >= WARM_VERSION:
-                # Drain at most what decode itself reserved, never what the (unverified) sender
-                # says: a known transfer's pages, a released one's remembered count, or for an
-                # id never issued here (or forgotten, or issued before a restart) a small constant.
-                if t is not None:
-                    cap = len(t.pages)
-                elif problem == RESERVATION_RELEASED:
-                    cap = self._released.get(rid, 0)
+                # Drain at most what decode itself reserved, never what the sender says; and
+                # without the reservation's authenticator (a forged hello, or one for an id
+                # decode does not know, forgot or issued before a restart) at most a small
+                # constant. The drain is there for a genuine sender, whose hello carries the
+                # authenticator (a late one: decode released the reservation; a REPLAY):
+                # its pages behind the refused header are all taken, so they neither stay in
+                # UCX for good nor hold up the sender's rendezvous sends.
+                if authentic:
+                    assert issued is not None
+                    cap = issued[0]
+                elif issued is not None:
+                    cap = min(issued[0], UNKNOWN_RESERVATION_STRAYS)
                 else:
                     cap = UNKNOWN_RESERVATION_STRAYS
                 strays.extend(self._stray_tags(rid, 0, hello.get("batch"), cap))
@@ -986,8 +1036,9 @@ class KvReceiver:
         refused warm hello of 4 pages of 32 KiB). They are received here into a scratch page
         that nothing reads, and so let go. The receives are posted at once, before the sender
         can close (here ucxx matched no message queued for an endpoint that had closed), and
-        they are at most as many as decode's own reservation holds (``UNKNOWN_RESERVATION_STRAYS``
-        for an id it does not know), whatever number of indices the sender put in the header.
+        they are at most as many as decode's own reservation holds, and at most
+        ``UNKNOWN_RESERVATION_STRAYS`` behind a hello without the authenticator of the reservation
+        it names (``_serve_one``), whatever number of indices the sender put in the header.
         """
         ops = [_recv(ep, np.empty(1, np.uint8), tag=LINGER_TAG)]
         if strays and self._scratch is None:
