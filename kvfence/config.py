@@ -185,7 +185,9 @@ class TransferConfig(_Strict):
     # transfer speed, as endpoints beyond it were closed and opened again.
     endpoint_pool_max_idle: int = Field(default=32, ge=0, le=256)
     # An idle pooled endpoint is closed after this long unused. Decode waits this long plus
-    # batch_timeout_s for the next hello on an endpoint, so prefill always closes first.
+    # batch_timeout_s for the next hello on an endpoint, so prefill normally closes first (its
+    # reaper can come round later; decode then closes the idle endpoint quietly, and prefill never
+    # leases one idle past this).
     endpoint_idle_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     # Decode serves at most this many UCX connections at once whose first hello is not verified
     # yet (waiting for it, up to batch_timeout_s, or lingering after refusing it); a connection
