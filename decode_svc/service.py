@@ -77,6 +77,23 @@ authenticator, which only its prefill has: each says the system is slow. One wit
 (``authenticated: false`` in the event) is bounded like the others: a reservation id is no
 secret (it travels in cleartext hellos, events and logs), so anyone can send it.
 
+Why a reservation was released decides what its late hello is (``_release``'s ``request_ended``,
+remembered with the id by ``KvReceiver.forget``). Released because its request ended by its
+owner's decision, a late hello that carries the authenticator only raced that end (a client
+cancel: the control plane cancels the Prefill call and releases here, and the Release can land
+first): logged at info ("late KV hello refused: its request had ended", with the reservation,
+request and tenant ids), no event, and the refusal says ``request_ended: true`` so that prefill
+reports nothing either (kvfence/transfer.py). Those releases: the control plane's ``Release``
+(whatever its reason), the ``Decode`` stream's end (``decode stream ended``), a ``Decode``
+cancelled while it waits for its transfer, a stream a timed-out drain ended (``error`` with the
+drain's status), the drain's own (``drain timed out``, ``Decode after the drain timed out``) and
+the stop's (``shutdown``). Released because of trouble, its late hello is a ``transfer_failed``
+event as above, on prefill too: ``reservation timeout`` (the reaper: the system was slow, the
+case that event is for), a failed or cancelled transfer (``transfer failed: ...``, ``transfer
+cancelled: ...``), a failed manifest check (``integrity``), a stream failed by a step or tag
+check (``error``), and ``forgotten by the control plane`` (``release_all``). A late hello without
+the authenticator is bounded and reported whatever the release was.
+
 Reservation ids are ``<node>.<instance>.<uuid4 hex>``: the node part a hash of this node's id
 (8 hex digits, the same in every process of the node; this servicer gives its receiver the id),
 the instance (8 hex digits) drawn once per process (``KvReceiver.new_reservation_id``). A hello
@@ -259,7 +276,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await self._reaper
         self.flush_hello_events(force=True)
         for rid in list(self.reservations):
-            self._release(rid, "shutdown")
+            self._release(rid, "shutdown", request_ended=True)
         if self.batcher is not None:
             self.batcher.stop()
 
@@ -284,7 +301,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 # which wakes the call (its transfer's done event), and leaves the pages of
                 # receives still posted quarantined until they settle.
                 res.ended = err
-                self._release(res.reservation_id, "drain timed out")
+                self._release(res.reservation_id, "drain timed out", request_ended=True)
                 ended += 1
         return ended
 
@@ -388,21 +405,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     with self._logged_as(res, request):
                         if isinstance(failure, IntegrityError):
                             self._integrity_failure(res, failure, stage="decode")
-                        self._release(res.reservation_id, "error")
+                        # A failed step or tag check is trouble; a timed-out drain ending
+                        # the stream (end_in_flight) is the node's own decision.
+                        self._release(
+                            res.reservation_id,
+                            "error",
+                            request_ended=failure is self.drain_ended,
+                        )
                     await _end(context, failure)
         finally:
             # Finished, failed, or the control plane gone: nothing reads these pages any more,
             # so they go back now, not when (or if) the control plane's Release arrives: a
             # lost Release must not pin them until the node restarts.
             if self.reservations.get(res.reservation_id) is res:
-                self._release(res.reservation_id, "decode stream ended")
+                self._release(res.reservation_id, "decode stream ended", request_ended=True)
 
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.ReleaseResponse:
         await self.authenticate(context, "Release")
         rid = self.by_request.get(request.request_id)
-        held = rid is not None and self._release(rid, request.reason or "release")
+        held = rid is not None and self._release(
+            rid, request.reason or "release", request_ended=True
+        )
         return prefill_pb2.ReleaseResponse(held=held)
 
     async def Stats(
@@ -508,7 +533,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     # the reservation when the request ends, but its Release can be lost: the
                     # pages would then wait for the reaper (transfer.reservation_timeout_s).
                     # Nothing read them; give them back now.
-                    self._release(res.reservation_id, "decode cancelled before verification")
+                    self._release(
+                        res.reservation_id,
+                        "decode cancelled before verification",
+                        request_ended=True,
+                    )
                 raise
             finally:
                 if owner:
@@ -558,7 +587,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             else:
                 with self._logged_as(res, request):
                     self._integrity_failure(res, err, stage="manifest")
-                    self._release(res.reservation_id, "integrity")
+                    self._release(res.reservation_id, "integrity", request_ended=False)
             raise
         assert res is not None  # check 1 refuses a manifest without a reservation
         # A verified manifest with bad parameters is refused without touching the reservation:
@@ -590,7 +619,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if res is None or res.request_id != request.request_id:
             return  # never act on another request's reservation
         if res.state == ResState.RESERVED and not res.awaited:
-            self._release(res.reservation_id, "Decode after the drain timed out")
+            self._release(
+                res.reservation_id, "Decode after the drain timed out", request_ended=True
+            )
 
     def _released_before_decode(self, reservation_id: str) -> Unavailable:
         """A Decode for a reservation this node has released: nothing was read and nothing was
@@ -668,11 +699,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def release_all(self) -> None:
         """Drop every reservation (the control plane has failed every request on this node)."""
         for rid in list(self.reservations):
-            self._release(rid, "forgotten by the control plane")
+            self._release(rid, "forgotten by the control plane", request_ended=False)
 
-    def _release(self, rid: str, reason: str) -> bool:
+    def _release(self, rid: str, reason: str, *, request_ended: bool) -> bool:
         """Cancel the transfer, leave the batch and give the pages back (deferred while any
-        receive or write may still land in them). Idempotent."""
+        receive or write may still land in them). Idempotent. ``request_ended``: released
+        because the request ended by its owner's decision, not because of trouble; a late hello
+        of its prefill is then logged, not reported (module docstring, ``KvReceiver.forget``)."""
         res = self.reservations.pop(rid, None)
         if res is None:
             return False
@@ -690,7 +723,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 # it). A stream that is itself what ended reads no more events: then a no-op.
                 res.emit(("error", Cancelled(f"reservation released: {reason}")))
             self.pool.release(rid, scrub=res.scrub)
-            self.receiver.forget(rid)
+            self.receiver.forget(rid, request_ended=request_ended, tenant_id=res.tenant_id)
             res.state = ResState.RELEASED
             log.info("reservation released", reservation_id=rid, reason=reason)
         self._publish_pages()
@@ -709,9 +742,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     # A failed transfer can never be verified: give the pages back now (they
                     # stay quarantined until the cancelled receives have settled).
                     self.pool.quarantine(rid)
-                    self._release(rid, f"transfer {res.transfer.state.value}: {res.transfer.error}")
+                    self._release(
+                        rid,
+                        f"transfer {res.transfer.state.value}: {res.transfer.error}",
+                        request_ended=False,
+                    )
                 elif now - res.created > timeout:
-                    self._release(rid, "reservation timeout")
+                    self._release(rid, "reservation timeout", request_ended=False)
             self._publish_pages()
 
     def _publish_pages(self) -> None:

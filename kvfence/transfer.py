@@ -77,6 +77,19 @@ length, not JSON, nested too deep to parse, not an object) is answered nothing: 
 yet, so decode reports ``BAD_HELLO`` and aborts the endpoint, on a new connection as on a pooled
 one. A connection that ends before its first hello (the peer closed it, or its process died) is
 reported ``PEER_GONE`` instead: no hello was malformed.
+A late hello (for a reservation decode has released: refused ``RESERVATION_RELEASED``) is a
+``transfer_failed`` event on decode, and on prefill too while the call is live, since it says the
+system was slow (decode's reaper released the reservation first). Not when decode released it
+because its request ended by its owner's decision (``KvReceiver.forget``'s ``request_ended``: the
+control plane's Release, the Decode stream's end or cancel, the node's drain or stop; decode_svc
+lists its releases) and the hello carries the reservation's authenticator: it only raced that end
+(on a client cancel the control plane cancels the Prefill call and releases decode, and decode's
+Release can land first). Decode then logs it at info, with the request's ids, reports nothing,
+and adds ``request_ended: true`` to its refusal; prefill, reading it
+(``TransferError.request_ended``), logs at info and reports nothing either, its call still
+failing ``RESERVATION_RELEASED``. The key is additive: a prefill before it reads only the error,
+and a decode before it never sends it. A hello without the authenticator is reported (bounded,
+decode_svc) whatever the release was: an id alone must not silence a reaped one's event.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
@@ -178,7 +191,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -204,8 +217,10 @@ log = kvlog.get_logger("transfer")
 
 
 # How many released reservation ids decode remembers (KvReceiver._released, with their page
-# counts and authenticators): about 325 bytes each (measured with tracemalloc), so about 2.6 MiB
-# once full; a decode process's memory grows by that over its first 8192 transfers, then stays.
+# counts, authenticators and, for a request that ended, its request and tenant ids): about 340
+# bytes each, 540 with those ids (measured with tracemalloc, a uuid4-hex request id), so at most
+# about 4.4 MiB once full; a decode process's memory grows by that over its first 8192
+# transfers, then stays.
 RELEASED_REMEMBERED = 8192
 # How many stray pages decode drains behind a refused hello that does not carry the authenticator
 # of a reservation decode issued: one that names a reservation it does not know, or a known or
@@ -272,12 +287,17 @@ class TransferError(Exception):
         reason: str = "TRANSFER_FAILED",
         timeout: bool = False,
         refused: bool = False,
+        request_ended: bool = False,
     ):
         super().__init__(message)
         self.reason = reason
         self.timeout = timeout
         # decode answered and said no (as opposed to a broken or silent endpoint)
         self.refused = refused
+        # decode refused a late transfer (RESERVATION_RELEASED) for a reservation it released
+        # because its request ended by its owner's decision, not because anything was slow or
+        # wrong (``KvReceiver.forget``): nothing for prefill to report either
+        self.request_ended = request_ended
 
 
 def use_ucx_futures() -> None:
@@ -559,6 +579,16 @@ class InboundTransfer:
 Reporter = Callable[[str, dict[str, Any]], None]
 
 
+class _Released(NamedTuple):
+    """What decode remembers of a reservation it released (``KvReceiver.forget``)."""
+
+    pages: int  # its prompt pages: how many strays a late hello with ``auth`` has drained
+    auth: bytes  # the authenticator its hello carries (not the secret, which signs manifests)
+    # (request_id, tenant_id) when it was released because its request ended by its owner's
+    # decision; None when the release itself signals trouble (decode_svc's module docstring).
+    ended: tuple[str, str] | None
+
+
 def bind_host_of(listen: str) -> str:
     """The address a ``host:port`` listen address binds (IPv6 unbracketed), or "" where it binds
     every interface (0.0.0.0, ::, or no host)."""
@@ -609,8 +639,9 @@ class KvReceiver:
         # previous process: NODE_RESTARTED, ``restarted``). Each id maps to how many prompt pages
         # the reservation had and the authenticator its hello carries (not the secret, which
         # also signs manifests): a late hello that carries it has its stray pages drained up to
-        # that count, one that does not only as many as a hello for an unknown id (``_serve_one``).
-        self._released: collections.OrderedDict[str, tuple[int, bytes]] = collections.OrderedDict()
+        # that count, one that does not only as many as a hello for an unknown id (``_serve_one``);
+        # and to whether its request had ended (``forget``).
+        self._released: collections.OrderedDict[str, _Released] = collections.OrderedDict()
         # This node's and this process's parts of every reservation id it issues
         # (``new_reservation_id``): an unknown id with this node's part and another instance's is
         # a restart's lost reservation, not a forgery; one with another node's part is neither.
@@ -757,11 +788,25 @@ class KvReceiver:
         (among the last RELEASED_REMEMBERED)."""
         return reservation_id in self._released
 
-    def forget(self, reservation_id: str) -> None:
+    def forget(
+        self, reservation_id: str, *, request_ended: bool = False, tenant_id: str = ""
+    ) -> None:
+        """Drop an expected transfer, remembering its id as released (``released``).
+
+        ``request_ended``: the reservation was released because its request ended by its owner's
+        decision (the control plane's Release, a Decode stream's end, the node's drain): a late
+        hello of its prefill, which carries its authenticator, then only raced that end (a client
+        cancel reaches decode's Release before prefill's cancel stops the send). It is logged at
+        info with the request's ids (its own and ``tenant_id``), reported to no one, and its
+        refusal says ``request_ended: true`` so that prefill does not report it either. Without
+        it (the reaper's timeout, an integrity failure, a failed transfer) a late hello is a
+        ``transfer_failed`` event: the system was slow, or something went wrong.
+        """
         t = self.transfers.pop(reservation_id, None)
         if t is not None:
             expected = authenticator(t.secret, reservation_id).encode()
-            self._released[reservation_id] = (len(t.pages), expected)
+            ended = (t.request_id, tenant_id) if request_ended else None
+            self._released[reservation_id] = _Released(len(t.pages), expected, ended)
             while len(self._released) > RELEASED_REMEMBERED:
                 self._released.popitem(last=False)
 
@@ -899,11 +944,12 @@ class KvReceiver:
         auth = str(hello.get("auth", "")).encode("utf-8", "surrogatepass")
         # The reservation decode issued under this id, if it knows one: its prompt pages and the
         # authenticator its hello must carry (a released one's, remembered; ``forget``).
-        issued: tuple[int, bytes] | None = (
-            (len(t.pages), authenticator(t.secret, rid).encode())
-            if t is not None
-            else self._released.get(rid)
-        )
+        gone = self._released.get(rid) if t is None else None
+        issued: tuple[int, bytes] | None = None
+        if t is not None:
+            issued = (len(t.pages), authenticator(t.secret, rid).encode())
+        elif gone is not None:
+            issued = (gone.pages, gone.auth)
         authentic = issued is not None and hmac.compare_digest(issued[1], auth)
         problem = None
         if t is None:
@@ -940,7 +986,20 @@ class KvReceiver:
                 # Not its prefill's (ids are no secret): decode bounds these events like any
                 # other hello anyone can send (decode_svc), unlike a genuine late one.
                 payload["authenticated"] = False
-            self.report(kind, payload)
+            # Its prefill's hello for a reservation released because its request ended: it
+            # raced that end (``forget``), nothing was slow or wrong. Only the authenticator
+            # makes it so: with an id alone anyone could silence the event of a reaped one.
+            ended = gone.ended if gone is not None and authentic else None
+            if ended is not None:
+                with kvlog.request_context(*ended):
+                    log.info(
+                        "late KV hello refused: its request had ended",
+                        reason=problem,
+                        reservation_id=rid[:64],
+                        stage="ucx_hello",
+                    )
+            else:
+                self.report(kind, payload)
             if PROTOCOL_VERSION >= WARM_VERSION:
                 # Drain at most what decode itself reserved, never what the sender says; and
                 # without the reservation's authenticator (a forged hello, or one for an id
@@ -957,8 +1016,11 @@ class KvReceiver:
                 else:
                     cap = UNKNOWN_RESERVATION_STRAYS
                 strays.extend(self._stray_tags(rid, 0, hello.get("batch"), cap))
+            refusal: dict[str, Any] = {"ok": False, "error": problem}
+            if ended is not None:
+                refusal["request_ended"] = True  # additive: a prefill before it reads the error
             with contextlib.suppress(Exception):
-                await self._answer(ep, {"ok": False, "error": problem}, frame)
+                await self._answer(ep, refusal, frame)
             return False
         assert t is not None
         self._unverified.discard(ep)  # it said a verified hello: no longer under the cap
@@ -1648,6 +1710,12 @@ def _version(message: dict[str, Any]) -> int:
 def _check_reply(reply: dict[str, Any]) -> None:
     if not reply.get("ok"):
         reason = str(reply.get("error"))
+        # Only a late transfer's refusal can say its request ended (``KvReceiver.forget``).
+        ended = reason == RESERVATION_RELEASED and reply.get("request_ended") is True
         raise TransferError(
-            f"decode refused: {reason}", reason, timeout=reason == "TIMEOUT", refused=True
+            f"decode refused: {reason}",
+            reason,
+            timeout=reason == "TIMEOUT",
+            refused=True,
+            request_ended=ended,
         )

@@ -33,8 +33,11 @@ receiving. The call's cancel normally stops the send before decode's answer is b
 in the turn the answer is read is logged at info ("transfer ended: request cancelled"), with no
 event. A refusal while the call is live (decode reaped the reservation: the system was slow) is
 reported, and so is a failed integrity check whatever became of the request. A refusal that overtook
-the call's cancel on the way (decode's Release delivered first) is, on this node, such a live
-refusal, and is reported too.
+the call's cancel on the way (decode's Release delivered first) is live on this node, but decode
+says in it that the reservation went with its request's end (``request_ended``, only for a hello
+carrying the reservation's authenticator; kvfence/transfer.py): logged at info ("transfer ended:
+request ended on decode"), with no event, the call still failing UNAVAILABLE
+``RESERVATION_RELEASED``. A decode before that field has such a refusal reported as before.
 
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Prefill`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, before any page is taken (the control plane tries another prefill node);
@@ -607,6 +610,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     raise Unavailable(
                         "released during the KV transfer", reason=RESERVATION_RELEASED
                     ) from None
+                raise transfer_status(err) from None
+            if err.request_ended:
+                # Decode refused a late hello because the request ended there first (the control
+                # plane's Release of a client cancel overtook this call's cancel; decode's own
+                # answer says so, ``KvReceiver.forget``): an ordinary cancel, nothing to report.
+                log.info(
+                    "transfer ended: request ended on decode",
+                    reason=err.reason,
+                    detail=detail,
+                    decode_node=res.decode_node_id,
+                )
                 raise transfer_status(err) from None
             log.warning(
                 "transfer failed", reason=err.reason, detail=detail, decode_node=res.decode_node_id

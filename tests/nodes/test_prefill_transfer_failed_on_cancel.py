@@ -83,8 +83,9 @@ async def test_a_client_cancel_mid_transfer_reports_no_failed_transfer_on_prefil
                 call.cancel()
                 assert await eventually(lambda: not pre.servicer.calls, 30)
                 await asyncio.gather(dstub.Release(release("r")), pstub.Release(release("r")))
-            else:
-                assert (await dstub.Release(release("r"))).held
+            else:  # decode's reaper (a Release now means the request ended: no event)
+                dec = _dec.servicer
+                assert dec._release(dec.by_request["r"], "reservation timeout", request_ended=False)
             held_hello.gate.set()  # decode reads the hello now: its reservation is released
             await asyncio.wait({task}, timeout=30)
             assert task.done()
@@ -158,8 +159,10 @@ async def test_a_refusal_read_as_the_call_ends_is_logged_not_reported(
                 request_id="r", tenant_id=TENANT, prompt_tokens=len(PROMPT), max_new_tokens=4
             )
         )
-        if refusal == RESERVATION_RELEASED:
-            assert (await dstub.Release(release("r"))).held
+        if refusal == RESERVATION_RELEASED:  # by decode's reaper, as in the test above
+            assert _dec.servicer._release(
+                res.reservation_id, "reservation timeout", request_ended=False
+            )
         with bound_logs() as logs:
             _, call = await reserve_and_prefill(dstub, pstub, "r", PROMPT, res=res, tenant=TENANT)
             client.append(call)
