@@ -254,6 +254,7 @@ class DecodeBatcher:
             [self._position(s) for s in batch],
             [s.params for s in batch],
             [len(s.generated) for s in batch],
+            pages_held=True,  # _claim counted each write page until the step's flags are read
         )
         self.steps += 1
         if self.on_step is not None:

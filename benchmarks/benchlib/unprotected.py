@@ -84,6 +84,12 @@ DECODE_ROWS_EDITS: list[Edit] = [
         ],
     ),
     ("flags_or", ["flags = attention.flags | stale"], ["flags = _NO_FLAGS"]),
+    # the step's count on the pages it writes (Engine._hold), which makes its check last the step
+    (
+        "write_hold",
+        ["held = [] if pages_held else self._hold([r.page_id for r in writes])"],
+        ["held = []"],
+    ),
 ]
 # DecodeBatch.step_and_sample: the step's flags read back to the host (a device sync on a GPU).
 STEP_AND_SAMPLE_EDITS: list[Edit] = [("flags_read", ["bad = flags.tolist()"], ["bad = ()"])]
@@ -97,7 +103,8 @@ PREFILL_MANY_EDITS: list[Edit] = [
             "current = (self.pool.page_gen[ids] == want).tolist()",
         ],
         ["current = [True] * len(flat)"],
-    )
+    ),
+    ("prefill_hold", ["held = self._hold([r.page_id for r in flat])"], ["held = []"]),
 ]
 
 

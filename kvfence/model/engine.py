@@ -13,6 +13,12 @@ Isolation rules this module keeps:
 * decode writes the new token's K/V only where the target page still carries the expected
   generation; a row whose page moved on is skipped and flagged, so a stale block table never writes
   into another owner's page;
+* both check the generations of the pages they write once per pass, before layer 0, so both count
+  their writes as operations in the pool (``PagePool.begin_ops``) from before that check to after
+  the last layer (on a GPU, until the stream has run it): a page released meanwhile stays
+  QUARANTINED until then, so it cannot change owner between two layers' writes. Counts nest: a
+  caller's own count (the prefill and decode services keep one) is unaffected. A decode caller
+  whose count covers the step's writes may say so (``pages_held``) and spare the step its own;
 * every page that decode attention reads is tag-checked *inside* the attention kernel, at every
   layer (``kernels.plan_decode_attention``: planned once a step, checked at each layer's call); a
   flagged row must never produce a token (the caller fails it with IntegrityError).
@@ -129,60 +135,70 @@ class Engine:
         flat = [r for refs in used for r in refs]
         if len({r.page_id for r in flat}) != len(flat):  # one write pass needs distinct slots
             raise ValueError("prompts of one prefill pass must not share pages")
-        ids = torch.tensor([r.page_id for r in flat], device=dev)
-        want = torch.tensor([r.generation for r in flat], device=dev)
-        current = (self.pool.page_gen[ids] == want).tolist()
-        errors: list[IntegrityError | None] = []
-        k = 0
-        for refs in used:
-            ok = all(current[k : k + len(refs)])
-            k += len(refs)
-            errors.append(
-                None
-                if ok
-                else IntegrityError(
-                    "prefill target page is not at the generation this request holds",
-                    reason="PAGE_GENERATION",
+        # Held before the generations are checked, so the check holds for every layer's write.
+        held = self._hold([r.page_id for r in flat])
+        try:
+            ids = torch.tensor([r.page_id for r in flat], device=dev)
+            want = torch.tensor([r.generation for r in flat], device=dev)
+            current = (self.pool.page_gen[ids] == want).tolist()
+            errors: list[IntegrityError | None] = []
+            k = 0
+            for refs in used:
+                ok = all(current[k : k + len(refs)])
+                k += len(refs)
+                errors.append(
+                    None
+                    if ok
+                    else IntegrityError(
+                        "prefill target page is not at the generation this request holds",
+                        reason="PAGE_GENERATION",
+                    )
                 )
+            logits = torch.zeros(
+                (len(prompts), self.vocab_size), dtype=torch.float32, device=dev
+            )  # rows of failed prompts stay zero
+            # Run the good prompts grouped by length (stable), so each group of equal-length
+            # prompts is one contiguous (n, T) block of the flat layout.
+            run = sorted(
+                (i for i, e in enumerate(errors) if e is None), key=lambda i: len(prompts[i])
             )
-        logits = torch.zeros(
-            (len(prompts), self.vocab_size), dtype=torch.float32, device=dev
-        )  # rows of failed prompts stay zero
-        # Run the good prompts grouped by length (stable), so each group of equal-length prompts
-        # is one contiguous (n, T) block of the flat layout.
-        run = sorted((i for i, e in enumerate(errors) if e is None), key=lambda i: len(prompts[i]))
-        if not run:
+            if not run:
+                return logits, errors
+            tokens: list[int] = []
+            positions: list[int] = []
+            slots: list[int] = []
+            last: list[int] = []
+            groups: list[tuple[int, int, int]] = []  # (start token, prompts, length)
+            for i in run:
+                toks, n = prompts[i], len(prompts[i])
+                if groups and groups[-1][2] == n:
+                    start, count, _ = groups[-1]
+                    groups[-1] = (start, count + 1, n)
+                else:
+                    groups.append((len(tokens), 1, n))
+                tokens.extend(toks)
+                positions.extend(range(n))
+                refs = used[i]
+                slots.extend(refs[p // ps].page_id * ps + p % ps for p in range(n))
+                last.append(len(tokens) - 1)
+            tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            # (T,) every token, own pages
+            slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+            scale = self.scale
+
+            def attend(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_t)
+                return _grouped_causal(q, k, v, groups, scale)
+
+            hidden = self.model(tok_t, pos_t, attend)  # (T, D)
+            out = self.model.logits(hidden[torch.tensor(last, device=dev)])  # (len(run), vocab)
+            logits[torch.tensor(run, device=dev)] = out
             return logits, errors
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last: list[int] = []
-        groups: list[tuple[int, int, int]] = []  # (start token, prompts, length)
-        for i in run:
-            toks, n = prompts[i], len(prompts[i])
-            if groups and groups[-1][2] == n:
-                start, count, _ = groups[-1]
-                groups[-1] = (start, count + 1, n)
-            else:
-                groups.append((len(tokens), 1, n))
-            tokens.extend(toks)
-            positions.extend(range(n))
-            refs = used[i]
-            slots.extend(refs[p // ps].page_id * ps + p % ps for p in range(n))
-            last.append(len(tokens) - 1)
-        tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)  # (T,) every token, own pages
-        scale = self.scale
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_t)
-            return _grouped_causal(q, k, v, groups, scale)
-
-        hidden = self.model(tok_t, pos_t, attend)  # (T, D)
-        out = self.model.logits(hidden[torch.tensor(last, device=dev)])  # (len(run), vocab)
-        logits[torch.tensor(run, device=dev)] = out
-        return logits, errors
+        finally:
+            self._settle(held)
 
     @torch.inference_mode()
     def decode_step(self, batch: Sequence[DecodeItem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +230,40 @@ class Engine:
             expected_gen,
         )
 
+    def _hold(self, page_ids: list[int]) -> list[int]:
+        """Count a pass's (decode step's, prefill's) write into each page as an operation in the
+        pool; returns the pages counted, for :meth:`_settle`.
+
+        Taken before the pages' generations are checked, it makes that check good for the whole
+        pass: a page that is current when checked cannot be freed, so cannot change owner, before
+        the pass's last layer has written it (a release meanwhile leaves it QUARANTINED until
+        ``end_ops``). A page that is already free is left out: its generation moved on when it
+        was freed, so the check refuses the write. One already given to another owner is counted
+        all the same (the check refuses it too); that owner's release merely waits for the
+        pass."""
+        try:
+            self.pool.begin_ops(page_ids)
+            return page_ids
+        except ValueError:  # a free page among them: begin_ops counted none
+            held = []
+            for pid in page_ids:
+                try:
+                    self.pool.begin_ops([pid])
+                except ValueError:
+                    continue
+                held.append(pid)
+            return held
+
+    def _settle(self, held: list[int]) -> None:
+        """End :meth:`_hold`'s operations once the pass's writes are done: on a GPU, once the
+        stream has run them (a page freed here may be written next by a transfer that no stream
+        orders after them)."""
+        if not held:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.pool.end_ops(held)
+
     @torch.inference_mode()
     def decode_rows(
         self,
@@ -222,41 +272,59 @@ class Engine:
         writes: Sequence[PageRef],
         block_tables: torch.Tensor,
         expected_gen: torch.Tensor,
+        *,
+        pages_held: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`decode_step` on prepared inputs: row ``i`` feeds ``token_ids[i]`` at
         ``positions[i]`` (which the caller has checked lies inside the row's pages) into page
         ``writes[i]`` (the row's page ``positions[i] // page_size``, as the caller holds it), with
         block table ``block_tables[i]`` (int32 (B, P)) and generations ``expected_gen[i]`` (int64
-        (B, P), padding entries ``_PAD_GEN``)."""
+        (B, P), padding entries ``_PAD_GEN``).
+
+        The write targets' generations are checked once, before layer 0, and each layer writes
+        where that check allowed; so the step counts its write into each target as an operation
+        in the pool (``begin_ops``) before the check and settles it after the last layer: a
+        release meanwhile cannot hand the page to another owner between two layers' writes.
+        ``pages_held=True`` says the caller has already counted one operation on every page of
+        ``writes`` that lasts until the step's writes are done (the decode node's batcher does,
+        from ``_claim`` until it has read the step's flags); the step then counts none of its
+        own, which saves a pool round trip per step (measured at 1-2% of a tiny-model step of 64
+        rows on the CPU). A caller that cannot promise that leaves it False."""
         self.check_tokens(token_ids)
         ps, dev = self.page_size, self.device
-        # Host lists go to the device in one transfer; nothing below synchronises. The write
-        # targets come from the caller's page lists, so finding them costs no tensor op; whether
-        # they are still the caller's is checked against the pool's page_gen below.
-        slots = [r.page_id * ps + p % ps for r, p in zip(writes, positions, strict=True)]
-        targets = [r.page_id for r in writes]
-        wanted = [r.generation for r in writes]
-        inputs = torch.tensor(
-            [token_ids, positions, slots, targets, wanted], dtype=torch.long, device=dev
-        )  # (5, B)
-        tokens, pos, slot, target, want = inputs.unbind(0)
-        stale = self.pool.page_gen.index_select(0, target) != want
-        # A stale target page is never written (slot -1) and the row is flagged.
-        slot_mapping = torch.where(stale, -1, slot)  # (B,) int64
-        seq_lens = (pos + 1).to(torch.int32)  # (B,) tokens incl. the current one
-        # Planned once for the step's layers; every layer's call checks the pages it reads anew,
-        # and the plan ORs the layers' flags (``attention.flags``).
-        attention = kernels.plan_decode_attention(
-            self.pool.kv, block_tables, expected_gen, self.pool.page_gen, seq_lens, self.scale
-        )
+        held = [] if pages_held else self._hold([r.page_id for r in writes])
+        try:
+            # Host lists go to the device in one transfer; nothing below synchronises. The write
+            # targets come from the caller's page lists, so finding them costs no tensor op; whether
+            # they are still the caller's is checked against the pool's page_gen below.
+            slots = [r.page_id * ps + p % ps for r, p in zip(writes, positions, strict=True)]
+            targets = [r.page_id for r in writes]
+            wanted = [r.generation for r in writes]
+            inputs = torch.tensor(
+                [token_ids, positions, slots, targets, wanted], dtype=torch.long, device=dev
+            )  # (5, B)
+            tokens, pos, slot, target, want = inputs.unbind(0)
+            stale = self.pool.page_gen.index_select(0, target) != want
+            # A stale target page is never written (slot -1) and the row is flagged.
+            slot_mapping = torch.where(stale, -1, slot)  # (B,) int64
+            seq_lens = (pos + 1).to(torch.int32)  # (B,) tokens incl. the current one
+            # Planned once for the step's layers; every layer's call checks the pages it reads anew,
+            # and the plan ORs the layers' flags (``attention.flags``).
+            attention = kernels.plan_decode_attention(
+                self.pool.kv, block_tables, expected_gen, self.pool.page_gen, seq_lens, self.scale
+            )
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_mapping)
-            return attention(q, layer)[0]
+            def attend(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                kernels.write_kv_pages(k, v, self.pool.kv, layer, slot_mapping)
+                return attention(q, layer)[0]
 
-        hidden = self.model(tokens, pos, attend)  # (B, D)
-        flags = attention.flags | stale
-        return self.model.logits(hidden), flags
+            hidden = self.model(tokens, pos, attend)  # (B, D)
+            flags = attention.flags | stale
+            return self.model.logits(hidden), flags
+        finally:
+            self._settle(held)
 
 
 def _grouped_causal(
@@ -352,9 +420,10 @@ class DecodeBatch:
         return torch.cat([t, pad], dim=1)
 
     def step(
-        self, token_ids: Sequence[int], positions: Sequence[int]
+        self, token_ids: Sequence[int], positions: Sequence[int], *, pages_held: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`Engine.decode_step` for the current rows: (logits (B, vocab), flags (B,))."""
+        """:meth:`Engine.decode_step` for the current rows: (logits (B, vocab), flags (B,)).
+        ``pages_held``: as in :meth:`Engine.decode_rows`."""
         if not self._rows:
             raise ValueError("empty decode batch")
         if len(token_ids) != len(self._rows) or len(positions) != len(self._rows):
@@ -368,7 +437,12 @@ class DecodeBatch:
                 )
             writes.append(self._rows[i][p // ps])
         return self.engine.decode_rows(
-            token_ids, positions, writes, self.block_tables, self.expected_gen
+            token_ids,
+            positions,
+            writes,
+            self.block_tables,
+            self.expected_gen,
+            pages_held=pages_held,
         )
 
     def step_and_sample(
@@ -377,10 +451,13 @@ class DecodeBatch:
         positions: Sequence[int],
         params: Sequence[SamplingParams],
         draws: Sequence[int],
+        *,
+        pages_held: bool = False,
     ) -> list[int | None]:
         """One decode step and one sampled token per row (``draws[i]`` is row i's draw index);
-        None for a row whose tag check failed: it produced no token and must be failed."""
-        logits, flags = self.step(token_ids, positions)
+        None for a row whose tag check failed: it produced no token and must be failed.
+        ``pages_held``: as in :meth:`Engine.decode_rows`."""
+        logits, flags = self.step(token_ids, positions, pages_held=pages_held)
         bad = flags.tolist()
         if not any(bad):
             return list(sample(logits, params, draws))

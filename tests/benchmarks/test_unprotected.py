@@ -161,6 +161,13 @@ def test_rewritten_engine_methods_drop_the_checks_and_nothing_else():
     assert shipped[1] is None and None not in unchecked  # only the shipped step caught it
     assert shipped[0] == unchecked[0] and shipped[2] == unchecked[2]
     # one timed prefill pass; two timed unchecked decode steps, each clocking its write span
-    # and its flags span (the plan's flags ORed with the write check's, made constant) once
-    assert out["spans"] == {"flags_or": 2, "prefill_gen_check": 1, "write_check": 2}
+    # and its flags span (the plan's flags ORed with the write check's, made constant) once, and
+    # the pass's count on the pages it writes (Engine._hold) once
+    assert out["spans"] == {
+        "flags_or": 2,
+        "prefill_gen_check": 1,
+        "prefill_hold": 1,
+        "write_check": 2,
+        "write_hold": 2,
+    }
     assert "'x'" in out["missing"] and "0 times" in out["missing"]

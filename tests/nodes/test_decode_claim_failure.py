@@ -39,6 +39,9 @@ async def test_a_failure_while_claiming_a_row_fails_that_row_and_the_next_reques
             for p in PROMPTS[:2]
         ]
     )
+    events: list[list] = [[], []]
+    # Prefilled before the failure is armed: the engine's prefill counts its writes too.
+    first = start_sequence(colo, 0, PROMPTS[0], NEW, events[0])
     if claim_fails:
         begin_ops = colo.pool.begin_ops
         calls = 0
@@ -53,8 +56,6 @@ async def test_a_failure_while_claiming_a_row_fails_that_row_and_the_next_reques
         monkeypatch.setattr(colo.pool, "begin_ops", failing_once)
     batcher = DecodeBatcher(colo.engine, colo.pool, [], colo.tokenizer.decode,
                             asyncio.get_running_loop())  # fmt: skip
-    events: list[list] = [[], []]
-    first = start_sequence(colo, 0, PROMPTS[0], NEW, events[0])
     batcher.start()
     try:
         batcher.add(first)
