@@ -102,8 +102,9 @@ def paged_decode_attention(
     """One decode step of attention over paged KV, with the page-ownership check in the kernel.
 
     Args:
-        q: ``[B, num_heads, head_dim]`` the step's queries (pool dtype). ``num_heads`` is a multiple
-            of ``num_kv_heads``; head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+        q: ``[B, num_heads, head_dim]`` the step's queries (pool dtype). ``num_heads`` (>= 1) is a
+            multiple of ``num_kv_heads`` (>= 1); head ``h`` reads kv head
+            ``h // (num_heads // num_kv_heads)``.
         kv_pages: the pool; ``layer`` selects the layer read.
         block_tables: int32 ``[B, max_pages]`` page ids; entries at or beyond
             ``ceil(seq_len / page_size)`` are ignored (any value). ``max_pages`` may be 0 (every
@@ -120,7 +121,8 @@ def paged_decode_attention(
         or ``seq_len < 1``.
         A flagged row reads no K/V and its output is zeros; the caller must fail that request.
         A NaN or inf in the q, K or V a row reads is no flag: it reaches that row's output as
-        NaN or inf (in the query heads that read it), never as zeros.
+        NaN or inf (in the query heads that read it), never as zeros; in particular a query head
+        whose every score is -inf outputs NaN (a head with some finite score attends over those).
     """
     return plan_decode_attention(kv_pages, block_tables, expected_gen, page_gen, seq_lens, scale)(
         q, layer

@@ -92,6 +92,8 @@ def check_attention_plan(
     ):
         return
     check_pool(kv_pages)
+    if kv_pages.shape[4] <= 0:  # every call's head check divides by it
+        raise ValueError(f"kv_pages must have num_kv_heads >= 1, got {kv_pages.shape[4]}")
     check_same_device(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
     check_dtype("block_tables", block_tables, torch.int32)
     check_dtype("expected_gen", expected_gen, torch.int64)
@@ -120,6 +122,7 @@ def check_attention_call(q: torch.Tensor, kv_pages: torch.Tensor, layer: int, ba
         and len(qs) == 3
         and qs[0] == batch
         and qs[2] == pool[5]
+        and qs[1] > 0
         and qs[1] % pool[4] == 0
         and q.dtype == kv_pages.dtype
         and ((q.is_cpu and kv_pages.is_cpu) or q.device == kv_pages.device)
@@ -132,6 +135,10 @@ def check_attention_call(q: torch.Tensor, kv_pages: torch.Tensor, layer: int, ba
         raise ValueError(f"q must be [{batch}, num_heads, {head_dim}], got {tuple(q.shape)}")
     if q.dtype != kv_pages.dtype:
         raise ValueError(f"q dtype {q.dtype} differs from the pool dtype {kv_pages.dtype}")
+    if q.shape[1] == 0:
+        # No head, no kernel program: a stale row would go unflagged (the Triton launch has no
+        # program to flag it) while its caller reads "nothing wrong".
+        raise ValueError("q must have at least one head")
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
 

@@ -225,8 +225,10 @@ def _attend(
     ``valid`` (B, T) marks the slots a row may attend to (None: all). Invalid slots hold whatever
     was in the page before, even NaN, and a masked score is computed as score + (-inf), so
     NaN would survive the mask and 0 * NaN the softmax: they are zeroed in K and V first, as the
-    kernel's masked loads never read them. A row with no valid slot comes out NaN; callers zero
-    it. ``k`` and ``v`` must be fresh copies (from ``_gather``): they are zeroed in place.
+    kernel's masked loads never read them. A query head whose every score is -inf (an inf in q
+    or K) comes out NaN, as the kernel's 0 / 0 does, and so does a row with no valid slot;
+    callers zero the latter. ``k`` and ``v`` must be fresh copies (from ``_gather``): they are
+    zeroed in place.
     """
     batch, num_heads, head_dim = q.shape
     _, t, num_kv_heads, _ = k.shape
@@ -242,8 +244,31 @@ def _attend(
     qf = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.nn.functional.scaled_dot_product_attention(
         qf, kf.transpose(1, 2), vf.transpose(1, 2), attn_mask=mask, scale=scale
-    )  # (B, kvh, G, D)
-    return out.reshape(batch, num_heads, head_dim)
+    ).reshape(batch, num_heads, head_dim)
+    # SDPA gives a query head whose every score is -inf softmax weights of 0, so a row of zeros,
+    # which would pass for an answer. Only a head whose output is all zeros can be one, so one
+    # whose first element is zero: counting those (one op over B * H values; NaN counts as
+    # nonzero) finds there is none, and only when there is one are such heads' scores computed.
+    if head_dim and int(out.select(2, 0).count_nonzero()) < batch * num_heads:
+        _nan_where_every_score_is_minus_inf(out, qf, kf, valid, scale)
+    return out
+
+
+def _nan_where_every_score_is_minus_inf(
+    out: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, valid: torch.Tensor | None, scale: float
+) -> None:
+    """Set to NaN, in place, each head of ``out`` (B, H, D) that is all zeros because every score
+    it had (q ``qf`` (B, kvh, G, D) against ``kf`` (B, T, kvh, D) over the ``valid`` slots) is
+    -inf; an all-zero head with a score above -inf is a real answer and stays."""
+    group = qf.shape[2]
+    rows, heads = (out == 0).all(-1).nonzero(as_tuple=True)  # (N,) each
+    q = qf.reshape(out.shape)[rows, heads]  # (N, D)
+    k = kf[rows, :, heads // group]  # (N, T, D)
+    scores = (k @ q[:, :, None]).squeeze(2) * scale  # (N, T)
+    if valid is not None:  # an invalid slot's zeroed K may give NaN (inf * 0): not a score
+        scores = torch.where(valid[rows], scores, float("-inf"))
+    dead = (scores == float("-inf")).all(1)
+    out[rows[dead], heads[dead]] = float("nan")
 
 
 def _attention_flagging(

@@ -26,6 +26,13 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
+def _last_dim_dense(t: torch.Tensor) -> bool:
+    """Whether the kernels may step through ``t``'s last dimension one element at a time. Its
+    stride does not matter when it has at most one element (torch gives such a dimension any
+    stride: a transposed (N, 1) table is contiguous with stride 3, an expanded one stride 0)."""
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
 # --------------------------------------------------------------------------------------------------
 # paged decode attention
 
@@ -113,15 +120,20 @@ def _paged_decode_kernel(
         s = tl.sum(k * q[None, :], axis=1)  # (BLOCK_T,)
         s = tl.where(tm, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
+        # Until a block has a score above -inf (a K or q with -inf in it, an fp16 overflow, can
+        # make a whole block's scores -inf), m_new is -inf and exp(-inf - -inf) would be NaN:
+        # subtract 0 then, which makes alpha and every p of the block exactly 0, as they are.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_sub)
+        p = tl.exp(s - m_sub)
         v = tl.load(kv_ptr + stride_kv + row[:, None] + d[None, :], mask=lm, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
     # Only a row with no tokens (a flagged one: acc is 0) skips the division. Any other row has
-    # l_i >= 1 (the max-score token adds exp(0)), unless a score was NaN or inf: a NaN or inf in K
-    # or q (fp16 overflow) makes l_i and acc NaN, and the output must be that NaN, as in the
+    # l_i >= 1 (the max-score token adds exp(0)), unless a score was NaN or inf: a NaN or +inf
+    # score (a NaN or inf in K or q, an fp16 overflow) makes l_i and acc NaN, and a row whose
+    # every score is -inf has l_i = acc = 0, so 0 / 0: the output must be that NaN, as in the
     # reference, not a plausible row of zeros.
     out = acc / tl.where(n_tok > 0, l_i, 1.0)
     tl.store(out_ptr + b * o_stride_b + h * o_stride_h + d, out, mask=dm)
@@ -160,7 +172,7 @@ class DecodeAttentionPlan:
         _checks.check_attention_plan(kv_pages, block_tables, expected_gen, page_gen, seq_lens)
         _check_runnable(kv_pages.device)
         for name, t in (("block_tables", block_tables), ("expected_gen", expected_gen)):
-            if t.stride(-1) != 1:
+            if not _last_dim_dense(t):
                 raise ValueError(f"{name} must be contiguous in its last dimension")
         if not (page_gen.is_contiguous() and seq_lens.is_contiguous()):
             raise ValueError("page_gen and seq_lens must be contiguous")
@@ -172,7 +184,7 @@ class DecodeAttentionPlan:
     def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv_pages, block_tables, expected_gen = self.kv_pages, self.block_tables, self.expected_gen
         _checks.check_attention_call(q, kv_pages, layer, self.batch)
-        if q.stride(-1) != 1:
+        if not _last_dim_dense(q):
             raise ValueError("q must be contiguous in its last dimension")
         batch, num_heads, head_dim = q.shape
         num_pages, _, _, page_size, num_kv_heads, _ = kv_pages.shape
@@ -275,7 +287,7 @@ def write_kv_pages(
     """Triton launcher of ``kernels.write_kv_pages``; slots outside the pool are dropped."""
     _checks.check_write_args(k, v, kv_pages, layer, slot_mapping)
     _check_runnable(k.device)
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
+    if not (_last_dim_dense(k) and _last_dim_dense(v)):
         raise ValueError("k and v must be contiguous in their last dimension")
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous")
