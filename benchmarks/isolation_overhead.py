@@ -252,7 +252,9 @@ def bench_decode_checks(w: Workload, reps: int) -> dict[str, Any]:
         engine_mod.kernels = kernels_in_step[on]  # type: ignore[assignment]
         w.engine.decode_rows = rows[on]  # type: ignore[method-assign]
         try:
-            tokens = batches[on].step_and_sample(*step_args)
+            # As the decode node's batcher steps: its claim counts the write pages (priced in
+            # deferred_release_ops), so the engine counts none of its own.
+            tokens = batches[on].step_and_sample(*step_args, pages_held=True)
         finally:
             del w.engine.decode_rows
             set_engine_checks(True)
@@ -266,8 +268,8 @@ def bench_decode_checks(w: Workload, reps: int) -> dict[str, Any]:
     layers = w.args.num_layers
     tag_per_step = (plan_on - plan_off) + (situ_on - situ_off) * layers
     span_us = {k: {"on": _median_us(spans[True][k]), "off": _median_us(spans[False][k])}
-               for k in ("write_check", "write_hold", "flags_or", "flags_read")}  # fmt: skip
-    per_step_calls = {"write_check": 1, "write_hold": 1, "flags_or": 1, "flags_read": 1}
+               for k in ("write_check", "flags_or", "flags_read")}  # fmt: skip
+    per_step_calls = {"write_check": 1, "flags_or": 1, "flags_read": 1}
     write_per_step = sum((v["on"] - v["off"]) * per_step_calls[k] for k, v in span_us.items()) / 1e6
     return {
         "attention_us": {"on": benchlib.r(attn_on * 1e6, 2), "off": benchlib.r(attn_off * 1e6, 2)},
@@ -285,10 +287,8 @@ def bench_decode_checks(w: Workload, reps: int) -> dict[str, Any]:
         # also removed from "off"; within a step, the shared arguments are checked at planning
         "arg_checks_us_per_call": benchlib.r(arg_checks * 1e6, 2),
         # decode's write-side checks, each span timed inside real steps: the generation check of
-        # the page each row writes, the step's count on those pages that makes the check last
-        # the step (the decode node's batcher counts them from its claim instead), the OR of the
-        # attention plan's flags (its layers') with the write check's, the step's flags read
-        # back to the host (each once a step)
+        # the page each row writes, the OR of the attention plan's flags (its layers') with the
+        # write check's, the step's flags read back to the host (each once a step)
         "write_side_in_step_us": {
             k: {side: benchlib.r(us, 2) for side, us in v.items()} for k, v in span_us.items()
         },

@@ -140,7 +140,7 @@ def test_isolation_overhead_quick(tmp_path):
             assert set(checks[key]) == {"on", "off"}
             assert checks[key]["on"] > 0 and checks[key]["off"] > 0
         spans = checks["write_side_in_step_us"]
-        assert set(spans) == {"write_check", "write_hold", "flags_or", "flags_read"}
+        assert set(spans) == {"write_check", "flags_or", "flags_read"}
         for span in spans.values():
             assert set(span) == {"on", "off"} and span["on"] > 0 and span["off"] > 0
         assert isinstance(checks["write_side_check_us_per_step"], float)
