@@ -13,19 +13,11 @@ Each refusal has a control: the same call with the good argument goes through.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
 import kernels
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 NUM_LAYERS = 2
 
@@ -163,23 +155,8 @@ def triton_runs(make_pool, make_batch, tmp_path_factory):
         page_ids = torch.tensor(ids, dtype=torch.int64)
         jobs[f"checksum_{case}"] = ("checksum", (pool.kv, page_ids, _seeds(len(ids))))
         jobs[f"scrub_{case}"] = ("scrub", (pool.kv.clone(), page_ids, 0))
-    tmp = tmp_path_factory.mktemp("arg_checks")
-    torch.save(jobs, tmp / "cases.pt")
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        TRITON_INTERPRET="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(TRITON_SCRIPT), tmp / "cases.pt", tmp / "out.pt"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-4000:]}"
-    return args, pool, torch.load(tmp / "out.pt")
+    out = run_interpreted(TRITON_SCRIPT, jobs, tmp_path_factory.mktemp("arg_checks"))
+    return args, pool, out
 
 
 def test_triton_takes_the_good_attention_call(triton_runs):

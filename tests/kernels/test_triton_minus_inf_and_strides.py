@@ -9,19 +9,12 @@ process builds the inputs and runs the torch reference.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import run_interpreted
 
 from kernels import reference
-
-REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys
@@ -124,23 +117,8 @@ def _cases() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     built = _cases()
-    tmp = tmp_path_factory.mktemp("triton_edges")
-    torch.save(built["jobs"], tmp / "cases.pt")
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        TRITON_INTERPRET="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), tmp / "cases.pt", tmp / "out.pt"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-4000:]}"
-    return built, torch.load(tmp / "out.pt")
+    out = run_interpreted(SCRIPT, built["jobs"], tmp_path_factory.mktemp("triton_edges"))
+    return built, out
 
 
 def _ok(results: dict, name: str) -> tuple:
