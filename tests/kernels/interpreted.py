@@ -3,8 +3,9 @@ test helper): the interpreter is chosen when triton is first imported, so the py
 imports triton in interpreter mode.
 
 ``run_interpreted(script, jobs, tmp)`` saves ``jobs`` to ``tmp/cases.pt``, runs ``script`` (Python
-source, dedented) as ``python -c script CASES.pt OUT.pt`` with ``TRITON_INTERPRET=1`` and the
-repository on the path, and returns what the script saved to ``OUT.pt``.
+source, dedented, as ``python -c script CASES.pt OUT.pt``; or a Path, a script file run as
+``python FILE CASES.pt OUT.pt``) with ``TRITON_INTERPRET=1`` and the repository on the path, and
+returns what the script saved to ``OUT.pt``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(script: str, jobs: Any, tmp: Path, timeout: float = 180) -> Any:
+def run_interpreted(script: str | Path, jobs: Any, tmp: Path, timeout: float = 180) -> Any:
     torch.save(jobs, tmp / "cases.pt")
+    program = [str(script)] if isinstance(script, Path) else ["-c", textwrap.dedent(script)]
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         TRITON_INTERPRET="1",
     )
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), tmp / "cases.pt", tmp / "out.pt"],
+        [sys.executable, *program, tmp / "cases.pt", tmp / "out.pt"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -7,18 +7,15 @@ compares.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from kernels import reference
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 STALE_FLAGS = [False, True, False, False, True]
@@ -96,20 +93,7 @@ def _planned_case(make_pool, make_batch) -> tuple:
 
 def _interpret(jobs: dict, tmp: Path, timeout: float) -> dict:
     """Run ``jobs`` (name -> (launcher, args)) in an interpreter subprocess; name -> result."""
-    torch.save(jobs, tmp / "cases.pt")
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "interpret_runner.py"), tmp / "cases.pt", tmp / "results.pt"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.stderr[-4000:]}"
-    return torch.load(tmp / "results.pt")
+    return run_interpreted(HERE / "interpret_runner.py", jobs, tmp, timeout)
 
 
 def _attention_jobs(attn: dict) -> dict:
