@@ -593,14 +593,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # message is the transfer's own (UCX's error, decode's refusal), never request data.
             detail = str(err)[:300]
             ended = self._request_ended(req)
+            if ended is None and err.request_ended:
+                # Decode refused a late hello because the request ended there first (the control
+                # plane's Release of a client cancel overtook this call's cancel; decode's own
+                # answer says so, ``KvReceiver.forget``).
+                ended = "on decode"
             if ended is not None and err.reason not in INTEGRITY_REASONS:
-                # The request ended here as the failure came back: on a client cancel the
-                # control plane cancels this call and then releases decode, which refuses a
-                # hello it reads after that (RESERVATION_RELEASED) or aborts the transfer it was
+                # The request ended as the failure came back: on a client cancel the control
+                # plane cancels this call and then releases decode, which refuses a hello it
+                # reads after that (RESERVATION_RELEASED) or aborts the transfer it was
                 # receiving. Not a failed transfer: no event for an operator to chase. A failed
                 # integrity check is reported below whatever became of the request.
                 log.info(
-                    "transfer ended: request cancelled",
+                    "transfer ended: request ended on decode"
+                    if ended == "on decode"
+                    else "transfer ended: request cancelled",
                     ended=ended,
                     reason=err.reason,
                     detail=detail,
@@ -610,17 +617,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     raise Unavailable(
                         "released during the KV transfer", reason=RESERVATION_RELEASED
                     ) from None
-                raise transfer_status(err) from None
-            if err.request_ended:
-                # Decode refused a late hello because the request ended there first (the control
-                # plane's Release of a client cancel overtook this call's cancel; decode's own
-                # answer says so, ``KvReceiver.forget``): an ordinary cancel, nothing to report.
-                log.info(
-                    "transfer ended: request ended on decode",
-                    reason=err.reason,
-                    detail=detail,
-                    decode_node=res.decode_node_id,
-                )
                 raise transfer_status(err) from None
             log.warning(
                 "transfer failed", reason=err.reason, detail=detail, decode_node=res.decode_node_id
