@@ -348,31 +348,26 @@ def rotate_logs(logs: Path) -> None:
 def _spawn(
     role: str, cfg_path: Path, env: dict[str, str], log_path: Path
 ) -> subprocess.Popen[bytes]:
-    log_file = log_path.open("ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvfence", "serve", role, "--config", str(cfg_path)],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # Ctrl-C reaches only `up`, which stops the children in order
+    return _spawn_logged(
+        [sys.executable, "-m", "kvfence", "serve", role, "--config", str(cfg_path)], env, log_path
     )
+
+
+def _spawn_logged(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """A child of ``up`` writing stdout and stderr to the end of ``log_path`` (the child holds
+    its own copy of the file: ours is closed)."""
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only `up`, which stops the children in order
+        )
 
 
 MODEL_WRITER = "model-writer"  # the process that writes the embedded model before the services
 MODEL_WRITE_S = 120.0  # torch's import and the weights' draw: seconds, a cold machine's more
-
-
-def _spawn_model_writer(
-    directory: Path, env: dict[str, str], log_path: Path
-) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log_file:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvfence.model.tiny", str(directory)],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # as the services': `up` stops it, on Ctrl-C too
-        )
 
 
 def local_threads(n_nodes: int) -> int:
@@ -437,7 +432,11 @@ def run_stack(
             # where it is needed, the nodes. (Checked here, without torch: a later start on the
             # same state directory starts no writer.) Its lines lead the control plane's log,
             # of whose start it is the first step.
-            writer = _spawn_model_writer(embedded_model, env, logs / "cp.log")
+            writer = _spawn_logged(
+                [sys.executable, "-m", "kvfence.model.tiny", str(embedded_model)],
+                env,
+                logs / "cp.log",
+            )
             procs.append((MODEL_WRITER, writer))  # stopped with the rest on a stop or a failure
             why = _wait(lambda: writer.poll() is not None, MODEL_WRITE_S, lambda: stopping, [])
             if why == READY and writer.returncode != 0:
