@@ -674,7 +674,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # a released id); its held-back count gets a key, and so a summary event, of its own.
         forged = payload.get("authenticated") is False
         bounded = payload.get("stage") == "ucx_hello" and (what != RESERVATION_RELEASED or forged)
-        key = (kind, what, False) if forged else (kind, what)
+        key = (kind, what, forged)
         if bounded and not self._hello_events.allow(key):
             return  # anyone can cause these: bounded (module docstring)
         self.bus.emit(kind, **payload)
@@ -683,9 +683,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """One event per kind and check whose window closed with events held back, saying how
         many (all open windows with ``force``: at shutdown)."""
         for key, held in self._hello_events.flush(force):
-            kind, what = str(key[0]), str(key[1])  # type: ignore[index]
+            kind, what, forged = str(key[0]), str(key[1]), bool(key[2])  # type: ignore[index]
             field = "check" if kind == "integrity_violation" else "reason"
-            extra = {"authenticated": False} if len(key) > 2 else {}  # type: ignore[arg-type]
+            extra = {"authenticated": False} if forged else {}
             self.bus.emit(
                 kind,
                 **{field: what},
