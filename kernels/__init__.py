@@ -4,7 +4,8 @@ Every public function dispatches on the device of its tensors: CUDA tensors run 
 in ``kernels.triton_impl``, CPU tensors run the torch reference in ``kernels.reference``. Both
 follow one contract; the attention output agrees to float tolerance, the other three bit for bit.
 Triton is imported only when a CUDA tensor arrives, so the CPU path works where triton is missing
-or broken.
+or broken; if that import fails, CUDA tensors run the torch references for the rest of the process
+(one warning, no retry).
 
 Pool layout (``kvfence.kv.pool``): ``kv_pages`` is ``[num_pages, num_layers, 2, page_size,
 num_kv_heads, head_dim]`` (dim 2: 0 = K, 1 = V), contiguous; ``page_gen`` is int64 ``[num_pages]``.
@@ -13,6 +14,7 @@ num_kv_heads, head_dim]`` (dim 2: 0 = K, 1 = V), contiguous; ``page_gen`` is int
 from __future__ import annotations
 
 import hashlib
+import threading
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -77,16 +79,39 @@ def checksum_as_uint64(value: int) -> int:
     return value & ((1 << 64) - 1)
 
 
+_cuda_impl: ModuleType | None = None
+"""What CUDA tensors run, once :func:`_impl` has first been asked for it (None before)."""
+_cuda_impl_lock = threading.Lock()
+
+
 def _impl(device: torch.device) -> ModuleType:
     """The Triton launchers for CUDA tensors, the torch references otherwise."""
     if device.type != "cuda":
         return reference
-    try:
-        from kernels import triton_impl
-    except Exception as exc:  # a broken triton install must not take serving down
-        warnings.warn(f"triton unusable ({exc!r}); running torch references on CUDA", stacklevel=3)
-        return reference
-    return triton_impl
+    return _cuda_impl or _load_cuda_impl()
+
+
+def _load_cuda_impl() -> ModuleType:
+    """Import the Triton launchers once per process; the torch references if that fails.
+
+    The outcome is kept: a failed import is not retried, so it costs one attempt and one warning
+    per process, not an import and a warning on every kernel call (every layer of every step).
+    """
+    global _cuda_impl
+    with _cuda_impl_lock:  # two engine threads' first calls: still one attempt, one warning
+        if _cuda_impl is None:
+            try:
+                from kernels import triton_impl
+            except Exception as exc:  # a broken triton install must not take serving down
+                warnings.warn(
+                    f"triton unusable ({exc!r}); running torch references on CUDA for the rest "
+                    "of this process",
+                    stacklevel=4,
+                )
+                _cuda_impl = reference
+            else:
+                _cuda_impl = triton_impl
+        return _cuda_impl
 
 
 def paged_decode_attention(
@@ -175,8 +200,9 @@ def write_kv_pages(
 
     ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` in the pool dtype. ``slot_mapping``: int64
     ``[T]``, ``slot = page_id * page_size + offset``; ``-1`` skips the token. Slots must be
-    distinct. A slot outside the pool raises ``ValueError`` on CPU; on CUDA (no host sync) the
-    token is dropped, never written elsewhere, and the page checksum catches the missing write.
+    distinct. A slot outside the pool raises ``ValueError`` in the torch reference (CPU, or CUDA
+    when Triton is unusable); the Triton kernel (no host sync) drops the token, never writes it
+    elsewhere, and the page checksum catches the missing write.
     """
     _impl(k.device).write_kv_pages(k, v, kv_pages, layer, slot_mapping)
 

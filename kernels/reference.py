@@ -64,9 +64,12 @@ class DecodeAttentionPlan:
     every call attends one layer and checks the generations of those pages anew.
 
     The common case takes few tensor ops per call: every page read is in the pool and current.
-    Its check is one gather of the generations of exactly the pages read (which also
-    range-checks their ids) and one compare, against a list of the generations expected of them
-    made once per step. On a CPU with a small model the per-op dispatch cost, not arithmetic, is
+    Its check is one gather of the generations of exactly the pages read and one compare, against
+    a list of the generations expected of them made once per step. Their ids are range-checked
+    once, when the plan is made (they come from ``block_tables`` and ``seq_lens``, fixed for the
+    plan's life): on CUDA, where the reference runs when Triton is unusable, an id outside the
+    pool reaching ``index_select`` is a device-side assert that kills the context, not an
+    ``IndexError``. On a CPU with a small model the per-op dispatch cost, not arithmetic, is
     what the check costs, so a call that flags nothing makes no flags tensor: it returns the
     plan's all-False flags (made once), and ``flags``, the OR over the calls, changes only when
     a call flags a row. Any other batch (a seq_len <= 0 or beyond the table, a page id outside
@@ -100,9 +103,18 @@ class DecodeAttentionPlan:
         hi, read, table = rows
         expected = self.expected_gen[:, : table.shape[1]]
         if read is None:  # every row reads every entry of ``table``
-            return _Reads(hi, table, table.reshape(-1), expected.reshape(-1), None)
+            ids, generations = table.reshape(-1), expected.reshape(-1)
+        else:
+            ids, generations = table[read], expected[read]
+        # Every row reads at least one page here, so ``ids`` is not empty; with them all in the
+        # pool, page 0 (what ``table`` holds where a row reads nothing) is in it too.
+        first, last = (int(x) for x in torch.aminmax(ids))
+        if first < 0 or last >= self.kv_pages.shape[0]:
+            return None
+        if read is None:
+            return _Reads(hi, table, ids, generations, None)
         valid = _valid_slots(table.shape[1] * self.kv_pages.shape[3], self.seq_lens)
-        return _Reads(hi, table, table[read], expected[read], valid)
+        return _Reads(hi, table, ids, generations, valid)
 
     def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q`` [B, num_heads, head_dim] over ``layer``; (out, error_flags)."""
@@ -129,11 +141,9 @@ class DecodeAttentionPlan:
         r = self._reads
         if r is None:
             return None
-        try:  # index_select refuses an id outside [0, num_pages), a negative one included
-            # (``torch.take`` would be one op, but it wraps a negative id around to a real page.)
-            current = self.page_gen.index_select(0, r.ids)
-        except IndexError:
-            return None
+        # The ids are in the pool (``_what_is_read``). (``torch.take`` would be one op, but it
+        # wraps a negative id around to a real page.)
+        current = self.page_gen.index_select(0, r.ids)
         if not torch.equal(current, r.generations):
             return None
         out = _attend_pages(q, self.kv_pages, layer, r.table, r.hi, r.valid, self.scale)
@@ -209,8 +219,8 @@ def _gather(
     ids = table.reshape(-1)
     # index_select, not ``layer_kv[table, 0]``: the same bytes, 5-6x faster on the CPU (about
     # 60 against 340 us for 64 rows of 5 tiny-model pages), which was an eighth of a decode step
-    # at batch 64. It also refuses an id outside [0, num_pages) where indexing wraps a negative
-    # one around (callers pass checked ids either way).
+    # at batch 64. Callers pass ids in [0, num_pages): index_select refuses others with an
+    # IndexError on the CPU only; on CUDA that is a device-side assert, which kills the context.
     k = kv_pages[:, layer, 0].index_select(0, ids)  # (B * n, page_size, kvh, D), fresh
     v = kv_pages[:, layer, 1].index_select(0, ids)
     shape = (batch, n * page_size, num_kv_heads, head_dim)
@@ -294,7 +304,9 @@ def _attention_flagging(
     pid = block_tables.to(torch.int64)
     in_range = (pid >= 0) & (pid < num_pages)
     safe_pid = torch.where(in_range, pid, 0)
-    stale = ~in_range | (page_gen[safe_pid] != expected_gen)
+    stale = ~in_range
+    if num_pages:  # an empty pool has no page 0 to stand in for the ids outside it
+        stale = stale | (page_gen[safe_pid] != expected_gen)
     # A sequence longer than its block table can describe is as wrong as a stale page, and so is
     # one with nothing to attend to (seq_len >= 1 is the contract; zeros would pass for an answer).
     bad = (read & stale).any(dim=1) | (n_pages > max_pages) | (seq < 1)  # (B,)
