@@ -51,12 +51,13 @@ drained once it holds no reservation. A drain that times out (``node.drain_timeo
 reached the control plane as a lost connection, NODE_UNREACHABLE, "became unreachable"), each
 UNAVAILABLE, reason ``NODE_DRAINING``: a stream decoding, whose end gives its pages back; and a
 call still waiting for its transfer (up to ``transfer.batch_timeout_s``), whose reservation is
-released then, as for a ``Decode`` cancelled while it waits: its transfer cancelled (its endpoint
-aborted), the pages of receives still posted QUARANTINED until those have settled, the others
-free at once; a transfer still arriving finds the reservation released (``RESERVATION_RELEASED``)
-or the node gone. A duplicate waiting beside that call ends the same way. The control plane passes
-``NODE_DRAINING`` on to the tenant ("the decode node serving this request is shutting down"),
-retries nothing (the request's KV was on this node), and counts no failure against the node.
+released then: its transfer cancelled (its endpoint aborted, the node going away; a ``Decode``
+cancelled while it waits lets it wind down instead, below), the pages of receives still posted
+QUARANTINED until those have settled, the others free at once; a transfer still arriving finds
+the reservation released (``RESERVATION_RELEASED``) or the node gone. A duplicate waiting beside
+that call ends the same way. The control plane passes ``NODE_DRAINING`` on to the tenant ("the
+decode node serving this request is shutting down"), retries nothing (the request's KV was on
+this node), and counts no failure against the node.
 A reservation no ``Decode`` call waits for yet is kept (its transfer may still arrive and
 complete, a ``Release`` still releases it) until its ``Decode`` comes or the stop releases it.
 From the timed-out drain until the server stops accepting calls, every new ``Decode`` is refused
@@ -93,6 +94,14 @@ case that event is for), a failed or cancelled transfer (``transfer failed: ...`
 cancelled: ...``), a failed manifest check (``integrity``), a stream failed by a step or tag
 check (``error``), and ``forgotten by the control plane`` (``release_all``). A late hello without
 the authenticator is bounded and reported whatever the release was.
+A transfer still receiving when its reservation is released for its request's end (a ``Release``,
+a ``Decode`` cancelled while it waits) is not aborted: decode lets the receives it posted settle
+(their pages QUARANTINED until then, within ``transfer.batch_timeout_s``), posts no other, and
+refuses the transfer at its next step ``RESERVATION_RELEASED`` with ``request_ended: true``, logged
+at info ("KV transfer refused: its request had ended"), reported by neither node
+(``KvReceiver.cancel``). Released for trouble, or by a node going away (a timed-out drain's
+releases, the stop's ``shutdown``: nothing may wait for a transfer then), it is aborted at once,
+and prefill, reading a lost connection, reports it.
 
 Reservation ids are ``<node>.<instance>.<uuid4 hex>``: the node part a hash of this node's id
 (8 hex digits, the same in every process of the node; this servicer gives its receiver the id),
@@ -253,6 +262,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # What a timed-out drain ended the node's Decode calls with (end_in_flight), or None: a
         # Decode call arriving after it, before the server stops accepting, is refused with it.
         self.drain_ended: KvfenceError | None = None
+        self.closing = False  # close() began: the node is stopping
 
     def start(self) -> None:
         loaded: Any = self.rt.loaded
@@ -270,6 +280,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._reaper = asyncio.create_task(self._reap())
 
     async def close(self) -> None:
+        self.closing = True
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -714,7 +725,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # claimed_* keeps them: only request_id and tenant_id are rebound here).
         with kvlog.request_context(res.request_id, res.tenant_id):
             self.by_request.pop(res.request_id, None)
-            self.receiver.cancel(rid)
+            # A transfer still receiving is refused saying its request ended, not aborted, only
+            # while the node goes on serving (``KvReceiver.cancel``): a timed-out drain's
+            # releases and the stop's cut it, the node going away with work still held.
+            self.receiver.cancel(
+                rid, request_ended=request_ended and self.drain_ended is None and not self.closing
+            )
             if self.batcher is not None:
                 self.batcher.remove(rid)
             if res.emit is not None:

@@ -90,6 +90,16 @@ and adds ``request_ended: true`` to its refusal; prefill, reading it
 failing ``RESERVATION_RELEASED``. The key is additive: a prefill before it reads only the error,
 and a decode before it never sends it. A hello without the authenticator is reported (bounded,
 decode_svc) whatever the release was: an id alone must not silence a reaped one's event.
+Such a release can also land while decode is receiving the transfer (its hello verified, a batch
+header awaited or a batch's pages in flight), the Prefill call live for the same reason. Decode
+then does not abort the endpoint, which answers nothing (prefill read a lost connection and
+reported a failed transfer): it posts no further receive, lets the ones posted settle (one batch
+at most, within ``batch_timeout_s``; their pages QUARANTINED until then, as after an abort), and
+refuses the transfer at its next step with the same ``{ok: false, error: RESERVATION_RELEASED,
+request_ended: true}``, logged at info and reported by neither side, the pages behind a header
+it refused drained as for any refused batch (``KvReceiver.cancel``). Any other release (the
+reaper's, a failed check, a timed-out drain's, the stop's) still aborts the transfer, and
+prefill reports it. A prefill before the key reads a plain RESERVATION_RELEASED refusal.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
 otherwise its hello fails, and prefill discards it and says the hello once more on a new
 endpoint, but only when decode cannot have accepted anything: on a cold endpoint when decode did
@@ -574,6 +584,9 @@ class InboundTransfer:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     ep: Any = None
     task: asyncio.Task[None] | None = None
+    # Cancelled because its request ended by its owner's decision (``KvReceiver.cancel``'s
+    # ``request_ended``): its handler, not aborted, refuses it saying so at its next step.
+    ended: bool = False
 
 
 Reporter = Callable[[str, dict[str, Any]], None]
@@ -749,15 +762,30 @@ class KvReceiver:
         self.transfers[reservation_id] = t
         return t
 
-    def cancel(self, reservation_id: str) -> InboundTransfer | None:
-        """Stop a transfer: abort its endpoint so every posted receive is cancelled.
+    def cancel(self, reservation_id: str, *, request_ended: bool = False) -> InboundTransfer | None:
+        """Stop a transfer: abort its endpoint so every posted receive is cancelled (not with
+        ``request_ended``: below).
 
         Only a transfer still receiving has its endpoint aborted. One that completed has no
         receive posted into its pages any more, but its handler may not have let go of the
         endpoint yet (it is sending, or has just sent, the final answer): prefill, which already
         read that answer, has given the endpoint back to its pool and may be running its next
         transfer on it. Aborting it then failed that other, innocent transfer with
-        UCXXCanceledError, on a healthy decode that logged nothing about it."""
+        UCXXCanceledError, on a healthy decode that logged nothing about it.
+
+        ``request_ended``: the reservation goes because its request ended by its owner's
+        decision (the caller then ``forget``s it so), and the node goes on serving. A transfer
+        still receiving is then not aborted: an abort answers nothing, and prefill, whose call
+        may still be live (the control plane's Release of a client cancel can land before the
+        Prefill call's cancel), read a lost connection and reported a failed transfer. Its
+        handler posts no further receive (``_receive_pages`` checks the state before posting),
+        lets the ones already posted settle (one batch at most, within ``batch_timeout_s``,
+        their pages QUARANTINED until then as after an abort: ``PagePool.release``), and then
+        refuses the transfer ``RESERVATION_RELEASED`` with ``request_ended: true``, as it
+        refuses a late hello of such a reservation (``_serve_one``), draining the pages sent
+        behind a batch header it refused. ucxx cannot cancel one endpoint's receives but by
+        aborting it (its per-request cancel is not exposed, its worker-wide one would cancel
+        every endpoint's)."""
         t = self.transfers.get(reservation_id)
         if t is None:
             return None
@@ -765,8 +793,9 @@ class KvReceiver:
         if t.state in (InboundState.EXPECTING, InboundState.RECEIVING):
             t.state = InboundState.CANCELLED
             t.error = "cancelled"
+            t.ended = request_ended
             t.done.set()
-        if receiving and t.ep is not None:
+        if receiving and t.ep is not None and not request_ended:
             with contextlib.suppress(Exception):
                 t.ep.abort()
         return t
@@ -1064,15 +1093,33 @@ class KvReceiver:
                 t.error = "cancelled"
             raise
         except Exception as err:
+            # One of decode's reasons, never an exception's class name (a UCX error reading a
+            # batch header or sending an answer is TRANSFER_FAILED, as in ``_receive_pages``):
+            # reasons are a bounded set, which events and prefill's status carry on.
+            reason = err.reason if isinstance(err, TransferError) else "TRANSFER_FAILED"
             if t.state == InboundState.RECEIVING:
                 t.state = InboundState.FAILED
-                t.error = getattr(err, "reason", type(err).__name__)
-                self.report(
-                    "transfer_failed",
-                    {"reason": t.error, "reservation_id": rid, "request_id": t.request_id},
-                )
+                t.error = reason
+                payload = {"reason": reason, "reservation_id": rid, "request_id": t.request_id}
+                if not isinstance(err, TransferError):
+                    payload["error"] = type(err).__name__  # what failed, as a hello's event says
+                self.report("transfer_failed", payload)
+            failure: dict[str, Any] = {"ok": False, "error": t.error}
+            if t.ended and reason == RESERVATION_RELEASED:
+                # Released for its request's end while receiving (``cancel``): what a late hello
+                # of such a reservation is told, so that prefill reports nothing either.
+                failure = {"ok": False, "error": RESERVATION_RELEASED, "request_ended": True}
+                gone = self._released.get(rid)
+                tenant = gone.ended[1] if gone is not None and gone.ended is not None else ""
+                with kvlog.request_context(t.request_id, tenant):
+                    log.info(
+                        "KV transfer refused: its request had ended",
+                        reason=RESERVATION_RELEASED,
+                        reservation_id=rid[:64],
+                        received=len(t.received),
+                    )
             with contextlib.suppress(Exception):
-                await self._answer(ep, {"ok": False, "error": t.error}, frame)
+                await self._answer(ep, failure, frame)
             return False
         finally:
             t.ep = None
@@ -1177,6 +1224,11 @@ class KvReceiver:
                     strays.clear()
                 raise
             strays.clear()  # received now
+            if t.state != InboundState.RECEIVING:
+                # Released while the batch's receives were posted, and they were left to settle
+                # (``cancel``'s ``request_ended``): refused now, not acknowledged, so that no
+                # further batch is sent.
+                raise _released_during_transfer()
             t.received.extend(indices)
             t.bytes_received += len(indices) * page_bytes
             if header.get("last"):
@@ -1425,6 +1477,17 @@ def _abort(ep: Any) -> None:
         ep.abort()
 
 
+def host_port(address: str) -> tuple[str, int]:
+    """The host and port of a decode UCX address, ``HOST:PORT`` (what :func:`send_pages`
+    dials; the host as written, up to the last colon). ValueError when it is not one: no host, or
+    a port that is not a number from 1 to 65535 in ASCII digits. Prefill checks a reservation's
+    address with it before the forward pass (prefill_svc)."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host, int(port)
+
+
 async def send_pages(
     address: str,
     *,
@@ -1448,8 +1511,7 @@ async def send_pages(
     on in the pool (:meth:`EndpointPool.connect`).
     """
 
-    host, _, port_s = address.rpartition(":")
-    port = int(port_s)
+    host, port = host_port(address)
     pool = endpoints if endpoints is not None else EndpointPool(max_idle_per_peer=0)
     start = time.perf_counter()
     per_batch = pages_per_batch(max_batch_bytes, page_bytes)

@@ -28,16 +28,18 @@ or releases nothing.
 A send that fails is reported (a ``transfer_failed`` event, a "transfer failed" warning), but not
 when its request has ended on this node by the time the failure is handled (its call cancelled, or
 its pages released): on a client cancel the control plane cancels the call, then releases decode,
-which refuses a hello it reads after that (``RESERVATION_RELEASED``) or aborts the transfer it was
-receiving. The call's cancel normally stops the send before decode's answer is back; one that lands
-in the turn the answer is read is logged at info ("transfer ended: request cancelled"), with no
-event. A refusal while the call is live (decode reaped the reservation: the system was slow) is
-reported, and so is a failed integrity check whatever became of the request. A refusal that overtook
-the call's cancel on the way (decode's Release delivered first) is live on this node, but decode
-says in it that the reservation went with its request's end (``request_ended``, only for a hello
-carrying the reservation's authenticator; kvfence/transfer.py): logged at info ("transfer ended:
-request ended on decode"), with no event, the call still failing UNAVAILABLE
-``RESERVATION_RELEASED``. A decode before that field has such a refusal reported as before.
+which refuses a hello it reads after that, or the transfer it was receiving at its next step
+(``RESERVATION_RELEASED``). The call's cancel normally stops the send before decode's answer is
+back; one that lands in the turn the answer is read is logged at info ("transfer ended: request
+cancelled"), with no event. A refusal while the call is live (decode reaped the reservation: the
+system was slow) is reported, and so is a failed integrity check whatever became of the request. A
+refusal that overtook the call's cancel on the way (decode's Release delivered first) is live on
+this node, but decode says in it that the reservation went with its request's end
+(``request_ended``: for a hello carrying the reservation's authenticator, or a transfer decode was
+receiving; kvfence/transfer.py): logged at info ("transfer ended: request ended on decode"), with
+no event, the call still failing UNAVAILABLE ``RESERVATION_RELEASED``. A decode before that field
+has such a refusal reported as before (and aborted a transfer it was receiving: a lost
+connection, TRANSFER_FAILED, reported too).
 
 Draining (the node shutting down, ``kvfence.node_main``): a new ``Prefill`` is refused UNAVAILABLE,
 reason ``NODE_DRAINING``, before any page is taken (the control plane tries another prefill node);
@@ -116,6 +118,7 @@ from kvfence.transfer import (
     EndpointPool,
     OutboundPage,
     TransferError,
+    host_port,
     send_pages,
 )
 from prefill_svc.batcher import PrefillBatcher
@@ -344,12 +347,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         if req.request_id in self.held:
             raise InvalidArgument("request already prefilled on this node")
-        if not _host_port(res.decode_ucx_address):
+        try:
+            host_port(res.decode_ucx_address)
+        except ValueError:
             # Refused before the forward pass: send_pages would fail on it only after the pass,
             # as an INTERNAL ValueError with a traceback and no transfer_failed event.
             raise InvalidArgument(
                 f"the reservation's decode UCX address {res.decode_ucx_address!r} is not HOST:PORT"
-            )
+            ) from None
         try:
             self.rt.engine.check_tokens(tokens)  # type: ignore[attr-defined]
             sampling = sampling_from_proto(req.sampling)
@@ -594,16 +599,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             detail = str(err)[:300]
             ended = self._request_ended(req)
             if ended is None and err.request_ended:
-                # Decode refused a late hello because the request ended there first (the control
-                # plane's Release of a client cancel overtook this call's cancel; decode's own
-                # answer says so, ``KvReceiver.forget``).
+                # Decode refused a late hello, or the transfer it was receiving, because the
+                # request ended there first (the control plane's Release of a client cancel
+                # overtook this call's cancel; decode's own answer says so, ``KvReceiver.forget``
+                # and ``KvReceiver.cancel``).
                 ended = "on decode"
             if ended is not None and err.reason not in INTEGRITY_REASONS:
                 # The request ended as the failure came back: on a client cancel the control
-                # plane cancels this call and then releases decode, which refuses a hello it
-                # reads after that (RESERVATION_RELEASED) or aborts the transfer it was
-                # receiving. Not a failed transfer: no event for an operator to chase. A failed
-                # integrity check is reported below whatever became of the request.
+                # plane cancels this call and then releases decode, which refuses the transfer
+                # (RESERVATION_RELEASED; a decode before ``request_ended`` aborted one it was
+                # receiving: a lost connection). Not a failed transfer: no event for an operator
+                # to chase. A failed integrity check is reported below whatever became of the
+                # request.
                 log.info(
                     "transfer ended: request ended on decode"
                     if ended == "on decode"
@@ -722,12 +729,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _publish_pages(self) -> None:
         publish_pool(self.metrics, self.pool)
-
-
-def _host_port(address: str) -> bool:
-    """Whether ``address`` is a host and a port number, what ``send_pages`` dials."""
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def sent_whole(send: asyncio.Task[int] | None) -> bool:
