@@ -112,9 +112,9 @@ class DecodeAttentionPlan:
         if first < 0 or last >= self.kv_pages.shape[0]:
             return None
         if read is None:
-            return _Reads(hi, table, ids, generations, None)
+            return _Reads(hi, table, ids, generations, None, None)
         valid = _valid_slots(table.shape[1] * self.kv_pages.shape[3], self.seq_lens)
-        return _Reads(hi, table, ids, generations, valid)
+        return _Reads(hi, table, ids, generations, valid, _invalid_slots(valid))
 
     def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q`` [B, num_heads, head_dim] over ``layer``; (out, error_flags)."""
@@ -146,7 +146,9 @@ class DecodeAttentionPlan:
         current = self.page_gen.index_select(0, r.ids)
         if not torch.equal(current, r.generations):
             return None
-        out = _attend_pages(q, self.kv_pages, layer, r.table, r.hi, r.valid, self.scale)
+        out = _attend_pages(
+            q, self.kv_pages, layer, r.table, r.hi, r.valid, self.scale, invalid=r.invalid
+        )
         return out, self._clear
 
 
@@ -162,6 +164,7 @@ class _Reads(NamedTuple):
     ids: torch.Tensor  # (N,) int64: the ids of the pages read, each once per row reading it
     generations: torch.Tensor  # (N,) int64: the generation expected of each
     valid: torch.Tensor | None  # (B, n * page_size) bool: the slots each row reads; None: hi each
+    invalid: torch.Tensor | None  # ``_invalid_slots(valid)``, made once per step, not per layer
 
 
 def _table_read(
@@ -190,6 +193,13 @@ def _valid_slots(slots: int, seq_lens: torch.Tensor) -> torch.Tensor:
     return torch.arange(slots, device=seq_lens.device)[None, :] < seq_lens[:, None]
 
 
+def _invalid_slots(valid: torch.Tensor) -> torch.Tensor:
+    """The flat indices (into ``valid.reshape(-1)``) of the slots ``valid`` (B, T) leaves out:
+    what :func:`_attend` zeroes in K and V. A plan makes it once per step (three tensor ops that
+    were made on every layer)."""
+    return (~valid).reshape(-1).nonzero().squeeze(1)
+
+
 def _attend_pages(
     q: torch.Tensor,
     kv_pages: torch.Tensor,
@@ -198,15 +208,18 @@ def _attend_pages(
     hi: int,
     valid: torch.Tensor | None,
     scale: float,
+    *,
+    invalid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each row over the pages of its ``table`` row (int64, ids in the pool): over
     the slots ``valid`` (B, n * page_size) marks, or when it is None over the first ``hi`` slots
-    (every row has length ``hi``: no mask at all). In q's dtype."""
+    (every row has length ``hi``: no mask at all). In q's dtype. ``invalid``: see
+    :func:`_attend`."""
     k, v = _gather(kv_pages, layer, table)
     if valid is None:
         out = _attend(q, k[:, :hi], v[:, :hi], None, scale)
     else:
-        out = _attend(q, k, v, valid, scale)
+        out = _attend(q, k, v, valid, scale, invalid=invalid)
     return out.to(q.dtype)
 
 
@@ -228,7 +241,13 @@ def _gather(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+    *,
+    invalid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of q (B, H, D) over k, v (B, T, kvh, D); float32 (B, H, D).
 
@@ -238,14 +257,16 @@ def _attend(
     kernel's masked loads never read them. A query head whose every score is -inf (an inf in q
     or K) comes out NaN, as the kernel's 0 / 0 does, and so does a row with no valid slot;
     callers zero the latter. ``k`` and ``v`` must be fresh copies (from ``_gather``): they are
-    zeroed in place.
+    zeroed in place. ``invalid``: ``_invalid_slots(valid)`` when the caller has it (made once
+    per step); computed here when None.
     """
     batch, num_heads, head_dim = q.shape
     _, t, num_kv_heads, _ = k.shape
     kf, vf = k.float(), v.float()
     mask = None
     if valid is not None:
-        invalid = (~valid).reshape(-1).nonzero().squeeze(1)
+        if invalid is None:
+            invalid = _invalid_slots(valid)
         if invalid.numel():
             kf.view(batch * t, -1).index_fill_(0, invalid, 0.0)
             vf.view(batch * t, -1).index_fill_(0, invalid, 0.0)

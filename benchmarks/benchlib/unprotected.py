@@ -165,8 +165,8 @@ def rewrite(
 class UncheckedPlan:
     """The reference's plan (``kernels.reference.DecodeAttentionPlan``) with the generation
     check, the page-id range check and the argument checks removed. It runs the reference's own
-    pieces (``_table_read`` and the valid slots once per step, ``_attend_pages`` per layer), so
-    that the difference is the check and nothing else."""
+    pieces (``_table_read``, the valid and invalid slots once per step, ``_attend_pages`` per
+    layer), so that the difference is the check and nothing else."""
 
     def __init__(
         self,
@@ -185,12 +185,20 @@ class UncheckedPlan:
             if read is None
             else reference._valid_slots(self.table.shape[1] * kv_pages.shape[3], seq_lens)
         )
+        self.invalid = None if self.valid is None else reference._invalid_slots(self.valid)
         self.kv_pages, self.scale = kv_pages, scale
         self.flags = NO_FLAGS
 
     def __call__(self, q: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = reference._attend_pages(
-            q, self.kv_pages, layer, self.table, self.hi, self.valid, self.scale
+            q,
+            self.kv_pages,
+            layer,
+            self.table,
+            self.hi,
+            self.valid,
+            self.scale,
+            invalid=self.invalid,
         )
         return out, NO_FLAGS
 
