@@ -46,7 +46,12 @@ def check_config(
     tls_server_name: str | None = TLS_SERVER_NAME,
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
-    """Check that every KV pool holds the model's context window (exit 1 when not)."""
+    """Does every KV pool hold the model's context window? Exit 0 yes, 1 no, 2 not checked.
+
+    0: every pool holds it (or the config clamps the limit to the smallest pool); 1: a pool does
+    not; 2: the check could not run (an unusable config file or option; live: no node registered,
+    the target unreachable or not the admin port, no admin token or a refused one).
+    """
     if static is not None and target is not None:
         _die("use either --static FILE or --target HOST:PORT, not both")
     report = (

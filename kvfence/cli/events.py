@@ -70,9 +70,26 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
 
 
 def events(
-    follow_: bool = typer.Option(False, "--follow", "-f", help="Stream events as they arrive."),
-    mqtt_host: str | None = typer.Option(None, "--mqtt-host", help="Broker host."),
-    mqtt_port: int | None = typer.Option(None, "--mqtt-port", help="Broker port."),
+    follow_: bool = typer.Option(
+        False,
+        "--follow",
+        "-f",
+        help="Required: stream events as they arrive (only the live view exists; without it, "
+        "exit 2).",
+    ),
+    # No default in the signature: --config's events settings come before the built-in ones.
+    mqtt_host: str | None = typer.Option(
+        None,
+        "--mqtt-host",
+        help="Broker host.",
+        show_default="127.0.0.1, or events.mqtt_host of --config",
+    ),
+    mqtt_port: int | None = typer.Option(
+        None,
+        "--mqtt-port",
+        help="Broker port.",
+        show_default="1883, or events.mqtt_port of --config",
+    ),
     mqtt_username: str | None = typer.Option(
         None, "--mqtt-username", envvar="KVFENCE_MQTT_USERNAME", help="Broker account."
     ),
@@ -104,7 +121,13 @@ def events(
         help="TLS: the name the broker's certificate carries, when it is not --mqtt-host "
         "(through a port-forward: the broker's Service name).",
     ),
-    cluster: str | None = typer.Option(None, "--cluster", help="Cluster name."),
+    cluster: str | None = typer.Option(
+        None,
+        "--cluster",
+        help="Cluster name, as the services' config gives it (the Helm chart's clusterName, "
+        "default kvfence): with another, no event arrives.",
+        show_default="local, or cluster of --config",
+    ),
     kind: list[str] | None = typer.Option(
         None, "--kind", "-k", help=f"Only this kind (repeatable): {', '.join(EVENT_KINDS)}."
     ),

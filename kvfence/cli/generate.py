@@ -37,6 +37,8 @@ from typing import Any
 
 import typer
 
+from kvfence import MAX_TIMEOUT_S
+
 # C0 controls but tab and newline, DEL and C1 controls (module docstring).
 _TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -97,16 +99,33 @@ def generate(
     prompt_ids: str | None = typer.Option(
         None, "--prompt-ids", help="Prompt as token ids, e.g. 1,2,3."
     ),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", min=1, max=UINT32_MAX),
+    max_new_tokens: int = typer.Option(
+        32, "--max-new-tokens", "-n", min=1, max=UINT32_MAX, help="Tokens to generate at most."
+    ),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int | None = typer.Option(None, "--seed", min=0, max=UINT64_MAX),
+    top_p: float = typer.Option(
+        1.0, "--top-p", help="Nucleus sampling, 0 to 1; 1 keeps every token."
+    ),
+    seed: int | None = typer.Option(
+        None,
+        "--seed",
+        min=0,
+        max=UINT64_MAX,
+        help="Sampling seed (temperature above 0); unset, the control plane draws one.",
+    ),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    ignore_eos: bool = typer.Option(
+        False, "--ignore-eos", help="Go on past an EOS token (to a stop string or the limit)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint."),
     tls_server_name: str | None = TLS_SERVER_NAME,
-    timeout: float | None = typer.Option(None, "--timeout", help="Deadline in seconds."),
+    timeout: float | None = typer.Option(
+        None,
+        "--timeout",
+        help=f"Deadline in seconds: above 0, at most {MAX_TIMEOUT_S} (else exit 2). Unset, the "
+        "client sets none and the control plane's control_plane.default_deadline_s applies.",
+    ),
 ) -> None:
     """Generate from PROMPT (or --prompt-ids) and stream the text."""
     import grpc
