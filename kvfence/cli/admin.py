@@ -2,19 +2,21 @@
 the tenant database's backup (over the API) and restore (offline, on the state directory).
 
 Every command takes ``--target`` (admin HOST:PORT, env KVFENCE_ADMIN_TARGET),
-``--admin-token`` (env KVFENCE_ADMIN_TOKEN; else ``.kvfence/admin_token`` when the default state
-dir is here), ``--tls-ca`` (the CA of a control plane that serves TLS) and with it
-``--tls-server-name`` (env KVFENCE_ADMIN_TLS_SERVER_NAME: the name the control plane's certificate
-carries, when it does not name the host of ``--target``; through a port-forward). Listings render
-as rich tables, or as JSON with ``--json``. An unreachable target, a refused token or an unusable
-CA file, or a target that does not serve the Admin API (the public port, say), is reported in
-one line on stderr with exit status 1; an out-of-range option, or
-``--tls-server-name`` without ``--tls-ca``, is a usage error (exit status 2).
+``--admin-token`` (env KVFENCE_ADMIN_TOKEN; else the local stack's, from ``./.kvfence/up.json``
+while its ``kvfence up`` runs and ``--target`` is its admin address: never sent elsewhere),
+``--tls-ca`` (the CA of a control plane that serves TLS) and with it ``--tls-server-name`` (env
+KVFENCE_ADMIN_TLS_SERVER_NAME: the name the control plane's certificate carries, when it does not
+name the host of ``--target``; through a port-forward). Listings render as rich tables, or as JSON
+with ``--json``. An unreachable target, a refused token or an unusable CA file, a missing admin
+token, or a target that does not serve the Admin API (the public port, say), is reported in one
+line on stderr with exit status 1; an out-of-range option, or ``--tls-server-name`` without
+``--tls-ca``, is a usage error (exit status 2).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import sys
@@ -37,12 +39,19 @@ if TYPE_CHECKING:
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-DEFAULT_TOKEN_FILE = Path(".kvfence") / "admin_token"
+UP_FILE = Path(".kvfence") / "up.json"  # `kvfence up` writes it; its admin target and token
 
 TARGET = typer.Option(
     "127.0.0.1:50052", "--target", envvar="KVFENCE_ADMIN_TARGET", help="Admin API HOST:PORT."
 )
-TOKEN = typer.Option(None, "--admin-token", envvar="KVFENCE_ADMIN_TOKEN", help="Admin token.")
+TOKEN = typer.Option(
+    None,
+    "--admin-token",
+    envvar="KVFENCE_ADMIN_TOKEN",
+    help="Admin token. Without it (or with KVFENCE_ADMIN_TOKEN empty): the local stack's, from "
+    "./.kvfence/up.json while its kvfence up runs and --target is its admin address, never for "
+    "another target.",
+)
 TLS_CA = typer.Option(None, "--tls-ca", help="CA bundle for a TLS endpoint.")
 TLS_SERVER_NAME = typer.Option(
     None,
@@ -142,6 +151,87 @@ def tls_hint(target: str, message: str, tls_ca: str | None, tls_server_name: str
     )
 
 
+def _host_and_port(target: str) -> tuple[str, str]:
+    """``target``'s host (brackets of an IPv6 address dropped) and port (empty when it names
+    none)."""
+    target = target.strip()
+    if target.startswith("["):
+        host, _, rest = target[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else ""
+    if target.count(":") == 1:  # HOST:PORT; more colons: a bare IPv6 address
+        host, _, port = target.partition(":")
+        return host, port
+    return target, ""
+
+
+def is_loopback(target: str) -> bool:
+    """Whether ``target`` (HOST:PORT, [IPv6]:PORT, or a bare host) names this machine by a
+    loopback address: 127.0.0.0/8, ::1 or localhost. Anything else, a gRPC scheme included, is
+    not."""
+    host = _host_and_port(target)[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether two HOST:PORT targets are one address: one port, and one host or both loopback."""
+    (host_a, port_a), (host_b, port_b) = _host_and_port(a), _host_and_port(b)
+    if not port_a or port_a != port_b:
+        return False
+    return host_a.lower() == host_b.lower() or (is_loopback(a) and is_loopback(b))
+
+
+def _local_stack() -> dict[str, Any] | None:
+    """``./.kvfence/up.json`` of a ``kvfence up`` that runs now (its pid alive), else None."""
+    try:
+        up = json.loads(UP_FILE.read_text())
+        pid = int(up["pid"])
+        if not (isinstance(up["admin_target"], str) and isinstance(up["admin_token"], str)):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):  # none, unreadable, or not up's
+        return None
+    if pid <= 0:  # kill(0 or -n, 0) would ask about a process group
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # `up` was killed (-9) and left its up.json behind
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    return dict(up)
+
+
+def _local_token(target: str) -> str | None:
+    """The local stack's admin token, for its own admin address only.
+
+    Sent anywhere else it is a credential another control plane has no business seeing: an
+    operator in the checkout who points KVFENCE_ADMIN_TARGET at production and forgets the token
+    would send it there, through a port-forward's 127.0.0.1:50052 (the RUNBOOK's) too, which is
+    the local stack's default admin address: so loopback is not enough, the local stack must be
+    running (``up.json`` is there only while its ``up`` runs, and names its pid) and serve its
+    admin API at ``target``, which a port-forward then cannot hold."""
+    up = _local_stack()
+    if up is None or not _same_address(target, up["admin_target"]):
+        return None
+    return str(up["admin_token"]).strip()
+
+
+def _no_token(target: str) -> str:
+    said = (
+        f"no admin token for {target}: pass --admin-token or set KVFENCE_ADMIN_TOKEN (a Helm "
+        "release's: key token of its admin-token Secret; the local stack's is read from "
+        f"{UP_FILE} while its kvfence up runs, for its own admin address only)"
+    )
+    up = _local_stack()
+    if up is not None:
+        said += f"; the local stack here serves its admin API at {up['admin_target']}"
+    return said
+
+
 @contextmanager
 def _admin(
     target: str, token: str | None, tls_ca: str | None = None, tls_server_name: str | None = None
@@ -157,10 +247,10 @@ def _admin(
     bad_name = check_tls_server_name(tls_ca, tls_server_name)
     if bad_name is not None:
         raise _fail(bad_name, EXIT_USAGE)
-    if token is None and DEFAULT_TOKEN_FILE.exists():
-        token = DEFAULT_TOKEN_FILE.read_text().strip()
+    if token is None:
+        token = _local_token(target)
     if not token:
-        raise _fail("no admin token: pass --admin-token or set KVFENCE_ADMIN_TOKEN")
+        raise _fail(_no_token(target))
     why = unsendable(token)
     if why is not None:
         raise _fail(f"the admin token cannot be sent: {why}")
@@ -313,7 +403,11 @@ def tenants_set_limits(
     max_tokens: int | None = typer.Option(
         None, "--max-tokens", min=0, max=LIMIT_MAX, help="0 = admissible limit."
     ),
-    scrub_on_free: bool | None = typer.Option(None, "--scrub-on-free/--no-scrub-on-free"),
+    scrub_on_free: bool | None = typer.Option(
+        None,
+        "--scrub-on-free/--no-scrub-on-free",
+        help="Zero the tenant's pages when they are freed, or stop doing so.",
+    ),
     as_json: bool = JSON,
     target: str = TARGET,
     admin_token: str | None = TOKEN,
@@ -607,8 +701,10 @@ def nodes(
     tls_ca: str | None = TLS_CA,
     tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
-    """Registered nodes, their pools and heartbeats, whether each is draining (shutting down:
-    sent no new requests), the kvfence release each runs, and the enforced limit."""
+    """Registered nodes: pools, heartbeats, draining, release, and the enforced limit.
+
+    Draining: shutting down, sent no new requests.
+    """
     with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         resp = admin.list_nodes()
     if as_json:
@@ -667,8 +763,10 @@ def model_status(
     tls_ca: str | None = TLS_CA,
     tls_server_name: str | None = TLS_SERVER_NAME,
 ) -> None:
-    """Whether the model is online (offline: since when, and why), its context window and
-    enforced limit."""
+    """Whether the model is online, its context window and enforced limit.
+
+    Offline: since when, and why.
+    """
     with _admin(target, admin_token, tls_ca, tls_server_name) as admin:
         _print_status(admin.model_status(), as_json)
 
