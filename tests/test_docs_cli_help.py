@@ -30,8 +30,6 @@ DOCUMENTED = (
     "kvfence.cli.generate",
     "kvfence.cli.check",
 )
-# kvfence/cli/probe.py's docstring wraps its first paragraph too; it is not this change's file.
-ONE_LINE_EXEMPT = {"probe isolation"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +82,6 @@ def test_every_commands_line_in_its_groups_help_is_one_line(root: Any) -> None:
         path: first
         for path, cmd in commands(root)
         if "\n" in (first := inspect.cleandoc(cmd.help or "").split("\n\n")[0])
-        and path not in ONE_LINE_EXEMPT
     }
     assert broken == {}
     assert "nodes" in dict(commands(root))

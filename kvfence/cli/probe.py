@@ -71,8 +71,10 @@ def isolation(
         "deployments whose outputs do not depend on the batch).",
     ),
 ) -> None:
-    """Two-tenant canary test: does tenant B ever see tenant A's data, and are over-length
-    requests rejected before any token?"""
+    """Two-tenant canary test against a running deployment.
+
+    Does tenant B ever see tenant A's data, and are over-length requests rejected before any
+    token?"""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from kvfence.cli.admin import check_tls_server_name
