@@ -130,9 +130,13 @@ def register(app: typer.Typer, groups: dict[str, typer.Typer]) -> None:
         prefill: int = typer.Option(1, min=1, help="Prefill processes."),
         decode: int = typer.Option(1, min=1, help="Decode processes."),
         context_window: int | None = typer.Option(None, min=1, help="Override the model's."),
-        prefill_pool_tokens: int = typer.Option(4096, min=1),
-        decode_pool_tokens: int = typer.Option(4096, min=1),
-        page_size: int = typer.Option(16, min=1),
+        prefill_pool_tokens: int = typer.Option(
+            4096, min=1, help="KV pool of each prefill, in tokens."
+        ),
+        decode_pool_tokens: int = typer.Option(
+            4096, min=1, help="KV pool of each decode, in tokens."
+        ),
+        page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
         port: int = typer.Option(50051, min=1, max=65534, help="Public port; admin is port+1."),
         state_dir: Path = typer.Option(Path(".kvfence"), help="State (tenants, tokens, up.json)."),
         config: Path | None = typer.Option(None, help="Base config; the options above win."),
