@@ -96,8 +96,10 @@ then does not abort the endpoint, which answers nothing (prefill read a lost con
 reported a failed transfer): it posts no further receive, lets the ones posted settle (one batch
 at most, within ``batch_timeout_s``; their pages QUARANTINED until then, as after an abort), and
 refuses the transfer at its next step with the same ``{ok: false, error: RESERVATION_RELEASED,
-request_ended: true}``, logged at info and reported by neither side, the pages behind a header
-it refused drained as for any refused batch (``KvReceiver.cancel``). Any other release (the
+request_ended: true}``, logged at info and reported by neither side; a batch header read after
+the release is refused so without being judged (as an abort left it unread), its pages drained
+as for any refused batch (``KvReceiver.cancel``). Any refusal after a release says
+``RESERVATION_RELEASED``, never an internal state name. Any other release (the
 reaper's, a failed check, a timed-out drain's, the stop's) still aborts the transfer, and
 prefill reports it. A prefill before the key reads a plain RESERVATION_RELEASED refusal.
 A pooled endpoint whose peer went away (decode restarted) is skipped when UCX already saw that;
@@ -1105,10 +1107,15 @@ class KvReceiver:
                     payload["error"] = type(err).__name__  # what failed, as a hello's event says
                 self.report("transfer_failed", payload)
             failure: dict[str, Any] = {"ok": False, "error": t.error}
-            if t.ended and reason == RESERVATION_RELEASED:
+            if t.state == InboundState.CANCELLED:
+                # ``cancel`` (only decode's release calls it), whatever failed after it (the
+                # check before posting, a timeout of the posted receives): the reservation is
+                # released, which the answer says in a reason prefill knows.
+                failure["error"] = RESERVATION_RELEASED
+            if t.ended:
                 # Released for its request's end while receiving (``cancel``): what a late hello
                 # of such a reservation is told, so that prefill reports nothing either.
-                failure = {"ok": False, "error": RESERVATION_RELEASED, "request_ended": True}
+                failure["request_ended"] = True
                 gone = self._released.get(rid)
                 tenant = gone.ended[1] if gone is not None and gone.ended is not None else ""
                 with kvlog.request_context(t.request_id, tenant):
@@ -1192,6 +1199,14 @@ class KvReceiver:
                 # lost connection. The hello stays parsed inside (_serve): an unverified peer's
                 # malformed hello gets no answer.
                 [body] = await _within(ep, [_recv_control(ep)], self.batch_timeout_s)
+                if t.state != InboundState.RECEIVING:
+                    # Released while the header was awaited (``cancel``'s ``request_ended``
+                    # leaves the endpoint open): refused as released before the header is
+                    # judged, as an abort refused it unread. Its pages are drained as strays.
+                    with contextlib.suppress(TransferError):
+                        header = _batch_header_object(body)
+                        strays[:] = self._stray_tags(t.reservation_id, batch, header, len(t.pages))
+                    raise _released_during_transfer()
                 header = _batch_header_object(body)
             if header.get("done"):
                 return

@@ -117,6 +117,62 @@ async def test_a_transfer_cancelled_for_its_requests_end_is_refused_saying_so(
         await rx.stop()
 
 
+@pytest.mark.parametrize("header", ["too-large", "outside", "duplicate", "sound"])
+@pytest.mark.parametrize("released", [True, False], ids=["released", "control"])
+async def test_a_header_after_a_request_ended_release_is_refused_as_released_not_judged(
+    monkeypatch: pytest.MonkeyPatch, header: str, released: bool
+) -> None:
+    """Released for its request's end while decode awaits a batch header, the endpoint stays
+    open, so decode reads that header. Its own checks (over decode's max_batch_bytes, mid-rollout;
+    an index outside the reservation; a duplicate index) used to run first and fail the transfer
+    with an answer of ``cancelled`` that prefill reported, an integrity reason dropped on decode:
+    now any such header is refused RESERVATION_RELEASED with ``request_ended``, as an abort left
+    it unread, and its pages are drained. Control (not released): each header gets its own
+    reason from decode and is reported; the sound one completes."""
+    gate = SendGate(monkeypatch, "header")
+    pool = make_pool()
+    rx, events = await make_receiver(pool)  # decode's max_batch_bytes: 2 pages
+    try:
+        refs = pool.allocate(2, "res-1")
+        t = rx.expect("res-1", "req-1", b"k" * 32, refs)
+        kw: dict[str, Any] = {}
+        if header == "too-large":
+            rx.max_batch_bytes = pool.page_bytes  # prefill's are larger (2 pages)
+        elif header == "outside":
+            kw = {"indices": [0, 5]}
+        elif header == "duplicate":
+            kw = {"indices": [1, 1]}
+        sending = asyncio.ensure_future(send(rx, t, make_source(pool, 2), **kw))
+        await asyncio.wait_for(gate.held.wait(), 5)
+        assert await eventually(lambda: t.state == InboundState.RECEIVING)
+        if released:
+            rx.cancel("res-1", request_ended=True)
+            pool.release("res-1")
+            rx.forget("res-1", request_ended=True, tenant_id="t-1")
+        gate.gate.set()
+        if not released and header == "sound":
+            await asyncio.wait_for(sending, 10)
+            assert t.state == InboundState.COMPLETE and sorted(t.received) == [0, 1]
+            assert events == []
+            return
+        with pytest.raises(TransferError) as err:
+            await asyncio.wait_for(sending, 10)
+        got = (err.value.reason, err.value.refused, err.value.request_ended)
+        if released:
+            assert got == (RESERVATION_RELEASED, True, True)
+            assert events == []
+            assert await eventually(lambda: rx.strays_drained == 2)
+            assert await eventually(lambda: pool.num_free == pool.num_pages)
+        else:
+            reason = {"too-large": "BATCH_TOO_LARGE", "outside": "COVERAGE"}
+            assert got == (reason.get(header, "DUPLICATE_PAGE"), True, False)
+            assert [(k, p["reason"]) for k, p in events] == [("transfer_failed", got[0])]
+        pool.check_integrity()
+    finally:
+        gate.gate.set()
+        await rx.stop()
+
+
 async def test_a_sender_before_frames_reads_the_refusal_as_a_plain_answer() -> None:
     """A prefill that says no ``v`` in its hello (before v4: no frames, no ``request_ended``)
     reads the refusal in the two-message form and fails cleanly on its error."""

@@ -10,6 +10,7 @@ import pytest
 from asyncwait import eventually
 from test_transfer import holds, make_pool, make_receiver, send_batch_of_a
 
+from kvfence.errors import RESERVATION_RELEASED
 from kvfence.transfer import InboundState, _recv_json, _within
 
 
@@ -46,7 +47,8 @@ async def test_a_batch_refused_as_released_after_its_header_has_its_pages_draine
         [answer] = await _within(ep, [_recv_json(ep, reply=True)], 5)
         await asyncio.wait_for(asyncio.gather(*sends), 5)
         if release:
-            assert answer == {"ok": False, "error": "cancelled"}  # the Release cancelled it
+            # the Release cancelled it: said in a reason prefill knows (it was "cancelled")
+            assert answer == {"ok": False, "error": RESERVATION_RELEASED}
             assert t.state == InboundState.CANCELLED
             assert await eventually(lambda: rx.strays_drained == 2), (
                 rx.strays_posted,
