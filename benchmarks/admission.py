@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
+from benchlib.models import bench_model
 from benchlib.stack import BenchStack, started
 
 from kvfence.client import Client
@@ -120,9 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, help="rejections per shape (default 300, quick 20)")
     args = ap.parse_args(argv)
     n = args.requests or (20 if args.quick else 300)
+    # --quick: the embedded model's checkpoint from the user cache (benchlib.models), which `up`
+    # otherwise writes into the fresh state directory first (seconds of torch): the same bytes
+    stack_args = ["--model", str(bench_model("tiny"))] if args.quick else []
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         benchlib.log("starting kvfence up")
-        stack = BenchStack(Path(tmp) / "stack")
+        stack = BenchStack(Path(tmp) / "stack", args=stack_args)
         with started([stack]) as ready:
             machine = benchlib.machine()  # imports torch (seconds) while the stack starts
             ready()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
+from benchlib.models import bench_model
 from benchlib.stack import BenchStack, started
 
 from kvfence.client import AsyncClient
@@ -132,9 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     rounds = args.rounds or (2 if args.quick else 6)
     new = QUICK_NEW_TOKENS if args.quick else NEW_TOKENS
     pool = QUICK_DECODE_POOL_TOKENS if args.quick else DECODE_POOL_TOKENS
+    # --quick: the embedded model's checkpoint from the user cache (benchlib.models), which `up`
+    # otherwise writes into the fresh state directory first (seconds of torch): the same bytes
+    model = ["--model", str(bench_model("tiny"))] if args.quick else []
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-") as tmp:
         benchlib.log("starting kvfence up")
-        stack = BenchStack(Path(tmp) / "stack", args=["--decode-pool-tokens", str(pool)])
+        stack = BenchStack(Path(tmp) / "stack", args=["--decode-pool-tokens", str(pool), *model])
         with started([stack]) as ready:
             machine = benchlib.machine()  # imports torch (seconds) while the stack starts
             ready()

@@ -783,8 +783,9 @@ def main(argv: list[str] | None = None) -> None:
     benchlib.log("manifest, checksum, scrub, bookkeeping, ownership, prefill's check")
     per_req = bench_per_request(w, reps)
     benchlib.log("colocated end to end, engine checks on/off")
+    # --quick: one full batch, one round (with bench_colocated's warm-up: two runs on, two off)
     colocated = bench_colocated(
-        w, args.batch if args.quick else 6 * args.batch, 2 if args.quick else 6
+        w, args.batch if args.quick else 6 * args.batch, 1 if args.quick else 6
     )
     stack = bench_stacks(w, model, args.quick, second_first=args.second_first)
 

@@ -28,8 +28,10 @@ from fake_client import FakeClientBase
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
+sys.path.insert(0, str(Path(__file__).parent / "stack"))
 from cp_fakes import EventRecorder, make_model_info
 from cp_harness import make_cfg, make_cluster
+from stack_starts import seed_embedded_model
 from test_tls import make_ca, make_leaf
 
 from control_plane.service import ControlPlane
@@ -273,10 +275,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CP_NAME = "kvfence-cp.example"
 
 
-async def start_tls_cp(state: Path, pki: Path, leaf: str) -> Any:
-    """An in-process control plane serving ``pki/leaf`` (signed by ``pki/ca.pem``); no nodes."""
+async def start_tls_cp(state: Path, pki: Path, leaf: str, **control_plane: Any) -> Any:
+    """An in-process control plane serving ``pki/leaf`` (signed by ``pki/ca.pem``); no nodes.
+    ``control_plane``: settings of its ``control_plane`` section (``make_cfg``)."""
     tls = TlsConfig(public_cert=pki / f"{leaf}.pem", public_key=pki / f"{leaf}.key")
-    cfg = make_cfg(state).model_copy(update={"tls": tls})
+    cfg = make_cfg(state, **control_plane).model_copy(update={"tls": tls})
     cp = ControlPlane(cfg, model_info=make_model_info(), events=EventRecorder())
     cp.ports = await cp.start()  # type: ignore[attr-defined]
     return cp
@@ -294,6 +297,17 @@ async def tls_cp(tmp_path: Path, pki: Path, quiet_logs: None) -> AsyncIterator[C
 async def named_cp(tmp_path: Path, pki: Path, quiet_logs: None) -> AsyncIterator[ControlPlane]:
     """Like ``tls_cp``, with a certificate that names CP_NAME only, not 127.0.0.1."""
     cp = await start_tls_cp(tmp_path, pki, "named")
+    yield cp
+    await cp.stop(grace=0.5)
+
+
+@pytest.fixture
+async def named_cp_no_node_wait(
+    tmp_path: Path, pki: Path, quiet_logs: None
+) -> AsyncIterator[ControlPlane]:
+    """``named_cp`` that fails a request NO_NODES at once (``no_node_wait_s`` 0): no node ever
+    comes, and a request waited the default 10 s for one (the probe's run took as long)."""
+    cp = await start_tls_cp(tmp_path, pki, "named", no_node_wait_s=0)
     yield cp
     await cp.stop(grace=0.5)
 
@@ -432,10 +446,11 @@ async def test_check_config_and_generate_tls_server_name(named_cp: Any, pki: Pat
     assert_one_line_error(result, 2, "KVFENCE_TLS_SERVER_NAME", "needs --tls-ca")
 
 
-async def test_probe_isolation_tls_server_name(named_cp: Any, pki: Path) -> None:
+async def test_probe_isolation_tls_server_name(named_cp_no_node_wait: Any, pki: Path) -> None:
     """The probe through a port-forward: the certificate names the control plane, not 127.0.0.1.
     Without --tls-server-name the probe cannot set up (a hostname error, exit 2); with it, it
     reaches the control plane and finds its model (this one has no node: it stops there)."""
+    named_cp = named_cp_no_node_wait
     _, key_a, _ = named_cp.tenants.create_tenant("a", TenantLimits())
     _, key_b, _ = named_cp.tenants.create_tenant("b", TenantLimits())
     probe = ["probe", "isolation", "--target", f"127.0.0.1:{named_cp.ports.public}"]
@@ -608,7 +623,7 @@ def test_events_unknown_kind_is_a_usage_error() -> None:
 def test_up_twice_on_one_state_dir_and_sighup_stops_everything(tmp_path: Path) -> None:
     from stack_harness import Stack
 
-    state = tmp_path / "s"
+    state = seed_embedded_model(tmp_path / "s")
     first = Stack(state).start()
     services = list(first.children)
     try:

@@ -1,12 +1,22 @@
 """Every benchmark script runs with ``--quick``, prints exactly one JSON object of its documented
-shape, draws its PNG, and leaves no stack process behind. Shapes only: never a speed."""
+shape, draws its PNG, and leaves no stack process behind. Shapes only: never a speed.
+
+The scripts run two at a time, from the module's first test on (``quick_runs``): a script's time
+is mostly its stacks starting and stopping, processes waiting on each other, and two scripts at
+once on a 2-core machine take far less than one after the other. Each test then checks its own
+script's run, as it did running the script itself.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,45 +26,98 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+AT_ONCE = 2  # scripts running at a time
 
 pytestmark = pytest.mark.slow
 
+# test -> (script, its extra arguments, whether it draws its PNG); in the module's order
+RUNS: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "test_admission_quick": ("admission", (), True),
+    "test_fairness_quick": ("fairness", (), True),
+    "test_transfer_quick": ("transfer", (), True),
+    "test_isolation_overhead_quick": ("isolation_overhead", (), True),
+    "test_e2e_quick": ("e2e", (), True),
+    "test_stream_interval_quick": ("stream_interval", (), True),
+    "test_prefill_batching_quick": ("prefill_batching", (), True),
+    "test_isolation_overhead_a_a_quick": ("isolation_overhead", ("--a-a", "--second-first"), False),
+}
 
-def _bench_processes() -> set[int]:
-    """Processes of a benchmark's stack (their state dirs carry this prefix)."""
+
+def _bench_processes(not_of: tuple[Path, ...] = ()) -> set[int]:
+    """Processes of a benchmark's stack (their state dirs carry this prefix), but those of the
+    runs whose own folders are named in ``not_of`` (the scripts that may run meanwhile)."""
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if any("kvfence-bench-" in part for part in p.info["cmdline"] or []):
+            cmdline = p.info["cmdline"] or []
+            if any("kvfence-bench-" in part for part in cmdline) and not any(
+                str(other) in part for other in not_of for part in cmdline
+            ):
                 found.add(p.info["pid"])
         except psutil.Error:
             pass
     return found
 
 
-def run_quick(
-    name: str, tmp_path: Path, *extra: str, timeout: float = 150, draws: bool = True
-) -> dict[str, Any]:
-    before = _bench_processes()
-    png = tmp_path / f"{name}.png"
+@dataclass
+class QuickRun:
+    script: str
+    proc: subprocess.CompletedProcess[str]
+    png: Path
+    draws: bool
+    left_running: set[int]  # its stacks' processes still there once it had exited
+
+
+def _run(test: str, root: Path) -> QuickRun:
+    """The test's script with ``--quick``, its temporary files (its stacks' state dirs among
+    them) in a folder of its own: that tells another script's stack processes from its own."""
+    name, extra, draws = RUNS[test]
+    own = root / test
+    (own / "tmp").mkdir(parents=True)
+    others = tuple(root / t for t in RUNS if t != test)
+    before = _bench_processes(not_of=others)
+    png = own / f"{name}.png"
     args = ["--png", str(png)] if HAS_MPL else []
     proc = subprocess.run(
         [sys.executable, str(BENCH / f"{name}.py"), "--quick", *extra, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=150,
+        env={**os.environ, "TMPDIR": str(own / "tmp")},
     )
+    left = _bench_processes(not_of=others) - before
+    return QuickRun(name, proc, png, draws, left)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[QuickRun]]]:
+    """The runs of this module's selected tests, all started at the first one that asks,
+    AT_ONCE at a time in the module's order; each test waits for its own."""
+    root = tmp_path_factory.mktemp("quick")
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="bench-quick")
+    try:
+        yield {test: pool.submit(_run, test, root) for test in RUNS if test in selected}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run_quick(quick_runs: dict[str, Future[QuickRun]], test: str) -> dict[str, Any]:
+    run = quick_runs[test].result()
+    proc = run.proc
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, f"expected one JSON line, got {len(lines)}"
     result = json.loads(lines[0])
-    assert result["benchmark"] == name and result["quick"] is True
+    assert result["benchmark"] == run.script and result["quick"] is True
     machine = result["machine"]
     assert isinstance(machine["nproc"], int) and isinstance(machine["cpu"], str)
     assert machine["note"] == "shared, noisy"
-    assert png.exists() == (HAS_MPL and draws)
-    assert _bench_processes() - before == set(), "the benchmark left stack processes running"
+    assert run.png.exists() == (HAS_MPL and run.draws)
+    assert run.left_running == set(), "the benchmark left stack processes running"
     return result
 
 
@@ -81,8 +144,8 @@ def assert_two_stacks(stacks: dict[str, Any], sides: tuple[str, str]) -> None:
     assert stacks["same_tokens"] is True
 
 
-def test_admission_quick(tmp_path):
-    result = run_quick("admission", tmp_path)
+def test_admission_quick(quick_runs):
+    result = run_quick(quick_runs, "test_admission_quick")
     assert isinstance(result["admissible_limit"], int)
     assert result["requests"] == 40 and sum(result["errors"].values()) == 40
     assert isinstance(result["all_invalid_argument"], bool)
@@ -95,8 +158,8 @@ def test_admission_quick(tmp_path):
     assert isinstance(result["goal"]["met"], bool)
 
 
-def test_fairness_quick(tmp_path):
-    result = run_quick("fairness", tmp_path)
+def test_fairness_quick(quick_runs):
+    result = run_quick(quick_runs, "test_fairness_quick")
     assert result["burst"] == 12 and result["rounds"] == 2
     for key in ("b_idle", "b_during_burst", "burst_span", "a_latency"):
         assert_latency(result[key])
@@ -106,8 +169,8 @@ def test_fairness_quick(tmp_path):
     assert result["goal"]["b_over_span_max"] == 0.25 and isinstance(result["goal"]["met"], bool)
 
 
-def test_transfer_quick(tmp_path):
-    result = run_quick("transfer", tmp_path)
+def test_transfer_quick(quick_runs):
+    result = run_quick(quick_runs, "test_transfer_quick")
     methods = {"kvfence", "raw_ucxx", "raw_ucxx_new_endpoint", "grpc_stream", "memcpy"}
     assert [(s["layout"], s["pages"]) for s in result["sizes"]] == [
         ("tiny", 1),
@@ -131,8 +194,8 @@ def test_transfer_quick(tmp_path):
         assert isinstance(goal[key], bool)
 
 
-def test_isolation_overhead_quick(tmp_path):
-    result = run_quick("isolation_overhead", tmp_path)
+def test_isolation_overhead_quick(quick_runs):
+    result = run_quick(quick_runs, "test_isolation_overhead_quick")
     assert set(result["decode_checks"]) == {"1", "8"}
     for checks in result["decode_checks"].values():
         assert set(checks["attention_us"]) == {"on", "off"}
@@ -219,8 +282,8 @@ def test_isolation_overhead_quick(tmp_path):
     assert isinstance(result["goal"]["met"], bool)
 
 
-def test_e2e_quick(tmp_path):
-    result = run_quick("e2e", tmp_path)
+def test_e2e_quick(quick_runs):
+    result = run_quick(quick_runs, "test_e2e_quick")
     levels = result["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 4]
     for lv in levels:
@@ -252,8 +315,8 @@ def test_e2e_quick(tmp_path):
     assert isinstance(goal["decode_rss_met"], bool)
 
 
-def test_stream_interval_quick(tmp_path):
-    result = run_quick("stream_interval", tmp_path)
+def test_stream_interval_quick(quick_runs):
+    result = run_quick(quick_runs, "test_stream_interval_quick")
     assert result["interval"] == 4 and result["workload"]["new_tokens"] == 16
     (lv,) = result["levels"]
     assert lv["concurrency"] == 4
@@ -271,8 +334,8 @@ def test_stream_interval_quick(tmp_path):
     assert isinstance(lv["ratio"], float)
 
 
-def test_prefill_batching_quick(tmp_path):
-    result = run_quick("prefill_batching", tmp_path)
+def test_prefill_batching_quick(quick_runs):
+    result = run_quick(quick_runs, "test_prefill_batching_quick")
     assert result["values"] == [1, 128, 4096] and result["workload"]["new_tokens"] == 16
     (lv,) = result["levels"]
     assert lv["concurrency"] == 4
@@ -306,10 +369,10 @@ def test_bench_models_small_is_a_larger_llama_the_engine_loads(tmp_path, monkeyp
         bench_model("huge")
 
 
-def test_isolation_overhead_a_a_quick(tmp_path):
+def test_isolation_overhead_a_a_quick(quick_runs):
     """Two identical, protected stacks: the same measures, and no node ran without
     protections (the default run above is the control in which the off stack's nodes did)."""
-    result = run_quick("isolation_overhead", tmp_path, "--a-a", "--second-first", draws=False)
+    result = run_quick(quick_runs, "test_isolation_overhead_a_a_quick")
     assert result["a_a"] is True
     assert set(result) == {
         "benchmark",

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from stack_harness import Stack
+from stack_starts import seed_embedded_model
 
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
 from kvfence.model.sampling import SamplingParams
@@ -20,7 +21,7 @@ NEAR_TIE = 1e-4
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     s = Stack(
-        tmp_path_factory.mktemp("diff"),
+        seed_embedded_model(tmp_path_factory.mktemp("diff")),
         prefill=1,
         decode=2,
         args=["--prefill-pool-tokens", "2048", "--decode-pool-tokens", "1024"],

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fixtures_mqtt import start_mosquitto
 from stack_harness import Cluster
+from stack_starts import seed_embedded_model
 
 from kvfence.errors import KvfenceError
 from kvfence.events import follow
@@ -101,7 +102,7 @@ def broker():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, broker):
     host, port = broker
-    state = tmp_path_factory.mktemp("cluster")
+    state = seed_embedded_model(tmp_path_factory.mktemp("cluster"))
     fault_file = state / "faults.json"
     fault_file.write_text("[]")
     c = Cluster(

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from stack_harness import Stack
+from stack_starts import seed_embedded_model
 
 from kvfence.errors import InvalidArgument, KvfenceError
 from kvfence.model.colocated import ColocatedEngine, GenerationRequest
@@ -37,7 +38,7 @@ def ngrams(ids: list[int], n: int = 4) -> set[tuple[int, ...]]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     s = Stack(
-        tmp_path_factory.mktemp("incident"),
+        seed_embedded_model(tmp_path_factory.mktemp("incident")),
         args=["--prefill-pool-tokens", str(PREFILL_POOL), "--decode-pool-tokens", str(DECODE_POOL)],
     ).start()
     s.keys = {"a": s.create_tenant("tenant-a"), "b": s.create_tenant("tenant-b")}

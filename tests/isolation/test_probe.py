@@ -23,6 +23,7 @@ import grpc
 import pytest
 import typer
 from stack_harness import Stack
+from stack_starts import seed_embedded_model
 from typer.testing import CliRunner
 
 from kvfence.cli.probe import register
@@ -397,7 +398,7 @@ def test_cli_missing_ca_file_exits_2(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("probe") / "s", args=SMALL_POOLS).start()
+    s = Stack(seed_embedded_model(tmp_path_factory.mktemp("probe") / "s"), args=SMALL_POOLS).start()
     try:
         yield s
     finally:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from stack_harness import Stack
+from stack_starts import running, seed_embedded_model
 
 from kvfence.errors import Unauthenticated, Unavailable
 
@@ -25,14 +26,25 @@ def kvfence(stack: Stack, *args: str, admin: bool = True) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    # pools smaller than the 2048-token context window: the incident's configuration
-    s = Stack(
-        tmp_path_factory.mktemp("admin"),
+def stacks(tmp_path_factory):
+    """This module's two stacks, started at once: one with pools smaller than the 2048-token
+    context window (the incident's configuration), which most tests share, and a sound one, the
+    last test's own."""
+    incident = Stack(
+        seed_embedded_model(tmp_path_factory.mktemp("admin")),
         args=["--prefill-pool-tokens", "1024", "--decode-pool-tokens", "768"],
-    ).start()
-    yield s
-    s.stop()
+    )
+    sound = Stack(
+        seed_embedded_model(tmp_path_factory.mktemp("sound")),
+        args=["--prefill-pool-tokens", "2048", "--decode-pool-tokens", "4096"],
+    )
+    with running(incident, sound):
+        yield {"incident": incident, "sound": sound}
+
+
+@pytest.fixture(scope="module")
+def stack(stacks):
+    return stacks["incident"]
 
 
 def test_tenants_create_list_revoke(stack):
@@ -94,25 +106,20 @@ def test_check_config_live_fails_on_incident_like_cluster(stack):
     assert [p["ok"] for p in report["pools"]] == [False, False]
 
 
-def test_check_config_live_passes_on_a_sound_cluster(tmp_path):
-    sound = Stack(
-        tmp_path / "sound", args=["--prefill-pool-tokens", "2048", "--decode-pool-tokens", "4096"]
-    ).start()
-    try:
-        out = kvfence(sound, "check-config", "--json")
-        assert out.returncode == 0, out.stderr
-        live = json.loads(out.stdout)
-        assert live["admissible_limit"] == 2048
-        # The live report's page size, dtype and bytes come from the nodes' registered layout and
-        # must equal what the static check computes from the same config file.
-        static = subprocess.run(
-            [sys.executable, "-m", "kvfence", "check-config", "--static",
-             str(sound.state_dir / "up-config.yaml"), "--json"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        want = json.loads(static.stdout)
-        assert want["page_bytes"] > 0
-        for key in ("page_size", "dtype", "page_bytes"):
-            assert live[key] == want[key], key
-    finally:
-        sound.stop()
+def test_check_config_live_passes_on_a_sound_cluster(stacks):
+    sound = stacks["sound"]
+    out = kvfence(sound, "check-config", "--json")
+    assert out.returncode == 0, out.stderr
+    live = json.loads(out.stdout)
+    assert live["admissible_limit"] == 2048
+    # The live report's page size, dtype and bytes come from the nodes' registered layout and
+    # must equal what the static check computes from the same config file.
+    static = subprocess.run(
+        [sys.executable, "-m", "kvfence", "check-config", "--static",
+         str(sound.state_dir / "up-config.yaml"), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    want = json.loads(static.stdout)
+    assert want["page_bytes"] > 0
+    for key in ("page_size", "dtype", "page_bytes"):
+        assert live[key] == want[key], key

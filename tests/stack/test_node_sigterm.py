@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from stack_harness import Cluster
+from stack_starts import running, seed_embedded_model
 
 from kvfence.errors import KvfenceError
 
@@ -20,19 +22,35 @@ SITE = Path(__file__).resolve().parent / "slow_decode_site"
 TOKENS = 100  # at 30 ms a step: a 3 s stream
 
 
-@pytest.mark.parametrize("drain_timeout_s", [20, 0])
+DRAIN_TIMEOUTS_S = (20, 0)
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Cluster]]:
+    """A cluster for each drain timeout, started at once (the services take the environment
+    they are spawned with: the slow decode steps); each test stops its own."""
+    by_drain = {
+        drain: Cluster(
+            seed_embedded_model(tmp_path_factory.mktemp(f"drain-{drain}")),
+            config={
+                "node": {"drain_timeout_s": drain},
+                "control_plane": {"heartbeat_interval_s": 0.2, "node_timeout_s": 2},
+            },
+        )
+        for drain in DRAIN_TIMEOUTS_S
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]))
+        mp.setenv("KVFENCE_TEST_DECODE_STEP_S", "0.03")
+        with running(*by_drain.values()):
+            yield by_drain
+
+
+@pytest.mark.parametrize("drain_timeout_s", DRAIN_TIMEOUTS_S)
 def test_sigterm_mid_stream_drains_the_decode_node(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drain_timeout_s: int
+    clusters: dict[int, Cluster], drain_timeout_s: int
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("KVFENCE_TEST_DECODE_STEP_S", "0.03")
-    cluster = Cluster(
-        tmp_path,
-        config={
-            "node": {"drain_timeout_s": drain_timeout_s},
-            "control_plane": {"heartbeat_interval_s": 0.2, "node_timeout_s": 2},
-        },
-    ).start()
+    cluster = clusters[drain_timeout_s]
     try:
         key = cluster.create_tenant("acme")
         tokens: list[int] = []
@@ -65,7 +83,7 @@ def test_sigterm_mid_stream_drains_the_decode_node(
         assert seen_draining, "kvfence nodes never showed decode-0 draining"
         assert proc is not None
         assert proc.wait(20) == 0  # it stops by itself once the stream is done
-        log = (tmp_path / "decode-0.log").read_text()
+        log = (cluster.state_dir / "decode-0.log").read_text()
         assert '"node drained"' in log and "drain timed out" not in log
     finally:
         cluster.stop()

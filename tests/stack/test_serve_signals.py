@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from stack_starts import seed_embedded_model
 
 from kvfence.cli.stack import build_up_config
 from kvfence.localstack import free_port_pair
@@ -89,7 +90,7 @@ def test_a_second_sigterm_in_the_teardown_after_the_stop_exits_0(tmp_path: Path)
     cfg = build_up_config(
         {"control_plane": {"shutdown_grace_s": 0.5, "shutdown_refuse_s": 0}},
         model=None, context_window=None, prefill_pool_tokens=256, decode_pool_tokens=256,
-        page_size=16, port=free_port_pair(), state_dir=tmp_path,
+        page_size=16, port=free_port_pair(), state_dir=seed_embedded_model(tmp_path),
     )  # fmt: skip
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))

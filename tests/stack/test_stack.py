@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_harness import Stack
+from stack_starts import seed_embedded_model
 
 from kvfence.auth import bearer_metadata
 from kvfence.errors import InvalidArgument, KvfenceError
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 def stack(tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("faults") / "faults.json"
     s = Stack(
-        tmp_path_factory.mktemp("stack"),
+        seed_embedded_model(tmp_path_factory.mktemp("stack")),
         prefill=2,
         decode=2,
         config={"node": {"fault_hook": True, "fault_file": str(fault_file)}},

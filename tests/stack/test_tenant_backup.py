@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from stack_harness import Stack
+from stack_starts import seed_embedded_model
 
 from kvfence.errors import Unauthenticated
 
@@ -55,7 +56,7 @@ def serves(stack: Stack, api_key: str) -> bool:
 def test_backup_restore_round_trip(tmp_path: Path) -> None:
     state = tmp_path / "state"
     backup = tmp_path / "tenants.backup"
-    stack = Stack(state).start()
+    stack = Stack(seed_embedded_model(state)).start()
     try:
         acme, _ = new_key(stack, "create", "acme", "--max-tokens", "64")
         acme_2, acme_2_id = new_key(stack, "create-key", "acme")

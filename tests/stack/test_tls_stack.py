@@ -6,6 +6,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_harness import Cluster
+from stack_starts import seed_embedded_model
 from test_tls import make_ca, make_leaf
 
 from kvfence.client import Client
@@ -35,7 +36,7 @@ def cluster(tmp_path_factory, pki):
         "internal_cert": str(pki / "node.pem"),
         "internal_key": str(pki / "node.key"),
     }
-    c = Cluster(tmp_path_factory.mktemp("tls"), config={"tls": tls})
+    c = Cluster(seed_embedded_model(tmp_path_factory.mktemp("tls")), config={"tls": tls})
     c.tls_ca = pki / "ca.pem"
     c.start()
     c.key = c.create_tenant("tenant-a")

@@ -11,23 +11,47 @@ import psutil
 import pytest
 import yaml
 from stack_harness import Stack
+from stack_starts import running, seed_embedded_model
 
 pytestmark = pytest.mark.slow
 
+# the stacks' names name their state directories, which every service's command line holds: no
+# role in them ("decode" would match every service of that stack's, not its decode node alone)
+KILLED = {"up": "killed-1", "decode": "killed-2"}
+FRESH = ("clean", "kill-switch", *KILLED.values(), "token-file")
 
-def test_up_serves_and_stops_cleanly(tmp_path):
-    logs = tmp_path / "s" / "logs"
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """A fresh stack for each test below that starts one of its own, all started at once (and
+    those a test left running stopped at once at the end): each test still has its stack to
+    itself, and kills or stops it as it did. "clean"'s state directory was used before (an
+    earlier run's log is there); "token-file"'s base config names control_plane.admin_token_file."""
+    root = tmp_path_factory.mktemp("fresh")
+    logs = root / "clean" / "logs"
     logs.mkdir(parents=True)
-    (logs / "cp.log").write_text("an earlier run's line\n")  # a state directory used before
-    stack = Stack(tmp_path / "s").start()
+    (logs / "cp.log").write_text("an earlier run's line\n")
+    token = root / "admin-token"
+    token.write_text("kvfa_operators_own\n")
+    config = {"token-file": {"control_plane": {"admin_token_file": str(token)}}}
+    stacks = {
+        name: Stack(seed_embedded_model(root / name), config=config.get(name)) for name in FRESH
+    }
+    with running(*stacks.values()):
+        yield stacks
+
+
+def test_up_serves_and_stops_cleanly(fresh):
+    stack = fresh["clean"]
+    logs = stack.state_dir / "logs"
     procs = [psutil.Process(stack.proc.pid), *stack.children]
     assert len(procs) == 4  # up, control plane, one prefill, one decode
-    out = (tmp_path / "s" / "up.out").read_text()
+    out = (stack.state_dir / "up.out").read_text()
     assert f"kvfence ready: {stack.target}" in out and "kvfence generate" in out
     with stack.client() as c:
         result = c.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, ignore_eos=True)
     assert len(result.token_ids) == 3
-    up_json = tmp_path / "s" / "up.json"
+    up_json = stack.state_dir / "up.json"
     up = json.loads(up_json.read_text())
     assert set(up) >= {"target", "admin_token", "api_keys"} and "demo" in up["api_keys"]
     assert up_json.stat().st_mode & 0o077 == 0  # credentials: owner only
@@ -40,25 +64,19 @@ def test_up_serves_and_stops_cleanly(tmp_path):
     assert (logs / "cp.log.1").read_text() == "an earlier run's line\n"
 
 
-def test_up_serves_with_the_admin_token_file_its_base_config_names(tmp_path):
+def test_up_serves_with_the_admin_token_file_its_base_config_names(fresh):
     """With control_plane.admin_token_file in the base config the control plane reads that file
     and writes none in the state directory, where up waited for one: 60 s, then "control plane
     did not start" of a control plane that had. up now uses the named file (the default, a
-    token written in the state directory, is the test above)."""
-    token = tmp_path / "admin-token"
-    token.write_text("kvfa_operators_own\n")
-    cfg = {"control_plane": {"admin_token_file": str(token)}}
-    stack = Stack(tmp_path / "s", config=cfg).start(timeout=120)
-    try:
-        assert stack.up["admin_token"] == "kvfa_operators_own"
-        with stack.admin() as admin:
-            assert len(admin.list_nodes().nodes) == 2
-        assert not (tmp_path / "s" / "admin_token").exists()
-    finally:
-        stack.stop()
+    token written in the state directory, is test_up_serves_and_stops_cleanly)."""
+    stack = fresh["token-file"]
+    assert stack.up["admin_token"] == "kvfa_operators_own"
+    with stack.admin() as admin:
+        assert len(admin.list_nodes().nodes) == 2
+    assert not (stack.state_dir / "admin_token").exists()
 
 
-def test_up_says_how_to_undo_a_kill_switch_it_starts_with(tmp_path):
+def test_up_says_how_to_undo_a_kill_switch_it_starts_with(fresh):
     """The kill switch is kept in the state directory: `up` on one where the model was taken
     offline printed "kvfence ready" and a generate command that failed UNAVAILABLE. It now says
     the model is offline, why, and the command that undoes it, which works."""
@@ -66,19 +84,20 @@ def test_up_says_how_to_undo_a_kill_switch_it_starts_with(tmp_path):
 
     from kvfence.errors import Unavailable
 
-    stack = Stack(tmp_path / "s").start()
+    stack = fresh["kill-switch"]
+    state = stack.state_dir
     try:
         with stack.admin() as admin:
             admin.set_model_access(False, "incident 42")
     finally:
         stack.stop()
-    out = (tmp_path / "s" / "up.out").read_text()
+    out = (state / "up.out").read_text()
     assert "kvfence ready" in out and "OFFLINE" not in out  # control: it was online at start
 
-    stack = Stack(tmp_path / "s").start()
+    stack = Stack(state).start()
     try:
         deadline = time.monotonic() + 30
-        while "kill switch" not in (out := (tmp_path / "s" / "up.out").read_text()):
+        while "kill switch" not in (out := (state / "up.out").read_text()):
             assert time.monotonic() < deadline, stack.output()
             time.sleep(0.1)
         assert "model tiny-llama is OFFLINE (incident 42) since 20" in out
@@ -88,7 +107,7 @@ def test_up_says_how_to_undo_a_kill_switch_it_starts_with(tmp_path):
         venv_bin = os.path.dirname(sys.executable)
         env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}"}
         done = subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path / "s", env=env, capture_output=True, text=True,
+            ["bash", "-c", command], cwd=state, env=env, capture_output=True, text=True,
             timeout=60,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -98,44 +117,43 @@ def test_up_says_how_to_undo_a_kill_switch_it_starts_with(tmp_path):
         stack.stop()
 
 
-def test_node_with_other_model_is_refused(tmp_path):
-    stack = Stack(tmp_path / "s").start()
-    try:
-        from kvfence.model.tiny import ensure_tiny_model
+def test_node_with_other_model_is_refused(fresh, tmp_path):
+    # the token-file test's stack, which it leaves running: a foreign node is refused by any
+    # control plane, whatever file its admin token comes from (a start and stop is seconds)
+    stack = fresh["token-file"]
+    from kvfence.model.tiny import ensure_tiny_model
 
-        other = ensure_tiny_model(tmp_path / "other")
-        cfg_file = tmp_path / "s" / "up-config.yaml"
-        cfg = yaml.safe_load(cfg_file.read_text())
-        # Same architecture, one weight changed: a different fingerprint.
-        import torch
-        from safetensors.torch import load_file, save_file
+    other = ensure_tiny_model(tmp_path / "other")
+    cfg_file = stack.state_dir / "up-config.yaml"
+    cfg = yaml.safe_load(cfg_file.read_text())
+    # Same architecture, one weight changed: a different fingerprint.
+    import torch
+    from safetensors.torch import load_file, save_file
 
-        weights = next(other.glob("*.safetensors"))
-        state = load_file(weights)
-        name = sorted(state)[0]
-        state[name] = state[name] + 1e-3
-        save_file(state, weights)
-        cfg["model"]["path"] = str(other)
-        other_cfg = tmp_path / "other.yaml"
-        other_cfg.write_text(yaml.safe_dump(cfg))
-        env = {**os.environ, "KVFENCE__NODE__NODE_ID": "intruder"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvfence", "serve", "decode", "--config", str(other_cfg)],
-            capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
-        assert proc.returncode != 0
-        assert "fingerprint" in (proc.stderr + proc.stdout)
-        with stack.admin() as admin:
-            ids = sorted(n.node_id for n in admin.list_nodes().nodes)
-        # control: the stack's own nodes, with the right model, were accepted
-        assert ids == ["decode-0", "prefill-0"]
-        del torch
-    finally:
-        stack.stop()
+    weights = next(other.glob("*.safetensors"))
+    state = load_file(weights)
+    name = sorted(state)[0]
+    state[name] = state[name] + 1e-3
+    save_file(state, weights)
+    cfg["model"]["path"] = str(other)
+    other_cfg = tmp_path / "other.yaml"
+    other_cfg.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "KVFENCE__NODE__NODE_ID": "intruder"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvfence", "serve", "decode", "--config", str(other_cfg)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "fingerprint" in (proc.stderr + proc.stdout)
+    with stack.admin() as admin:
+        ids = sorted(n.node_id for n in admin.list_nodes().nodes)
+    # control: the stack's own nodes, with the right model, were accepted
+    assert ids == ["decode-0", "prefill-0"]
+    del torch
 
 
 @pytest.mark.parametrize("victim", ["up", "decode"])
-def test_the_stack_stops_whole_when_up_or_a_service_is_killed(tmp_path, victim):
+def test_the_stack_stops_whole_when_up_or_a_service_is_killed(fresh, victim):
     """kill -9 of `kvfence up` (the OOM killer, a lost container) cannot be passed on by up
     itself: its services, in sessions of their own, kept serving with their ports bound. The
     kernel now sends them SIGTERM when up dies. A service killed instead stops the rest, and up
@@ -143,7 +161,7 @@ def test_the_stack_stops_whole_when_up_or_a_service_is_killed(tmp_path, victim):
     import signal
     import time
 
-    stack = Stack(tmp_path / "s").start()
+    stack = fresh[KILLED[victim]]
     try:
         children = list(stack.children)
         assert len(children) == 3
@@ -155,7 +173,7 @@ def test_the_stack_stops_whole_when_up_or_a_service_is_killed(tmp_path, victim):
             (decode,) = [p for p in children if "decode" in " ".join(p.cmdline())]
             decode.kill()
             assert stack.proc.wait(timeout=60) == 1
-            assert not (tmp_path / "s" / "up.json").exists()
+            assert not (stack.state_dir / "up.json").exists()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(
             p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children

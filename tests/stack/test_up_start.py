@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 from stack_harness import Stack, free_port_pair
+from stack_starts import seed_embedded_model
 
 from kvfence.cli import stack as up_cli
 
@@ -49,7 +50,7 @@ def demo_keys(stack):
 
 
 def test_a_second_up_on_a_running_stacks_state_dir_is_refused_and_leaves_it_alone(tmp_path):
-    a = Stack(tmp_path / "a").start()
+    a = Stack(seed_embedded_model(tmp_path / "a")).start()
     try:
         up_json = tmp_path / "a" / "up.json"
         before = up_json.read_text()
