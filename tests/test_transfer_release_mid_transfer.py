@@ -36,8 +36,8 @@ from test_prefill_decode import (  # noqa: F401  (tiny_dir: a fixture)
     reserve_and_prefill,
     tiny_dir,
 )
+from test_transfer_release_wire import SendGate
 
-from kvfence import transfer as tr
 from kvfence.errors import NODE_DRAINING, RESERVATION_RELEASED, Unavailable
 from kvfence.kv.pool import PageState
 from kvfence.proto.kvfence.v1 import prefill_pb2
@@ -47,32 +47,6 @@ PROMPT = [(11 * i + 7) % 300 + 3 for i in range(37)]  # 3 pages of 16
 TENANT = "t-mid"
 DECODE_LINE = "KV transfer refused: its request had ended"
 PREFILL_LINE = "transfer ended: request ended on decode"
-
-
-class SendGate:
-    """Holds prefill's send before its first batch header (``stage="header"``: decode waits for
-    the header) or right after it, before the batch's pages (``stage="pages"``: decode has posted
-    the batch's receives into the reserved pages)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
-        self.gate = asyncio.Event()
-        self.held = asyncio.Event()
-        real_json, real_batch = tr._send_json, tr._send_batch
-
-        async def send_json(ep: Any, obj: dict[str, Any], **kw: Any) -> None:
-            if stage == "header" and "indices" in obj and not self.held.is_set():
-                self.held.set()
-                await self.gate.wait()
-            await real_json(ep, obj, **kw)
-
-        async def send_batch(*args: Any) -> None:
-            if stage == "pages" and not self.held.is_set():
-                self.held.set()
-                await self.gate.wait()
-            await real_batch(*args)
-
-        monkeypatch.setattr(tr, "_send_json", send_json)
-        monkeypatch.setattr(tr, "_send_batch", send_batch)
 
 
 def bound_logs() -> Any:
