@@ -1199,20 +1199,22 @@ class KvReceiver:
                 # lost connection. The hello stays parsed inside (_serve): an unverified peer's
                 # malformed hello gets no answer.
                 [body] = await _within(ep, [_recv_control(ep)], self.batch_timeout_s)
-                if t.state != InboundState.RECEIVING:
-                    # Released while the header was awaited (``cancel``'s ``request_ended``
-                    # leaves the endpoint open): refused as released before the header is
-                    # judged, as an abort refused it unread. Its pages are drained as strays.
-                    with contextlib.suppress(TransferError):
-                        header = _batch_header_object(body)
-                        strays[:] = self._stray_tags(t.reservation_id, batch, header, len(t.pages))
-                    raise _released_during_transfer()
-                header = _batch_header_object(body)
+                try:
+                    header = _batch_header_object(body)
+                except TransferError:
+                    if t.state != InboundState.RECEIVING:  # released meanwhile: see below
+                        raise _released_during_transfer() from None
+                    raise
             if header.get("done"):
                 return
             # Bounded by decode's own reservation, not by its max_batch_bytes: a batch refused as
             # BATCH_TOO_LARGE had every one of its pages sent behind the header.
             strays[:] = self._stray_tags(t.reservation_id, batch, header, len(t.pages))
+            if t.state != InboundState.RECEIVING:
+                # Released while the header was awaited (``cancel``'s ``request_ended`` leaves the
+                # endpoint open): refused as released before the header is judged, as an abort
+                # left it unread; its pages are drained as strays.
+                raise _released_during_transfer()
             indices = header.get("indices")
             if not isinstance(indices, list) or not indices:
                 raise TransferError("batch without indices", reason="PROTOCOL")
