@@ -42,23 +42,28 @@ def test_prefill_checks_an_address_with_the_function_send_pages_parses_it_with()
     assert not hasattr(prefill_service, "_host_port")  # no copy of its own
 
 
+async def send_nothing(address: str, pool: EndpointPool) -> None:
+    """A transfer of no pages to ``address`` through ``pool``."""
+    await send_pages(
+        address,
+        reservation_id="res-1",
+        request_id="req-1",
+        secret=b"k" * 32,
+        pages=[],
+        page_bytes=1024,
+        max_batch_bytes=4096,
+        batch_timeout_s=1.0,
+        endpoints=pool,
+    )
+
+
 @pytest.mark.parametrize("address", BAD)
 async def test_send_pages_refuses_what_prefill_refuses_before_connecting(address: str) -> None:
     """send_pages opens no endpoint for an address prefill's check refuses."""
     pool = EndpointPool()
     try:
         with pytest.raises(ValueError, match="is not HOST:PORT"):
-            await send_pages(
-                address,
-                reservation_id="res-1",
-                request_id="req-1",
-                secret=b"k" * 32,
-                pages=[],
-                page_bytes=1024,
-                max_batch_bytes=4096,
-                batch_timeout_s=1.0,
-                endpoints=pool,
-            )
+            await send_nothing(address, pool)
         assert pool.opened == 0 and pool.abandoned_connects == 0
     finally:
         await pool.close()
@@ -70,17 +75,7 @@ async def test_control_a_well_formed_address_is_dialled() -> None:
     pool = EndpointPool()
     try:
         with pytest.raises(TransferError) as err:
-            await send_pages(
-                "127.0.0.1:1",
-                reservation_id="res-1",
-                request_id="req-1",
-                secret=b"k" * 32,
-                pages=[],
-                page_bytes=1024,
-                max_batch_bytes=4096,
-                batch_timeout_s=1.0,
-                endpoints=pool,
-            )
+            await send_nothing("127.0.0.1:1", pool)
         assert err.value.reason == "UNREACHABLE"
     finally:
         await pool.close()
