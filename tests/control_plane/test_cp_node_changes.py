@@ -284,6 +284,9 @@ async def test_past_the_reservation_bound_with_no_prefill_node_it_fails_no_nodes
         c.script.prefill_error = ResourceExhausted("prefill full")
         call = asyncio.create_task(c.client(timeout=20).generate(prompt_ids=[10], max_new_tokens=2))
         await eventually(lambda: "Prefill" in c.prefill[0].methods())
+        # The refusal reached the pipeline and it waits for room: losing the node while its
+        # Prefill is still in flight would fail the request NODE_LOST instead (a CI flake).
+        await eventually(lambda: bool(waits))
         await c.prefill[0].stop_heartbeats()
         c.cp.registry.lose(c.cp.registry.get("prefill-0"), "the last prefill node went")
         with pytest.raises(Unavailable) as err:
