@@ -5,9 +5,10 @@ heartbeats. A node whose fingerprint or layout differs from the model's is refus
 would not mean the same thing on the other side of a transfer. So is one that speaks another
 control-plane/node protocol (``kvfence.PROTOCOL_VERSION``: a control plane and nodes of releases
 that would misread each other, e.g. halfway through an upgrade), with both releases in the reason.
-A node silent for ``node_timeout_s`` is lost; the registry drops it and tells the control plane,
-which fails every request that used it, but for one whose only call there was a Reserve still in
-flight: that call is cut, and the request tries another node.
+A node silent for ``node_timeout_s`` of the control plane's running time (a stall of the control
+plane's own process is not counted: ``Registry.run_reaper``) is lost; the registry drops it and
+tells the control plane, which fails every request that used it, but for one whose only call there
+was a Reserve still in flight: that call is cut, and the request tries another node.
 
 A node that heartbeats ``draining`` is shutting down (``kvfence.node_main``): it stays registered,
 and its requests run on, but routing sends it no new one (``control_plane.routing``). Draining is
@@ -323,11 +324,33 @@ class Registry:
         self._on_lost(node)
 
     async def run_reaper(self) -> None:
-        """Check liveness a few times per timeout until cancelled."""
+        """Check liveness a few times per timeout until cancelled.
+
+        A tick that comes late by more than a period means this process stalled (CPU throttled
+        under a container limit, descheduled on a busy host, a long GC): the heartbeats the
+        nodes sent meanwhile wait unread in its sockets, so the stall is not counted against
+        them (``excuse``): without that, one stall past ``node_timeout_s`` dropped every node
+        and failed every request in flight NODE_LOST, with the nodes healthy. A node that did
+        die is then lost that much later."""
         period = min(self.heartbeat_interval_s, self.node_timeout_s / 4)
         while True:
+            asleep = time.monotonic()
             await asyncio.sleep(period)
+            late = time.monotonic() - asleep - period
+            if late > period:
+                self.excuse(late)
             self.reap()
+
+    def excuse(self, stalled_s: float) -> None:
+        """Do not count ``stalled_s`` seconds of this process's stall as the nodes' silence."""
+        log.warning(
+            "control plane stalled; not counted as node silence",
+            stalled_s=round(stalled_s, 3),
+            nodes=len(self._nodes),
+        )
+        now = time.monotonic()
+        for node in self._nodes.values():
+            node.last_heartbeat = min(now, node.last_heartbeat + stalled_s)
 
     # -- queries -----------------------------------------------------------------------------------
 
