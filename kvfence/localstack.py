@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,22 +30,50 @@ from kvfence.auth import node_token_path, read_token, with_token
 from kvfence.client import AdminClient, Client
 from kvfence.proto.kvfence.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_start() -> int:
+    """The first port the kernel hands to outgoing connections (Linux default 32768)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))  # every address: a loopback-only listener there conflicts too
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A port p with p .. p + count - 1 free, for a listener started after this returns.
+
+    Drawn at random from below the kernel's ephemeral range: a port ``bind(0)`` hands out is an
+    ephemeral one, which any process's next outgoing connection may take before the listener
+    binds it (a busy test run saw UCX's bind fail "Address already in use" that way)."""
+    draw = random.SystemRandom()
+    high = _ephemeral_start() - count
+    for _ in range(200):
+        if high > _LOWEST_PORT:
+            port = draw.randint(_LOWEST_PORT, high)
+        else:  # an ephemeral range reaching down here: take what the kernel gives
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+        if port + count <= 65536 and all(_bindable(p) for p in range(port, port + count)):
+            return port
+    raise RuntimeError(f"no {count} free consecutive port(s) found")
+
 
 def free_port_pair() -> int:
     """A port p with p and p + 1 free (public and admin listeners)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port >= 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
+    return free_port(2)
 
 
 def _up_of(path: Path, pid: int) -> dict[str, Any] | None:

@@ -47,6 +47,7 @@ from kvfence.client import AdminClient, AsyncClient, Client, build_request
 from kvfence.config import TlsConfig
 from kvfence.errors import Unauthenticated, Unavailable
 from kvfence.events import EVENT_KINDS
+from kvfence.localstack import free_port
 from kvfence.tls import TlsError
 
 UINT32_MAX = 2**32 - 1
@@ -74,12 +75,6 @@ def assert_one_line_error(result: Any, code: int, *needles: str) -> None:
     assert "Traceback" not in result.output
     for needle in needles:
         assert needle in result.output, result.output
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def run_cli(*args: str) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfence.cli.stack import build_up_config
-from kvfence.localstack import free_port_pair
+from kvfence.localstack import free_port, free_port_pair
 from kvfence.model.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,12 +123,6 @@ def stop(service: Service) -> None:
     except subprocess.TimeoutExpired:
         service.proc.kill()
         service.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from typer.testing import CliRunner
 
 from kvfence.cli.probe import register
 from kvfence.errors import InvalidArgument
+from kvfence.localstack import free_port
 from kvfence.probe import (
     CanaryIndex,
     ProbeOptions,
@@ -50,12 +50,6 @@ def _cli() -> typer.Typer:
     app.add_typer(probe, name="probe")
     register(app, {"probe": probe})
     return app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +196,7 @@ def leaky_target() -> Iterator[str]:
 def _serve(servicer: client_pb2_grpc.GenerationServicer) -> Iterator[str]:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
-    port = _free_port()
+    port = free_port()
     stop = asyncio.Event()
 
     async def serve() -> None:
@@ -374,7 +368,7 @@ def test_cli_bad_key_exits_2_with_one_line(leaky_target: str) -> None:
 
 
 def test_cli_unreachable_target_exits_2_with_one_line() -> None:
-    target = f"127.0.0.1:{_free_port()}"
+    target = f"127.0.0.1:{free_port()}"
     args = ["probe", "isolation", "--target", target, "--tenant-a-key", "a"]
     result = CliRunner().invoke(_cli(), [*args, "--tenant-b-key", "b", "--timeout", "5"])
     assert result.exit_code == 2

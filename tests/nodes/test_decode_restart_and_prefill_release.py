@@ -5,7 +5,6 @@ running while a forward pass ends; the batcher's tail scrub runs on the pool's d
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import uuid
 from types import SimpleNamespace
@@ -27,6 +26,7 @@ from kvfence.auth import with_token
 from kvfence.config import Role
 from kvfence.errors import NODE_RESTARTED, RESERVATION_RELEASED, error_info
 from kvfence.kv.pool import PagePool, PageRef, PageState
+from kvfence.localstack import free_port
 from kvfence.model.sampling import SamplingParams
 from kvfence.node_main import start_node
 from kvfence.proto.kvfence.v1 import (
@@ -189,10 +189,7 @@ async def test_decode_restarted_in_place_is_unavailable_not_an_integrity_failure
     tiny_dir,  # noqa: F811
     tmp_path,
 ):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    ucx_port = s.getsockname()[1]
-    s.close()
+    ucx_port = free_port()
     cfg = make_cfg(tiny_dir, tmp_path, node={"ucx_port": ucx_port})
     dec = await start_node(cfg, Role.DECODE, register=False)
     pre = await start_node(cfg, Role.PREFILL, register=False)
