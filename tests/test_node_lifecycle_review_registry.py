@@ -22,8 +22,7 @@ def _default_structlog() -> None:
     structlog.reset_defaults()
 
 
-@pytest.fixture
-def registry() -> Registry:
+def new_registry(heartbeat_s: float = 1.0, timeout_s: float = 2.0) -> Registry:
     model = ModelInfo(
         name="m",
         context_window=256,
@@ -34,12 +33,17 @@ def registry() -> Registry:
     )
     return Registry(
         model,
-        1.0,
-        2.0,
+        heartbeat_s,
+        timeout_s,
         failures_to_cool=3,
         failure_cooldown_s=10.0,
         refused_room_max_s=5.0,
     )
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return new_registry()
 
 
 def register(registry: Registry, node_id: str, instance: str, address: str) -> None:

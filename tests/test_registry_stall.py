@@ -11,11 +11,9 @@ import time
 
 import pytest
 import structlog
+from test_node_lifecycle_review_registry import beat, new_registry, register
 
-from control_plane.model_info import ByteTokenizer, ModelInfo
 from control_plane.registry import Registry
-from kvfence import PROTOCOL_VERSION
-from kvfence.proto.kvfence.v1 import common_pb2, control_pb2
 
 HEARTBEAT_S = 0.05
 TIMEOUT_S = 0.5
@@ -29,43 +27,14 @@ def _default_structlog() -> None:
 
 @pytest.fixture
 def registry() -> Registry:
-    layout = common_pb2.KvLayout(
-        page_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8
-    )
-    model = ModelInfo(
-        name="m",
-        context_window=256,
-        fingerprint="sha256:m",
-        layout=layout,
-        vocab_size=384,
-        tokenizer=ByteTokenizer(),
-    )
-    reg = Registry(
-        model,
-        HEARTBEAT_S,
-        TIMEOUT_S,
-        failures_to_cool=3,
-        failure_cooldown_s=10.0,
-        refused_room_max_s=5.0,
-    )
-    request = control_pb2.RegisterRequest(
-        node_id="decode-0",
-        role="decode",
-        grpc_address="10.0.0.1:1",
-        model_fingerprint="sha256:m",
-        layout=layout,
-        pool_tokens=384,
-        total_pages=24,
-        instance_id="i",
-        protocol_version=PROTOCOL_VERSION,
-    )
-    assert reg.register(request).accepted
+    reg = new_registry(HEARTBEAT_S, TIMEOUT_S)
+    register(reg, "decode-0", "i", "10.0.0.1:1")
     return reg
 
 
 async def heartbeats(registry: Registry) -> None:
     while True:
-        registry.heartbeat(control_pb2.HeartbeatRequest(node_id="decode-0", instance_id="i"))
+        beat(registry, "decode-0", "i")
         await asyncio.sleep(HEARTBEAT_S)
 
 
