@@ -119,6 +119,7 @@ class Registry:
         on_lost: NodeCallback | None = None,
         on_refused: Callable[[control_pb2.RegisterRequest, str], None] | None = None,
         on_capacity: Callable[[], None] | None = None,
+        on_stall: Callable[[float], None] | None = None,
         failures_to_cool: int,
         failure_cooldown_s: float,
         refused_room_max_s: float,
@@ -126,7 +127,8 @@ class Registry:
         """``failures_to_cool``, ``failure_cooldown_s``, ``refused_room_max_s``: how routing
         leaves failing or full nodes out (``control_plane.routing``; the control_plane config keys
         of the same names). Kept here, not in module globals, so that each control plane routes by
-        its own config (two in one process, as in tests, do not share them)."""
+        its own config (two in one process, as in tests, do not share them). ``on_stall``: told
+        the seconds of each stall of this process the reaper excused (``run_reaper``)."""
         self.model = model
         self.heartbeat_interval_s = heartbeat_interval_s
         self.node_timeout_s = node_timeout_s
@@ -145,6 +147,7 @@ class Registry:
         self._on_lost = on_lost or (lambda n: None)
         self._on_refused = on_refused or (lambda r, why: None)
         self._on_capacity = on_capacity or (lambda: None)
+        self._on_stall = on_stall or (lambda s: None)
 
     # -- membership --------------------------------------------------------------------------------
 
@@ -351,6 +354,7 @@ class Registry:
         now = time.monotonic()
         for node in self._nodes.values():
             node.last_heartbeat = min(now, node.last_heartbeat + stalled_s)
+        self._on_stall(stalled_s)
 
     # -- queries -----------------------------------------------------------------------------------
 

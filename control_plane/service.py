@@ -117,6 +117,7 @@ class ControlPlane:
                 on_lost=self._node_lost,
                 on_refused=self._node_refused,
                 on_capacity=self.queue.notify,
+                on_stall=self.metrics.stalled_seconds_total.labels(model=self.model.name).inc,
                 failures_to_cool=cp.failures_to_cool,
                 failure_cooldown_s=cp.failure_cooldown_s,
                 refused_room_max_s=cp.refused_room_max_s,

@@ -216,6 +216,14 @@ class Metrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        self.stalled_seconds_total = Counter(
+            "stalled_seconds_total",
+            "Seconds this process stalled past a node-liveness tick (throttled, descheduled, a "
+            "long pause), not counted as the nodes' silence (control plane).",
+            ["model"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.admissible_limit = Gauge(
             "admissible_limit",
             "Tokens a request may take (prompt + max_new_tokens): the context window, or the "

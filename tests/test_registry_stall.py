@@ -7,11 +7,16 @@ node_timeout_s of the control plane's running time."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import structlog
 from test_node_lifecycle_review_registry import beat, new_registry, register
+
+sys.path.insert(0, str(Path(__file__).parent / "control_plane"))
+from cp_harness import eventually, make_cluster
 
 from control_plane.registry import Registry
 
@@ -84,3 +89,32 @@ async def test_a_silent_node_is_still_lost_after_the_timeout_of_running_time(
             await asyncio.sleep(HEARTBEAT_S)
     finally:
         await stop(reaper)
+
+
+async def test_a_control_plane_that_stalled_keeps_its_nodes_serves_and_counts_it(
+    tmp_path: Path,
+) -> None:
+    """The CI failure's setting: a control plane with nodes heartbeating over gRPC in its own
+    process (node_timeout_s 0.5) and a stall of twice that. Its nodes stay, it counts the stall
+    in kvfence_stalled_seconds_total, and a request after it is served."""
+    c = await make_cluster(tmp_path)
+    try:
+        labels = {"model": c.cp.model.name, "service": "control-plane"}
+
+        def stalled() -> float:
+            value = c.cp.metrics.registry.get_sample_value("kvfence_stalled_seconds_total", labels)
+            assert value is not None  # exported at 0 from the start
+            return value
+
+        assert stalled() == 0.0
+        await asyncio.sleep(4 * HEARTBEAT_S)
+        time.sleep(STALL_S)
+        await eventually(lambda: stalled() > 0)
+        assert stalled() >= STALL_S - 4 * HEARTBEAT_S
+        await asyncio.sleep(4 * HEARTBEAT_S)
+        assert sorted(n.node_id for n in c.cp.registry.nodes()) == ["decode-0", "prefill-0"]
+        assert not c.events.of("node_lost")
+        result = await c.client(timeout=10).generate(prompt_ids=[10], max_new_tokens=2)
+        assert result.usage.completion_tokens == 2
+    finally:
+        await c.close()
