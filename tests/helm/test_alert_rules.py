@@ -9,6 +9,8 @@ and check that every alert has its RUNBOOK.md section and every section its aler
 from __future__ import annotations
 
 import re
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,12 @@ import promql_parser
 import pytest
 import yaml
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "control_plane"))
+from cp_fakes import EventRecorder, make_model_info
+from cp_harness import make_cfg
+
 from control_plane import admission
+from control_plane.service import ControlPlane
 from kvfence.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,12 +173,17 @@ def _walk(node: Any) -> list[Any]:
 
 
 def born_at_zero() -> set[str]:
-    """Counters with labels of their own that a service exports from its start (at 0)."""
-    out = set()
-    for family in Metrics("decode")._inner.collect():
-        if family.type == "counter" and family.samples:
-            out.add(family.name + "_total")
-    return out
+    """Counters with labels of their own that a service exports from its start (at 0): a node's,
+    and a control plane's own (``stalled_seconds_total{model}``, made as it is constructed)."""
+    with tempfile.TemporaryDirectory() as state:
+        cp = ControlPlane(
+            make_cfg(Path(state)), model_info=make_model_info(), events=EventRecorder()
+        )
+        try:
+            families = [*Metrics("decode")._inner.collect(), *cp.metrics.registry.collect()]
+        finally:
+            cp.tenants.close()
+    return {f.name + "_total" for f in families if f.type == "counter" and f.samples}
 
 
 def missed_first_increments(rules: list[dict[str, Any]]) -> list[str]:
