@@ -329,18 +329,21 @@ class Registry:
     async def run_reaper(self) -> None:
         """Check liveness a few times per timeout until cancelled.
 
-        A tick that comes late by more than a period means this process stalled (CPU throttled
-        under a container limit, descheduled on a busy host, a long GC): the heartbeats the
-        nodes sent meanwhile wait unread in its sockets, so the stall is not counted against
-        them (``excuse``): without that, one stall past ``node_timeout_s`` dropped every node
-        and failed every request in flight NODE_LOST, with the nodes healthy. A node that did
-        die is then lost that much later."""
+        A tick that comes late by more than a quarter of ``node_timeout_s`` means this process
+        stalled (CPU throttled under a container limit, descheduled on a busy host, a long GC):
+        the heartbeats the nodes sent meanwhile wait unread in its sockets, so the stall is not
+        counted against them (``excuse``): without that, one stall past ``node_timeout_s``
+        dropped every node and failed every request in flight NODE_LOST, with the nodes healthy.
+        A node that did die is then lost that much later. A shorter stall is counted: a healthy
+        node's last heartbeat is at most an interval (half the timeout, the config's bound) old,
+        so it cannot reach the timeout with it. A loop that stalls at every tick still loses a
+        silent node: each tick adds a period to its silence, whatever the stall."""
         period = min(self.heartbeat_interval_s, self.node_timeout_s / 4)
         while True:
             asleep = time.monotonic()
             await asyncio.sleep(period)
             late = time.monotonic() - asleep - period
-            if late > period:
+            if late > self.node_timeout_s / 4:
                 self.excuse(late)
             self.reap()
 
