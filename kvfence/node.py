@@ -307,8 +307,20 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         next_at = loop.time() + self.interval_s
         while not self.refused:
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            wait = max(0.0, next_at - loop.time())
+            due = loop.time() + wait
+            await asyncio.sleep(wait)
             sent = loop.time()
+            if sent - due > self.interval_s:
+                # This process stood still (CPU-throttled, descheduled, a long pause) and its
+                # heartbeats with it: past the control plane's node_timeout_s, it dropped this
+                # node as lost (failing its requests NODE_LOST) although it never stopped. Said
+                # here, where the cause is; the next beat, answered unknown, registers it again.
+                log.warning(
+                    "node stalled; its heartbeats were late",
+                    stalled_s=round(sent - due, 3),
+                    interval_s=self.interval_s,
+                )
             answered = await self.heartbeat()
             # From this beat's start, not its end; an unanswered one is tried again at once when
             # it waited out its timeout, after half an interval when it failed fast (class

@@ -4,6 +4,7 @@ interval), and says when they are answered again (kvfence/node.py, ``NodeAgent.h
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -80,3 +81,32 @@ async def test_beats_unanswered_when_the_node_stops_are_logged_at_its_stop() -> 
         failed = [e["failures"] for e in logs if e["event"] == "heartbeat failed"]
     assert len(failed) == 2 and sum(failed) == registry.calls
     assert agent._failed_log._timer is None
+
+
+@pytest.mark.parametrize("stall_s", [1.5, 0.0], ids=["stalled", "control-no-stall"])
+async def test_a_node_that_stalled_says_its_heartbeats_were_late(stall_s: float) -> None:
+    """A node process that stood still (its control plane then drops it as lost, though it never
+    stopped) says so in its own log, with how long. Control: beats on time log no such line."""
+    agent = NodeAgent(
+        f"127.0.0.1:{free_port()}",
+        control_pb2.RegisterRequest(node_id="n"),
+        lambda: control_pb2.HeartbeatRequest(node_id="n"),
+        0.5,
+    )
+    registry = FlakyRegistry(0)
+    agent._stub = registry  # type: ignore[assignment]
+    try:
+        with structlog.testing.capture_logs() as logs:
+            agent.start_heartbeats()
+            assert await eventually(lambda: registry.calls >= 1, 30)
+            time.sleep(stall_s)  # the whole process stops, the heartbeat loop with it
+            calls = registry.calls
+            assert await eventually(lambda: registry.calls >= calls + 2, 30)
+    finally:
+        await agent.stop()
+    stalls = [e for e in logs if e["event"] == "node stalled; its heartbeats were late"]
+    if stall_s:
+        assert len(stalls) == 1 and stalls[0]["log_level"] == "warning"
+        assert stall_s - 0.5 <= stalls[0]["stalled_s"] <= stall_s + 1.0
+    else:
+        assert stalls == []
