@@ -218,8 +218,9 @@ class Metrics:
         )
         self.stalled_seconds_total = Counter(
             "stalled_seconds_total",
-            "Seconds this process stalled past a node-liveness tick (throttled, descheduled, a "
-            "long pause), not counted as the nodes' silence (control plane).",
+            "Seconds this process stood still (throttled, descheduled, a long pause): on the "
+            "control plane past a node-liveness tick, not counted as the nodes' silence; on a "
+            "node, how late its heartbeats were.",
             ["model"],
             namespace=NAMESPACE,
             registry=r,

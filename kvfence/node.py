@@ -221,8 +221,10 @@ class NodeAgent:
         *,
         token: str | None = None,
         on_refused: Callable[[str], None] | None = None,
+        on_stall: Callable[[float], None] | None = None,
     ):
         self.control_plane = control_plane
+        self.on_stall = on_stall  # told the seconds of each stall of the heartbeat loop
         # Every registration says which control-plane/node contract and release this node runs
         # (a control plane refuses another protocol: kvfence.PROTOCOL_VERSION).
         self.register_request = control_pb2.RegisterRequest()
@@ -321,6 +323,8 @@ class NodeAgent:
                     stalled_s=round(sent - due, 3),
                     interval_s=self.interval_s,
                 )
+                if self.on_stall is not None:
+                    self.on_stall(sent - due)
             answered = await self.heartbeat()
             # From this beat's start, not its end; an unanswered one is tried again at once when
             # it waited out its timeout, after half an interval when it failed fast (class

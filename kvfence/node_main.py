@@ -216,6 +216,8 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
     channel_credentials = registry_channel_credentials(cfg.tls) if register else None
     rt = await loop.run_in_executor(None, NodeRuntime.build, cfg, role)
     metrics = Metrics(role.value)
+    # At 0 from the start, as on the control plane (an alert's increase() sees the first stall).
+    stalled = metrics.stalled_seconds_total.labels(model=cfg.model.name)
     bus = EventBus.from_config(cfg, rt.node_id, metrics=metrics)
     # Whatever starts below is stopped, in reverse, if a later step fails or start-up is
     # cancelled (SIGTERM during it: serve_node); on success the RunningNode owns it all.
@@ -312,6 +314,7 @@ async def start_node(cfg: ClusterConfig, role: Role, *, register: bool = True) -
                 on_forgotten=servicer.release_all,
                 token=node_token,  # the one the node's own RPCs require (kvfence.node)
                 on_refused=node.refuse,
+                on_stall=stalled.inc,
             )
             started.push_async_callback(agent.stop)
             await agent.register()

@@ -95,6 +95,8 @@ async def test_a_node_that_stalled_says_its_heartbeats_were_late(stall_s: float)
     )
     registry = FlakyRegistry(0)
     agent._stub = registry  # type: ignore[assignment]
+    counted: list[float] = []
+    agent.on_stall = counted.append  # what the node counts in kvfence_stalled_seconds_total
     try:
         with structlog.testing.capture_logs() as logs:
             agent.start_heartbeats()
@@ -108,5 +110,6 @@ async def test_a_node_that_stalled_says_its_heartbeats_were_late(stall_s: float)
     if stall_s:
         assert {e["log_level"] for e in stalls} == {"warning"}
         assert [e for e in stalls if stall_s - 0.5 <= e["stalled_s"] <= stall_s + 1.0], stalls
+        assert len(counted) == len(stalls)
     else:
-        assert stalls == []
+        assert stalls == [] and counted == []

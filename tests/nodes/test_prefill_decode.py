@@ -430,6 +430,12 @@ async def test_a_node_serves_its_metrics_where_configured(tiny_dir, tmp_path, ho
         )
         url = f"http://127.0.0.1:{pre.metrics.port}/metrics"
         body = urllib.request.urlopen(url, timeout=5).read().decode()
+        for node in (pre, dec):  # exported from the start (at 0 but for a stall meanwhile)
+            labels = {"model": cfg.model.name, "service": node.metrics.service}
+            assert (
+                node.metrics.registry.get_sample_value("kvfence_stalled_seconds_total", labels)
+                is not None
+            )
     finally:
         await dch.close()
         await pch.close()
